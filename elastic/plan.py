@@ -1,0 +1,174 @@
+"""The plan: what the planner decides and what the runtime and the simulator both carry out.
+
+A plan is data. It says where every response of the batch runs (`assignments`) and the quorum
+schedule: a chain of stages `A_0 = all W ranks ⊋ A_1 ⊋ ... ⊋ A_k`, `|A_k| >= floor`. Stage i+1 may
+start only once every rank in `stages[i+1].drained` has no live request; `owners` is the expert ->
+ranks map that holds while the stage is active. The trigger rule (`advance`) and the expert moves of
+a shrink (`transfers`) live here, so the runtime and the simulator cannot drift apart.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class Assignment:
+    prompt_id: str
+    sample: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    members: tuple[int, ...]
+    drained: tuple[int, ...]
+    owners: dict[int, tuple[int, ...]]
+
+    def owner_of(self, expert: int) -> int:
+        """The rank that serves `expert` in this stage (the first listed; replicas are spares)."""
+        return self.owners[expert][0]
+
+    def to_dict(self) -> dict:
+        return {
+            "members": list(self.members),
+            "drained": list(self.drained),
+            "owners": {str(e): list(r) for e, r in sorted(self.owners.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Stage":
+        return cls(
+            members=tuple(d["members"]),
+            drained=tuple(d["drained"]),
+            owners={int(e): tuple(r) for e, r in d["owners"].items()},
+        )
+
+
+@dataclass
+class Plan:
+    ranks: int
+    floor: int
+    num_experts: int
+    layout: str
+    tailguard: bool
+    assignments: list[Assignment]
+    stages: list[Stage]
+    predicted_release_rank_s: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    # ---- queries the runtime and simulator share --------------------------------------------
+    def rank_of(self) -> dict[tuple[str, int], int]:
+        return {(a.prompt_id, a.sample): a.rank for a in self.assignments}
+
+    def advance(self, current: int, drained: Iterable[int]) -> int:
+        """The stage to be in, given stage `current` is active and the set of drained ranks.
+
+        Stages are taken in order and never skipped over a trigger that has not fired: a rank that
+        outlives its predicted length holds its stage (and every later one) back, it is never cut.
+        """
+        drained = set(drained)
+        i = current
+        while i + 1 < len(self.stages) and set(self.stages[i + 1].drained) <= drained:
+            i += 1
+        return i
+
+    def transfers(self, src_stage: int, dst_stage: int) -> list[tuple[int, int, int]]:
+        """Expert moves `(expert, from_rank, to_rank)` to go from one stage's owners to another's.
+
+        An expert already held by a rank in the source stage is not sent to it again. The sender is
+        the first source owner, which is what both sides can compute without talking.
+        """
+        src, dst = self.stages[src_stage], self.stages[dst_stage]
+        moves = []
+        for e in range(self.num_experts):
+            have = set(src.owners[e])
+            for r in dst.owners[e]:
+                if r not in have:
+                    moves.append((e, src.owners[e][0], r))
+        return moves
+
+    # ---- invariants -------------------------------------------------------------------------
+    def check(self, batch: Iterable[tuple[str, int]] | None = None) -> None:
+        """Raise ValueError if the plan breaks an invariant of DESIGN.md."""
+        if not self.stages:
+            raise ValueError("plan has no stages")
+        if tuple(self.stages[0].members) != tuple(range(self.ranks)):
+            raise ValueError(f"stage 0 must hold all {self.ranks} ranks, has {self.stages[0].members}")
+        prev: set[int] | None = None
+        for i, st in enumerate(self.stages):
+            members = set(st.members)
+            if len(members) != len(st.members):
+                raise ValueError(f"stage {i}: duplicate members {st.members}")
+            if len(members) < min(self.floor, self.ranks):
+                raise ValueError(f"stage {i}: {len(members)} members is below the floor {self.floor}")
+            if prev is not None:
+                if not members < prev:
+                    raise ValueError(f"stage {i}: members {sorted(members)} not a strict subset of {sorted(prev)}")
+                if not (prev - members) <= set(st.drained):
+                    raise ValueError(f"stage {i}: leaving ranks {sorted(prev - members)} are not all in its trigger")
+            if set(st.owners) != set(range(self.num_experts)):
+                raise ValueError(f"stage {i}: owners do not cover experts 0..{self.num_experts - 1}")
+            for e, rs in st.owners.items():
+                if not rs or not set(rs) <= members:
+                    raise ValueError(f"stage {i}: expert {e} owned by {rs}, not within members")
+            prev = members
+        seen: set[tuple[str, int]] = set()
+        for a in self.assignments:
+            if (a.prompt_id, a.sample) in seen:
+                raise ValueError(f"response {(a.prompt_id, a.sample)} assigned twice")
+            if not 0 <= a.rank < self.ranks:
+                raise ValueError(f"response {(a.prompt_id, a.sample)} on rank {a.rank}, outside 0..{self.ranks - 1}")
+            seen.add((a.prompt_id, a.sample))
+        if batch is not None:
+            missing = set(batch) - seen
+            if missing:
+                raise ValueError(f"{len(missing)} responses not assigned, e.g. {sorted(missing)[0]}")
+
+    # ---- JSON -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "ranks": self.ranks,
+            "floor": self.floor,
+            "num_experts": self.num_experts,
+            "layout": self.layout,
+            "tailguard": self.tailguard,
+            "assignments": [asdict(a) for a in self.assignments],
+            "stages": [s.to_dict() for s in self.stages],
+            "predicted_release_rank_s": self.predicted_release_rank_s,
+            "meta": self.meta,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        return cls(
+            ranks=d["ranks"],
+            floor=d["floor"],
+            num_experts=d["num_experts"],
+            layout=d["layout"],
+            tailguard=d["tailguard"],
+            assignments=[Assignment(**a) for a in d["assignments"]],
+            stages=[Stage.from_dict(s) for s in d["stages"]],
+            predicted_release_rank_s=d.get("predicted_release_rank_s", 0.0),
+            meta=d.get("meta", {}),
+        )
+
+
+def block_owners(num_experts: int, members: Iterable[int]) -> dict[int, tuple[int, ...]]:
+    """Megatron's default EP ownership: contiguous blocks of E/|members| experts per member."""
+    members = sorted(members)
+    if num_experts % len(members):
+        raise ValueError(f"{num_experts} experts do not divide over {len(members)} ranks")
+    per = num_experts // len(members)
+    return {e: (members[e // per],) for e in range(num_experts)}
+
+
+def static_plan(layout: str, assignments: list[Assignment], ranks: int, num_experts: int) -> Plan:
+    """A plan with a single stage: nobody leaves (the `vanilla` and `lengthsort` policies)."""
+    stage = Stage(members=tuple(range(ranks)), drained=(), owners=block_owners(num_experts, range(ranks)))
+    return Plan(ranks=ranks, floor=ranks, num_experts=num_experts, layout=layout, tailguard=False,
+                assignments=assignments, stages=[stage])

@@ -1,0 +1,74 @@
+"""The model-and-hardware shape the planner and simulator reason about (no weights, no torch).
+
+Defaults describe Qwen3-30B-A3B in bf16 on 80 GB H100s, the setup arXiv 2611.06984 measured
+(figures and their sources in ../shared/REFERENCES.md):
+- 48 layers, 128 experts, top-8, expert FFN 768, hidden 2048.
+- One expert in one layer: 3 x 2048 x 768 params x 2 B = 9.44 MB; all 48 layers: 453 MB.
+- KV cache: 48 layers x 2 (K, V) x 4 KV heads x 128 head dim x 2 B = 96 KiB per token.
+- Replicated dense weights (attention, embeddings, router): about 3.1 GB per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str = "qwen3-30b-a3b@h100-80g"
+    num_experts: int = 128
+    topk: int = 8
+    num_layers: int = 48
+    hidden_size: int = 2048
+    expert_ffn: int = 768
+    bytes_per_param: int = 2
+    kv_bytes_per_token: int = 48 * 2 * 4 * 128 * 2
+    dense_bytes: int = int(3.1e9)
+    memory_per_rank_bytes: int = 80 * 10**9
+    # Share of device memory the runtime may use (activations, allocator slack and CUDA graphs
+    # take the rest); 0.9 is the vLLM/SGLang default `gpu_memory_utilization` neighbourhood.
+    memory_utilization: float = 0.9
+    ranks_per_node: int = 8
+
+    def __post_init__(self):
+        for name in ("num_experts", "topk", "num_layers", "hidden_size", "expert_ffn",
+                     "bytes_per_param", "kv_bytes_per_token", "memory_per_rank_bytes",
+                     "ranks_per_node"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelShape.{name} must be > 0, got {getattr(self, name)}")
+        if self.dense_bytes < 0:
+            raise ValueError(f"ModelShape.dense_bytes must be >= 0, got {self.dense_bytes}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(
+                f"ModelShape.memory_utilization must be in (0, 1], got {self.memory_utilization}"
+            )
+        if self.topk > self.num_experts:
+            raise ValueError(f"ModelShape.topk ({self.topk}) exceeds num_experts ({self.num_experts})")
+
+    @property
+    def expert_bytes(self) -> int:
+        """One expert across all layers (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.expert_ffn * self.bytes_per_param * self.num_layers
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory_per_rank_bytes * self.memory_utilization)
+
+    def kv_budget_bytes(self, experts_held: int) -> int:
+        """KV bytes a rank may hold while it owns `experts_held` experts (may be negative)."""
+        return self.usable_bytes - self.dense_bytes - experts_held * self.expert_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+QWEN3_30B_A3B_H100 = ModelShape()
+
+# Named shapes for `--model`; add a shape here rather than inventing numbers at a call site.
+SHAPES = {
+    QWEN3_30B_A3B_H100.name: QWEN3_30B_A3B_H100,
+    "qwen3-30b-a3b@h200-141g": ModelShape(
+        name="qwen3-30b-a3b@h200-141g", memory_per_rank_bytes=141 * 10**9
+    ),
+}

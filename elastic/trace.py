@@ -1,0 +1,129 @@
+"""Length traces: JSON Lines, one response per line (format in DESIGN.md).
+
+    {"prompt_id": "dsr-00017", "epoch": 3, "sample": 2, "prompt_len": 118,
+     "response_len": 6021, "truncated": false}
+
+Unknown fields are ignored. A malformed line, a missing field, a wrong type or a negative length is
+a `TraceError` naming the file and the 1-based line number. A predictor evaluated on epoch `e` may
+read only epochs `< e`: use `Trace.before(e)` so the cut is explicit.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+
+class TraceError(ValueError):
+    """A trace file that does not follow the format; the message names file and line."""
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    prompt_id: str
+    epoch: int
+    sample: int
+    prompt_len: int
+    response_len: int
+    truncated: bool = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.prompt_id, self.sample)
+
+
+_FIELDS = {
+    "prompt_id": str,
+    "epoch": int,
+    "sample": int,
+    "prompt_len": int,
+    "response_len": int,
+}
+
+
+def parse_record(obj: object, where: str) -> TraceRecord:
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    values = {}
+    for name, tp in _FIELDS.items():
+        if name not in obj:
+            raise TraceError(f"{where}: missing field {name!r}")
+        v = obj[name]
+        if tp is int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise TraceError(f"{where}: field {name!r} must be an integer, got {v!r}")
+        if tp is str and not isinstance(v, str):
+            raise TraceError(f"{where}: field {name!r} must be a string, got {v!r}")
+        values[name] = v
+    for name in ("epoch", "sample", "prompt_len", "response_len"):
+        if values[name] < 0:
+            raise TraceError(f"{where}: field {name!r} must be >= 0, got {values[name]}")
+    truncated = obj.get("truncated", False)
+    if not isinstance(truncated, bool):
+        raise TraceError(f"{where}: field 'truncated' must be true or false, got {truncated!r}")
+    return TraceRecord(truncated=truncated, **values)
+
+
+class Trace:
+    """An in-memory trace: records plus the cap they were generated under (if known)."""
+
+    def __init__(self, records: Iterable[TraceRecord], source: str = "<memory>"):
+        self.records = list(records)
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[TraceRecord]:
+        return iter(self.records)
+
+    @property
+    def epochs(self) -> list[int]:
+        return sorted({r.epoch for r in self.records})
+
+    def epoch(self, e: int) -> list[TraceRecord]:
+        """The batch of one rollout, in data order (prompt order of first appearance, then sample)."""
+        batch = [r for r in self.records if r.epoch == e]
+        if not batch:
+            raise TraceError(f"{self.source}: no records for epoch {e} (epochs: {self.epochs})")
+        return batch
+
+    def before(self, e: int) -> "Trace":
+        """The history a predictor for epoch `e` may read: epochs strictly before `e`."""
+        return Trace((r for r in self.records if r.epoch < e), f"{self.source}[epoch<{e}]")
+
+
+def read_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        fh = path.open(encoding="utf-8")
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read trace ({e.strerror})") from None
+    records = []
+    seen: dict[tuple[int, str, int], int] = {}
+    with fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+            rec = parse_record(obj, where)
+            k = (rec.epoch, rec.prompt_id, rec.sample)
+            if k in seen:
+                raise TraceError(
+                    f"{where}: duplicate (epoch, prompt_id, sample) {k}, first on line {seen[k]}"
+                )
+            seen[k] = lineno
+            records.append(rec)
+    if not records:
+        raise TraceError(f"{path}: the trace is empty")
+    return Trace(records, str(path))
+
+
+def write_trace(records: Iterable[TraceRecord], path: str | Path) -> None:
+    with Path(path).open("w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(asdict(r)) + "\n")

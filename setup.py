@@ -1,0 +1,45 @@
+"""FlexFloor: RL post-training for mixture-of-experts LLMs with an elastic rollout phase.
+
+Install on a CPU machine (the CPU wheel of torch must come first, or pip pulls a CUDA build):
+    pip install torch==2.13.0 -e '.[dev]'
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="flexfloor",
+    version="0.1.0",
+    description="Elastic expert-parallel rollouts for synchronous MoE RL post-training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "elastic", "elastic.*"]),
+    package_data={"megatron_rl": ["configs/*.yaml"]},
+    install_requires=[
+        # torch is pinned in the install command, not here: a loose requirement lets pip pick a
+        # multi-GB CUDA build on a CPU machine. Any torch >= 2.4 works with this code.
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "numpy",
+        "pyyaml",
+        "safetensors",
+        "wandb",
+    ],
+    extras_require={
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "hypothesis",
+            "ruff",
+            "transformers>=5,<6",
+            "matplotlib",
+            "sympy",
+        ],
+        "gpu": [
+            "transformer-engine[pytorch]",
+            "apex",
+            "sglang",
+            "deepspeed",
+        ],
+    },
+    entry_points={"console_scripts": ["flexfloor=megatron_rl.cli:main"]},
+)
