@@ -16,6 +16,7 @@ from megatron_rl.errors import FlexFloorError
 COMMANDS = [
     "megatron_rl.cli.demo",
     "megatron_rl.cli.rollout",
+    "megatron_rl.cli.simulate",
 ]
 
 
