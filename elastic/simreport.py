@@ -82,7 +82,7 @@ def single_report(summary: dict) -> str:
              f"{summary['shrinks']} shrinks, {summary['detached_rank_s']:.1f} detached rank-s"]
     mig = summary.get("migration")
     if mig:
-        lines.append(f"KV migration (up to {mig['max_per_rank']} per blocking rank): {mig['migrated_responses']} "
+        lines.append(f"KV migration (up to {mig['max_responses']} stragglers per shrink): {mig['migrated_responses']} "
                      f"responses moved, rollout time -{mig['rollout_time_saved_s']:.2f} s, "
                      f"dummy -{mig['dummy_rank_s_saved']:.1f} rank-s, detached +{mig['detached_rank_s_gained']:.1f} rank-s")
     return "\n".join(lines)

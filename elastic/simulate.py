@@ -11,8 +11,9 @@ Semantics (DESIGN.md, issue 7), the same the runtime follows:
   `idle`, or `leased` once a lease has started (`lease_start_s` after detaching) when leases are on.
 - After the last token, full-world restoration (experts back to stage 0's owners) is one
   `transition` tick for all W ranks.
-- Optional KV migration (`migrate_max > 0`): when every rank a stage waits for has at most that many
-  live responses, those move with their KV to a resident rank that has room, and the stage starts.
+- Optional KV migration (`migrate_max > 0`): when the ranks a stage waits for hold at most that many
+  live responses in all (stragglers), those move with their KV to resident ranks that have room, and
+  the stage starts.
 
 A request's progress is counted in steps, so which rank is live at step t does not depend on step
 durations; the simulator uses that to price whole stretches between checks with numpy at once. The
@@ -44,7 +45,8 @@ class SimConfig:
     # placement and warm-up; assumption) and is pre-empted by the restoration.
     lease: bool = False
     lease_start_s: float = 1.0
-    # Move at most this many overdue responses per blocking rank with their KV (0: never).
+    # When the ranks a stage waits for hold at most this many live responses in all, move those with
+    # their KV to residents and start the stage (0: never migrate).
     migrate_max: int = 0
 
     def __post_init__(self):
@@ -187,17 +189,14 @@ class _Rollout:
         ready = max((int(self.drain[r]) for r in trigger), default=0)
         when = max(k * math.ceil(ready / k), k * (after // k + 1))
         if self.cfg.migrate_max > 0 and trigger and stage not in self.no_migration:
-            # Rank r is down to migrate_max live responses from the step after its
-            # (migrate_max+1)-th longest one ends.
-            few = max(self._nth_longest(r, self.cfg.migrate_max + 1) for r in trigger)
+            # The trigger ranks are down to migrate_max live responses in all once the
+            # (migrate_max+1)-th longest of their responses has ended.
+            lens = np.sort(self.length[np.isin(self.rank, trigger)])
+            few = int(lens[-(self.cfg.migrate_max + 1)]) if len(lens) > self.cfg.migrate_max else 0
             alt = max(k * math.ceil(few / k), k * (after // k + 1))
             if alt < when:
                 return alt, True
         return when, False
-
-    def _nth_longest(self, rank: int, n: int) -> int:
-        lens = np.sort(self.length[self.rank == rank])
-        return int(lens[-n]) if len(lens) >= n else 0
 
     def _migrate(self, stage: int, step: int) -> float | None:
         """Move the live responses of the ranks stage+1 waits for onto residents; seconds, or None

@@ -27,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="decode steps between drain-status checks (default 16)")
     p.add_argument("--lease", action="store_true", help="detached ranks run side work under leases")
     p.add_argument("--migrate", type=int, default=0, metavar="N",
-                   help="also simulate migrating up to N overdue responses per blocking rank with their "
-                        "KV to a resident, and report what that saves")
+                   help="also simulate migrating the last N straggler responses a shrink waits for, "
+                        "with their KV, to resident ranks, and report what that saves")
     p.add_argument("--epochs", default=None, help="comma-separated epochs to simulate (default: all but the first)")
     p.add_argument("--compare", action="store_true",
                    help="every policy side by side (floors 2, 4, 8; with and without TailGuard), each "
@@ -111,7 +111,7 @@ def run(args) -> int:
             moved = simulate_trace(trace, policy, ranks=args.ranks, cost=cost, shape=shape,
                                    config=replace(config, migrate_max=args.migrate), epochs=epochs).summary()
             summary["migration"] = {
-                "max_per_rank": args.migrate,
+                "max_responses": args.migrate,
                 "migrated_responses": moved["migrated_responses"],
                 "rollout_time_s": moved["rollout_time_s"],
                 "rollout_time_saved_s": summary["rollout_time_s"] - moved["rollout_time_s"],
