@@ -155,11 +155,13 @@ class CostModel:
         return float(self.step_overhead_s + t + self.a2a_s(g, p))
 
     def shrink_s(self, experts_moved: int, ep_size: int) -> float:
-        """A shrink that moves `experts_moved` experts onto a group of `ep_size` survivors, spread
-        evenly, over the slower link the group may use (the planner's estimate)."""
+        """The planner's estimate of a shrink that moves `experts_moved` experts out of a group of
+        `ep_size`: with balanced ownership the survivors are `ep_size * (1 - moved / E)`, each
+        receiving an equal share over the slower link the group uses."""
         if experts_moved <= 0:
             return 0.0
-        per_receiver = -(-experts_moved // max(ep_size, 1))
+        survivors = max(1, round(ep_size * (1 - experts_moved / self.num_experts)))
+        per_receiver = -(-experts_moved // survivors)
         bw = self.transfer_intra_bytes_per_s if ep_size <= self.ranks_per_node else self.transfer_inter_bytes_per_s
         return self.shrink_fixed_s + per_receiver * self.expert_bytes / bw
 

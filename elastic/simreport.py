@@ -83,6 +83,6 @@ def single_report(summary: dict) -> str:
     mig = summary.get("migration")
     if mig:
         lines.append(f"KV migration (up to {mig['max_responses']} stragglers per shrink): {mig['migrated_responses']} "
-                     f"responses moved, rollout time -{mig['rollout_time_saved_s']:.2f} s, "
-                     f"dummy -{mig['dummy_rank_s_saved']:.1f} rank-s, detached +{mig['detached_rank_s_gained']:.1f} rank-s")
+                     f"responses moved, rollout time {-mig['rollout_time_saved_s']:+.2f} s, "
+                     f"dummy {-mig['dummy_rank_s_saved']:+.1f} rank-s, detached {mig['detached_rank_s_gained']:+.1f} rank-s")
     return "\n".join(lines)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from elastic.costmodel import CostModel
 from elastic.layout import natural
 from elastic.ledger import STATES, Ledger, RankLedger
-from elastic.plan import Plan, static_plan
+from elastic.plan import Plan
+from elastic.planner import make_plan
+from elastic.schedule import build_stages
 from elastic.shape import ModelShape
 from elastic.simulate import RolloutResult, SimConfig, simulate_rollout
 from elastic.trace import Trace, TraceError, TraceRecord
@@ -59,8 +61,9 @@ def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *
                      shape: ModelShape, cost: CostModel) -> Plan:
     keys = [r.key for r in batch]
     if policy.name == "vanilla":
-        return static_plan("natural", natural(keys, ranks), ranks, shape.num_experts)
-    from elastic.planner import make_plan  # the planner is the only source of non-vanilla plans
+        # One stage, nobody leaves; contiguous ownership also covers W > E (replicas).
+        return Plan(ranks=ranks, floor=ranks, num_experts=shape.num_experts, layout="natural", tailguard=False,
+                    assignments=natural(keys, ranks), stages=build_stages([ranks], shape.num_experts))
 
     oracle = policy.oracle or policy.name == "oracle"
     # lengthsort balances predicted work and keeps every rank to the end (DESIGN.md).

@@ -86,6 +86,16 @@ def _setup(args):
 
 
 def run(args) -> int:
+    from elastic.plan import PlanError
+
+    try:
+        return _run(args)
+    except PlanError as e:
+        # The inputs admit no safe plan (floor too small for the experts, KV cannot fit, ...).
+        raise FlexFloorError(f"planner: {e}") from None
+
+
+def _run(args) -> int:
     from dataclasses import replace
 
     from elastic.simreport import compare_table, run_compare, single_report

@@ -47,6 +47,8 @@ def test_transfers_across_nodes_are_slower_than_inside_one():
     spread = c.transfer_s([(e, 8 + e, e) for e in range(8)])
     assert spread == pytest.approx(c.shrink_fixed_s + c.expert_bytes / c.transfer_inter_bytes_per_s)
     assert c.shrink_s(0, 8) == 0.0 and c.shrink_s(64, 8) < c.shrink_s(64, 16)
+    # 16 -> 8 moves 64 experts onto 8 survivors across nodes: 8 experts each.
+    assert c.shrink_s(64, 16) == pytest.approx(c.shrink_fixed_s + 8 * c.expert_bytes / c.transfer_inter_bytes_per_s)
 
 
 def test_yaml_overrides_and_names_the_file_on_mistakes(tmp_path):
