@@ -62,7 +62,6 @@ def test_migration_report_and_lease(trace):
     (["--trace", "missing.jsonl"], "missing.jsonl"),
     (["--floor", "0"], "--floor"),
     (["--epochs", "0"], "--epochs"),
-    (["--floor", "1", "--policy", "planned"], "floor 1 cannot hold"),
 ])
 def test_user_mistakes_are_one_line_exit_2(trace, args, message):
     full = ["--trace", str(trace)] + args if args[0] != "--trace" else args
@@ -77,3 +76,12 @@ def test_bad_cost_yaml_names_the_file(trace, tmp_path):
     bad.write_text("step_overhead: 0.01\n")
     proc = cli("--trace", str(trace), "--cost", str(bad), check=False)
     assert proc.returncode == 2 and "cost.yaml" in proc.stderr and "step_overhead" in proc.stderr
+
+
+def test_a_plan_that_cannot_fit_is_a_clear_error(tmp_path):
+    # One prompt of ten million tokens: its KV cache alone exceeds any rank's memory.
+    path = tmp_path / "huge.jsonl"
+    path.write_text("".join(json.dumps({"prompt_id": "x", "epoch": e, "sample": 0, "prompt_len": 10_000_000,
+                                        "response_len": 10, "truncated": False}) + "\n" for e in (0, 1)))
+    proc = cli("--trace", str(path), "--policy", "planned", "--ranks", "4", "--floor", "2", check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("flexfloor simulate: error: planner:"), proc.stderr
