@@ -82,6 +82,6 @@ def test_a_plan_that_cannot_fit_is_a_clear_error(tmp_path):
     # One prompt of ten million tokens: its KV cache alone exceeds any rank's memory.
     path = tmp_path / "huge.jsonl"
     path.write_text("".join(json.dumps({"prompt_id": "x", "epoch": e, "sample": 0, "prompt_len": 10_000_000,
-                                        "response_len": 10, "truncated": False}) + "\n" for e in (0, 1)))
+                                        "response_len": 1000, "truncated": False}) + "\n" for e in (0, 1)))
     proc = cli("--trace", str(path), "--policy", "planned", "--ranks", "4", "--floor", "2", check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("flexfloor simulate: error: planner:"), proc.stderr
