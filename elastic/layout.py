@@ -5,9 +5,10 @@
 - `lengthsort` balances predicted work: longest first, each to the rank with the least predicted
   work so far (LPT) that still has KV room.
 - `planned` is planned residency: ranks are filled in the reverse of their leaving order (the
-  resident ranks that stay to the floor first), longest predicted responses first, with the same
-  per-rank counts as `natural`, so the leaving ranks get the short responses and drain early and
-  together. Within a tier of ranks that leave together, responses go to the least-loaded rank.
+  resident ranks that stay to the floor first), longest predicted responses first, each tier of
+  ranks that leave together up to its share of the predicted work (as balanced as `lengthsort`),
+  so residents hold a few long responses, the leaving ranks many short ones, and those drain early
+  and together. Within a tier a response goes to the least-loaded rank.
 
 KV safety: every rank's KV demand over the rollout (`kv.Demand`, from each response's prompt and
 predictive or guarded length distribution) stays within `budget[r]`, the KV tokens rank r may
@@ -61,28 +62,26 @@ def planned(batch: Sequence[tuple[str, int]], work: Sequence[float], tiers: Sequ
             reserve: Sequence[float], kv: RankKV) -> list[Assignment]:
     """`tiers` lists the ranks by leaving stage, residents first, first leavers last."""
     ranks = sum(len(t) for t in tiers)
-    base, extra = divmod(len(batch), ranks)
+    share = float(np.sum(work)) / ranks
     rank_of = [0] * len(batch)
-    count = np.zeros(ranks, int)
     load = np.zeros(ranks)
     order = _by_reserve(reserve, work)
-    pos, carry = 0, 0
-    for tier in tiers:
+    pos, carry = 0, 0.0
+    for t, tier in enumerate(tiers):
         tier = np.asarray(tier)
-        quota = sum(base + (1 if r < extra else 0) for r in tier) + carry
-        taken = 0
-        while taken < quota and pos < len(order):
+        last = t == len(tiers) - 1
+        quota = share * len(tier) + carry
+        taken = 0.0
+        while pos < len(order) and (last or taken < quota):
             i = order[pos]
             room = tier[kv.fits(tier, i)]
             if not len(room):
                 break
-            # Fewest responses first (same counts as `natural`), then least predicted work.
-            r = int(room[np.lexsort((room, load[room], count[room]))[0]])
+            r = int(room[np.lexsort((room, load[room]))[0]])
             rank_of[i] = r
             kv.add(r, i)
             load[r] += work[i]
-            count[r] += 1
-            taken += 1
+            taken += work[i]
             pos += 1
         carry = quota - taken
     if pos < len(order):

@@ -5,14 +5,14 @@ calibrated model, the runtime may pass measured step times, and `ShapeCost` is t
 default, a bandwidth-bound estimate from `ModelShape` alone.
 
 The estimate is deliberately coarse: ranks decode all their responses concurrently, one token per
-step, so a rank drains at the step of its longest response; a stage's step time is
-`decode_step_s(b, c, |A_i|)` with the batch's initial mean per-rank size `b` and mean context `c`;
-stage i+1 fires at the step its trigger ranks have drained, costs `shrink_s` on its old members, and
-its leaving ranks are detached from then until the end. For every sample of the predicted lengths
-this gives the rollout time T and the detached rank-seconds; the planner maximises
-`detached - W * (T - T_static)`: release area net of any lengthening of the rollout (a slower
-smaller group holds every rank of the synchronous job back), i.e. it minimises occupied
-rank-seconds.
+step, so a rank drains at the step of its longest response; stage i+1 fires at the step its trigger
+ranks have drained, costs `shrink_s` on its old members, and its leaving ranks are detached from
+then until the end; a step costs `decode_step_s` at the live batch and mean context of
+its segment (`Timeline`), for the busiest member. Over samples of the predicted lengths this gives the rollout time T and
+the detached rank-seconds (the release area). The planner keeps the chain with the fewest occupied
+rank-seconds `W * T - detached`, i.e. the largest release area net of any lengthening of the
+rollout: a smaller group steps more slowly (each member reads more experts), and in a synchronous
+job a longer rollout holds every rank back.
 """
 from __future__ import annotations
 
@@ -83,38 +83,66 @@ class Estimate:
     static_s: float  # the same layout with nobody leaving
     detached_rank_s: float
     occupied_rank_s: float
-    net_release_rank_s: float  # detached - W * (rollout_s - static_s): what the planner maximises
 
 
-def estimate(drain: np.ndarray, sizes: Sequence[int], moves: Sequence[int],
-             step_s: Sequence[float], shrink_s: Sequence[float]) -> Estimate:
-    """Mean over samples of the timeline of a chain whose stage i keeps ranks 0..sizes[i]-1.
+class Timeline:
+    """One layout's sampled rollouts, cut into segments at every candidate stage's fire step.
 
-    `drain` is (samples, W) drain steps; `moves[i]`, `shrink_s[i]` belong to the shrink into stage
-    i (entry 0 unused); `step_s[i]` is stage i's decode step time.
+    Ranks leave in `order` (the last to leave first): a stage of size g holds order[:g] and fires
+    once order[g:] have all drained, so its fire step does not depend on the rest of the chain and
+    every chain of the layout is priced on the same segments. A segment's step time comes from the
+    live batch of the busiest rank and the mean context at its middle, for the group size active
+    in it.
     """
-    S, W = drain.shape
-    # Ranks >= g have all drained when the suffix maximum from g is reached.
-    suffix = np.maximum.accumulate(drain[:, ::-1], axis=1)[:, ::-1]
-    end = suffix[:, 0]
-    t = np.zeros(S)          # wall time at the current step position
-    pos = np.zeros(S)        # current step position
-    alive = np.ones(S, bool)  # the chain has not run past the end of the rollout
-    detached_start = []
-    for i in range(1, len(sizes)):
-        fire = np.maximum(suffix[:, sizes[i]], pos)
-        alive &= fire < end
-        t = np.where(alive, t + (fire - pos) * step_s[i - 1] + shrink_s[i], t)
-        pos = np.where(alive, fire, pos)
-        detached_start.append((sizes[i - 1] - sizes[i], alive.copy(), t.copy()))
-    # The last stage reached by each sample decodes to the end at its own step time.
-    stage_at_end = np.zeros(S, int)
-    for i, (_, a, _) in enumerate(detached_start, start=1):
-        stage_at_end[a] = i
-    T = t + (end - pos) * np.asarray(step_s)[stage_at_end]
-    detached = np.zeros(S)
-    for leavers, a, start in detached_start:
-        detached += np.where(a, leavers * (T - start), 0.0)
-    static = float((end * step_s[0]).mean())
-    occupied = float((W * T - detached).mean())
-    return Estimate(float(T.mean()), static, float(detached.mean()), occupied, W * static - occupied)
+
+    def __init__(self, lengths: np.ndarray, rank_of: np.ndarray, order: Sequence[int],
+                 sizes: Sequence[int], prompt_mean: float, cost: StepCost):
+        S, n = lengths.shape
+        ranks = len(order)
+        drain = rank_drain_steps(lengths, rank_of, ranks)[:, list(order)]
+        suffix = np.maximum.accumulate(drain[:, ::-1], axis=1)[:, ::-1]
+        self.ranks, self.cost = ranks, cost
+        self.index = {g: k for k, g in enumerate(sizes, start=1)}
+        self.end = suffix[:, 0]
+        bounds = np.column_stack([np.zeros(S)] + [suffix[:, g] for g in sizes] + [self.end])
+        self.bounds = bounds
+        self.seg = np.diff(bounds, axis=1)
+        mid = (bounds[:, :-1] + bounds[:, 1:]) / 2
+        # The synchronous step waits for the member with the most live requests.
+        flat = rank_of[None, :] + ranks * np.arange(S)[:, None]
+        self.batch = np.array([
+            np.bincount(flat[lengths > mid[:, k:k + 1]], minlength=S * ranks)
+            .reshape(S, ranks).max(axis=1).mean()
+            for k in range(mid.shape[1])])
+        self.context = prompt_mean + mid.mean(axis=0)
+        self._tau: dict[tuple[int, int], float] = {}
+
+    def step_s(self, k: int, g: int) -> float:
+        key = (k, g)
+        if key not in self._tau:
+            batch = max(1, round(self.batch[k]))
+            self._tau[key] = self.cost.decode_step_s(batch, int(self.context[k]), g)
+        return self._tau[key]
+
+    def estimate(self, sizes: Sequence[int], shrink_s: Sequence[float]) -> Estimate:
+        """Mean over samples of the chain `sizes` (W first); `shrink_s[i]` is the shrink into i."""
+        S, K1 = self.seg.shape
+        fire_at = {self.index[g]: i for i, g in enumerate(sizes[1:], start=1)}
+        t = np.zeros(S)
+        static = np.zeros(S)
+        starts = []
+        g = sizes[0]
+        for k in range(K1):
+            if k in fire_at:
+                i = fire_at[k]
+                fired = self.bounds[:, k] < self.end
+                t = t + np.where(fired, shrink_s[i], 0.0)
+                starts.append((sizes[i - 1] - sizes[i], fired, t.copy()))
+                g = sizes[i]
+            t = t + self.seg[:, k] * self.step_s(k, g)
+            static = static + self.seg[:, k] * self.step_s(k, self.ranks)
+        detached = np.zeros(S)
+        for leavers, fired, start in starts:
+            detached += np.where(fired, leavers * (t - start), 0.0)
+        return Estimate(float(t.mean()), float(static.mean()), float(detached.mean()),
+                        float((self.ranks * t - detached).mean()))
