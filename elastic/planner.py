@@ -31,7 +31,7 @@ from elastic.kv import Demand, RankKV
 from elastic.plan import Plan, PlanError
 from elastic.predict import LengthDist, Predictor
 from elastic.release import ShapeCost, StepCost, Timeline, rank_drain_steps
-from elastic.schedule import build_stages, chains, held_counts, moves
+from elastic.schedule import build_stages, chains, held_counts
 from elastic.shape import ModelShape
 from elastic.trace import Trace
 
@@ -78,7 +78,8 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
         pred = Predictor(history, cap=max_response_len)
         if pred.empty and pred.cap is None:
             raise PlanError("no length history and no max_response_len: nothing bounds a "
-                            "response's KV cache (pass the generation cap)")
+                            "response's KV cache "
+                            "(pass the generation cap, --max-response-len)")
         dists = pred.predict_batch(batch)
         work = np.array([d.median for d in dists])
         if tailguard:
@@ -149,8 +150,9 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
             reasons.append(f"chain {sizes}: {e}")
             continue
         considered += 1
-        mv = [0] + [moves(a, b) for a, b in zip(stages, stages[1:])]
-        shrink = [0.0] + [cost.shrink_s(m, g) for m, g in zip(mv[1:], sizes)]
+        chain = Plan(ranks, floor, E, layout, tailguard, [], stages)
+        shrink = [0.0] + [cost.shrink_s(len(chain.transfers(i - 1, i)), sizes[i - 1])
+                          for i in range(1, len(sizes))]
         est = (tl or timeline(assignment, order)).estimate(sizes, shrink)
         if best is None or (est.occupied_rank_s, -est.detached_rank_s) < \
                 (best[0].occupied_rank_s - 1e-9, -best[0].detached_rank_s):

@@ -22,6 +22,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from elastic.plan import Plan
 from elastic.shape import ModelShape
 
 
@@ -86,28 +87,31 @@ class Estimate:
 
 
 class Timeline:
-    """One layout's sampled rollouts, cut into segments at every candidate stage's fire step.
+    """One layout's sampled rollouts, cut into segments priced at their own step time.
 
     Ranks leave in `order` (the last to leave first): a stage of size g holds order[:g] and fires
     once order[g:] have all drained, so its fire step does not depend on the rest of the chain and
-    every chain of the layout is priced on the same segments. A segment's step time comes from the
-    live batch of the busiest rank and the mean context at its middle, for the group size active
-    in it.
+    every chain of the layout is priced on the same segments: those between the fire steps of
+    every candidate size and `PIECES` equal slices of the rollout. A segment's step costs
+    `decode_step_s` at the live batch of the busiest rank and the mean context at its middle (mean
+    over samples), for the group size active in it.
     """
+
+    PIECES = 16
 
     def __init__(self, lengths: np.ndarray, rank_of: np.ndarray, order: Sequence[int],
                  sizes: Sequence[int], prompt_mean: float, cost: StepCost):
-        S, n = lengths.shape
+        S = lengths.shape[0]
         ranks = len(order)
         drain = rank_drain_steps(lengths, rank_of, ranks)[:, list(order)]
-        suffix = np.maximum.accumulate(drain[:, ::-1], axis=1)[:, ::-1]
+        self.suffix = np.maximum.accumulate(drain[:, ::-1], axis=1)[:, ::-1]
         self.ranks, self.cost = ranks, cost
-        self.index = {g: k for k, g in enumerate(sizes, start=1)}
-        self.end = suffix[:, 0]
-        bounds = np.column_stack([np.zeros(S)] + [suffix[:, g] for g in sizes] + [self.end])
-        self.bounds = bounds
-        self.seg = np.diff(bounds, axis=1)
-        mid = (bounds[:, :-1] + bounds[:, 1:]) / 2
+        self.end = self.suffix[:, 0]
+        slices = self.end[:, None] * (np.arange(self.PIECES + 1) / self.PIECES)[None, :]
+        fires = self.suffix[:, list(sizes)] if len(sizes) else np.zeros((S, 0))
+        self.bounds = np.sort(np.concatenate([slices, fires], axis=1), axis=1)
+        self.seg = np.diff(self.bounds, axis=1)
+        mid = (self.bounds[:, :-1] + self.bounds[:, 1:]) / 2
         # The synchronous step waits for the member with the most live requests.
         flat = rank_of[None, :] + ranks * np.arange(S)[:, None]
         self.batch = np.array([
@@ -118,31 +122,54 @@ class Timeline:
         self._tau: dict[tuple[int, int], float] = {}
 
     def step_s(self, k: int, g: int) -> float:
-        key = (k, g)
-        if key not in self._tau:
+        if (k, g) not in self._tau:
             batch = max(1, round(self.batch[k]))
-            self._tau[key] = self.cost.decode_step_s(batch, int(self.context[k]), g)
-        return self._tau[key]
+            self._tau[(k, g)] = self.cost.decode_step_s(batch, int(self.context[k]), g)
+        return self._tau[(k, g)]
 
     def estimate(self, sizes: Sequence[int], shrink_s: Sequence[float]) -> Estimate:
         """Mean over samples of the chain `sizes` (W first); `shrink_s[i]` is the shrink into i."""
-        S, K1 = self.seg.shape
-        fire_at = {self.index[g]: i for i, g in enumerate(sizes[1:], start=1)}
+        S, K = self.seg.shape
+        stages = len(sizes)
+        # A stage fires at its trigger's drain step, unless the rollout ends there.
+        fire = np.column_stack([self.suffix[:, g] for g in sizes[1:]]) if stages > 1 \
+            else np.zeros((S, 0))
+        fires = fire < self.end[:, None]
         t = np.zeros(S)
         static = np.zeros(S)
-        starts = []
-        g = sizes[0]
-        for k in range(K1):
-            if k in fire_at:
-                i = fire_at[k]
-                fired = self.bounds[:, k] < self.end
-                t = t + np.where(fired, shrink_s[i], 0.0)
-                starts.append((sizes[i - 1] - sizes[i], fired, t.copy()))
-                g = sizes[i]
-            t = t + self.seg[:, k] * self.step_s(k, g)
+        count = np.zeros(S, int)
+        start = np.zeros((S, stages))
+        size_of = np.asarray(sizes)
+        for k in range(K):
+            now = np.sum(fires & (fire <= self.bounds[:, k:k + 1]), axis=1)
+            for i in range(1, stages):
+                newly = (count < i) & (now >= i)
+                t = t + np.where(newly, shrink_s[i], 0.0)
+                start[:, i] = np.where(newly, t, start[:, i])
+            count = now
+            taus = {g: self.step_s(k, g) for g in set(size_of[count].tolist())}
+            t = t + self.seg[:, k] * np.array([taus[g] for g in size_of[count]])
             static = static + self.seg[:, k] * self.step_s(k, self.ranks)
         detached = np.zeros(S)
-        for leavers, fired, start in starts:
-            detached += np.where(fired, leavers * (t - start), 0.0)
+        for i in range(1, stages):
+            leavers = sizes[i - 1] - sizes[i]
+            detached += np.where(fires[:, i - 1], leavers * (t - start[:, i]), 0.0)
         return Estimate(float(t.mean()), float(static.mean()), float(detached.mean()),
                         float((self.ranks * t - detached).mean()))
+
+
+def replay(plan: Plan, lengths: dict[tuple[str, int], int], prompt_mean: float,
+           cost: StepCost) -> Estimate:
+    """The same estimate for a finished plan on known lengths (one sample): how the planner would
+    score `plan` had it known the truth. Used to compare plans side by side on a trace."""
+    keys = [(a.prompt_id, a.sample) for a in plan.assignments]
+    rank_of = np.array([a.rank for a in plan.assignments])
+    exact = np.array([[lengths[k] for k in keys]], float)
+    # Leaving order: the last stage's members first, the first leavers last.
+    order = list(plan.stages[-1].members)
+    for st in reversed(plan.stages[1:]):
+        order += list(st.drained)
+    sizes = [len(st.members) for st in plan.stages]
+    shrink = [0.0] + [cost.shrink_s(len(plan.transfers(i - 1, i)), sizes[i - 1])
+                      for i in range(1, len(sizes))]
+    return Timeline(exact, rank_of, order, sizes[1:], prompt_mean, cost).estimate(sizes, shrink)

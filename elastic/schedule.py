@@ -24,7 +24,7 @@ from typing import Iterator
 
 from elastic.plan import Stage, block_owners
 
-MAX_CANDIDATES = 10
+MAX_CANDIDATES = 6
 
 
 def contiguous_owners(num_experts: int, members) -> dict[int, tuple[int, ...]]:
@@ -113,8 +113,3 @@ def build_stages(sizes: list[int], num_experts: int, order: list[int] | None = N
         leaving = tuple(sorted(set(prev.members) - set(members)))
         stages.append(Stage(members, leaving, shrink_owners(prev.owners, members)))
     return stages
-
-
-def moves(prev: Stage, nxt: Stage) -> int:
-    """Experts a shrink must send (an expert already on its new owner is not sent)."""
-    return sum(1 for e, rs in nxt.owners.items() for r in rs if r not in prev.owners[e])
