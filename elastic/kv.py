@@ -63,28 +63,37 @@ class Demand:
 
 
 class RankKV:
-    """Running KV demand of every rank as responses are placed; `fits` checks many ranks at once."""
+    """Running KV demand of every rank as responses are placed.
+
+    `fits` first tries a cheap sufficient test: max_t(a + b) <= max_t a + max_t b and
+    sqrt(V + v) <= sqrt(V) + sqrt(v), so a rank's peak plus the response's own peak bounds the new
+    peak; only when that bound does not fit is the exact curve summed.
+    """
 
     def __init__(self, demand: Demand, budget: Sequence[float]):
-        ranks = len(budget)
         self.d = demand
         self.budget = np.asarray(budget, float)
-        self.mean = np.zeros((ranks, demand.mean.shape[1]))
-        self.var = np.zeros_like(self.mean)
+        self.own = np.max(demand.mean + demand.z * np.sqrt(demand.var), axis=1) \
+            if len(demand.mean) else np.zeros(0)
+        self.upper = np.zeros(len(budget))
+        self.members: list[list[int]] = [[] for _ in budget]
 
-    def fits(self, ranks: Sequence[int], i: int) -> np.ndarray:
-        """Boolean per rank in `ranks`: response i fits there."""
-        m = self.mean[ranks] + self.d.mean[i]
-        v = self.var[ranks] + self.d.var[i]
-        return np.max(m + self.d.z * np.sqrt(v), axis=1) <= self.budget[ranks]
+    def fits(self, r: int, i: int) -> bool:
+        if self.upper[r] + self.own[i] <= self.budget[r]:
+            return True
+        exact = self.d.peak(self.members[r] + [i])
+        if exact <= self.budget[r]:
+            return True
+        # Tighten the bound to the rank's exact peak, so the next look is cheap again.
+        self.upper[r] = self.d.peak(self.members[r])
+        return False
 
     def add(self, r: int, i: int) -> None:
-        self.mean[r] += self.d.mean[i]
-        self.var[r] += self.d.var[i]
+        self.upper[r] += self.own[i]
+        self.members[r].append(i)
 
     def room(self) -> float:
-        peak = np.max(self.mean + self.d.z * np.sqrt(self.var), axis=1)
-        return float(np.max(self.budget - peak))
+        return float(max(b - self.d.peak(m) for b, m in zip(self.budget, self.members)))
 
 
 def _erfc(x: np.ndarray) -> np.ndarray:

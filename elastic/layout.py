@@ -5,9 +5,10 @@
 - `lengthsort` balances predicted work: longest first, each to the rank with the least predicted
   work so far (LPT) that still has KV room.
 - `planned` is planned residency: ranks are filled in the reverse of their leaving order (the
-  resident ranks that stay to the floor first), longest predicted responses first, with the same
-  per-rank counts as `natural`, so the leaving ranks get the short responses and drain early and
-  together. Within a tier of ranks that leave together, responses go to the least-loaded rank.
+  resident ranks that stay to the floor first), longest predicted responses first, each tier of
+  ranks that leave together up to its share of the predicted work (as balanced as `lengthsort`),
+  so residents hold a few long responses, the leaving ranks many short ones, and those drain early
+  and together. Within a tier a response goes to the least-loaded rank.
 
 KV safety: every rank's KV demand over the rollout (`kv.Demand`, from each response's prompt and
 predictive or guarded length distribution) stays within `budget[r]`, the KV tokens rank r may
@@ -43,51 +44,52 @@ def lengthsort(batch: Sequence[tuple[str, int]], work: Sequence[float], ranks: i
     rank_of = [0] * len(batch)
     heap = [(0.0, r) for r in range(ranks)]
     for i in _by_reserve(reserve, work):
-        full = []
-        while heap and not kv.fits([heap[0][1]], i)[0]:
-            full.append(heapq.heappop(heap))
-        if not heap:
+        r = _least_loaded(heap, i, work, kv)
+        if r is None:
             _no_room(i, batch, kv)
-        load, r = heapq.heappop(heap)
         rank_of[i] = r
-        kv.add(r, i)
-        heapq.heappush(heap, (load + work[i], r))
-        for item in full:
-            heapq.heappush(heap, item)
     return _assign(batch, rank_of)
 
 
 def planned(batch: Sequence[tuple[str, int]], work: Sequence[float], tiers: Sequence[Sequence[int]],
             reserve: Sequence[float], kv: RankKV) -> list[Assignment]:
     """`tiers` lists the ranks by leaving stage, residents first, first leavers last."""
-    ranks = sum(len(t) for t in tiers)
-    base, extra = divmod(len(batch), ranks)
+    share = float(np.sum(work)) / sum(len(t) for t in tiers)
     rank_of = [0] * len(batch)
-    count = np.zeros(ranks, int)
-    load = np.zeros(ranks)
     order = _by_reserve(reserve, work)
-    pos, carry = 0, 0
-    for tier in tiers:
-        tier = np.asarray(tier)
-        quota = sum(base + (1 if r < extra else 0) for r in tier) + carry
-        taken = 0
-        while taken < quota and pos < len(order):
+    pos, carry = 0, 0.0
+    for t, tier in enumerate(tiers):
+        last = t == len(tiers) - 1
+        heap = [(0.0, r) for r in tier]
+        quota = share * len(tier) + carry
+        taken = 0.0
+        while pos < len(order) and (last or taken < quota):
             i = order[pos]
-            room = tier[kv.fits(tier, i)]
-            if not len(room):
+            r = _least_loaded(heap, i, work, kv)
+            if r is None:
                 break
-            # Fewest responses first (same counts as `natural`), then least predicted work.
-            r = int(room[np.lexsort((room, load[room], count[room]))[0]])
             rank_of[i] = r
-            kv.add(r, i)
-            load[r] += work[i]
-            count[r] += 1
-            taken += 1
+            taken += work[i]
             pos += 1
         carry = quota - taken
     if pos < len(order):
         _no_room(order[pos], batch, kv)
     return _assign(batch, rank_of)
+
+
+def _least_loaded(heap: list[tuple[float, int]], i: int, work: Sequence[float], kv: RankKV):
+    """Place response i on the least-loaded rank of `heap` with KV room; None if there is none."""
+    full = []
+    while heap and not kv.fits(heap[0][1], i):
+        full.append(heapq.heappop(heap))
+    r = None
+    if heap:
+        load, r = heapq.heappop(heap)
+        kv.add(r, i)
+        heapq.heappush(heap, (load + work[i], r))
+    for item in full:
+        heapq.heappush(heap, item)
+    return r
 
 
 def check_kv(assignments: Sequence[Assignment], kv: RankKV) -> None:

@@ -9,8 +9,9 @@ Order of decisions (each step documented in its own module):
 3. reject a floor that cannot hold every expert;
 4. for every quorum chain from W down to at least the floor (`schedule.chains`), build its stages,
    the per-rank KV budgets at the tightest stage each rank belongs to, and the layout under those
-   budgets; drop chains whose layout cannot fit; estimate the rest over samples of the predictive
-   distribution (`release.estimate`) and keep the one with the largest net release area;
+   budgets (`natural` and `lengthsort` place once and only check); drop chains whose layout cannot
+   fit; price the rest over samples of the predictive distribution (`release.Timeline`) and keep
+   the one with the fewest occupied rank-seconds (the largest release area net of lengthening);
 5. with a weak predictor (the prompt explains under `WEAK_ICC` of the length variance), `planned`
    places like `lengthsort`: residency built on noise would only concentrate random long responses.
 
@@ -29,8 +30,8 @@ from elastic.guard import TailGuard
 from elastic.kv import Demand, RankKV
 from elastic.plan import Plan, PlanError
 from elastic.predict import LengthDist, Predictor
-from elastic.release import ShapeCost, StepCost, estimate, rank_drain_steps
-from elastic.schedule import build_stages, chains, held_counts, moves
+from elastic.release import ShapeCost, StepCost, Timeline, rank_drain_steps
+from elastic.schedule import build_stages, chains, held_counts
 from elastic.shape import ModelShape
 from elastic.trace import Trace
 
@@ -77,7 +78,8 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
         pred = Predictor(history, cap=max_response_len)
         if pred.empty and pred.cap is None:
             raise PlanError("no length history and no max_response_len: nothing bounds a "
-                            "response's KV cache (pass the generation cap)")
+                            "response's KV cache "
+                            "(pass the generation cap, --max-response-len)")
         dists = pred.predict_batch(batch)
         work = np.array([d.median for d in dists])
         if tailguard:
@@ -107,34 +109,53 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
     samples = _samples(dists, true_lengths is not None, seed)
     effective = "lengthsort" if layout == "planned" and weak else layout
     if effective != layout:
-        meta["fallback"] = f"planned placed as lengthsort: predictor icc {meta['predictor']['icc']} < {WEAK_ICC}"
-    batch_per_rank = math.ceil(len(keys) / ranks)
-    context = int(prompt_len.mean() + work.mean() / 2) if len(keys) else 0
+        meta["fallback"] = (f"planned placed as lengthsort: the prompt explains "
+                            f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
+    all_chains = list(chains(ranks, floor, E)) if floor < ranks else [[ranks]]
+    sizes_grid = sorted({g for c in all_chains for g in c[1:]}, reverse=True)
+    pmean = float(prompt_len.mean())
+
+    def timeline(assignment, order):
+        rank_of = np.array([a.rank for a in assignment])
+        return Timeline(samples, rank_of, order, sizes_grid, pmean, cost)
+
+    if effective == "planned":
+        order, fixed, tl = list(range(ranks)), None, None
+    else:
+        # The baselines place once, under the full world's budgets; the chain only decides who
+        # stays, in the order the ranks are predicted to drain (latest stays longest).
+        kv = RankKV(demand, _budgets(build_stages([ranks], E), ranks, shape))
+        try:
+            fixed = (layouts.natural(keys, ranks) if effective == "natural" else
+                     layouts.lengthsort(keys, work, ranks, reserve, kv))
+            if effective == "natural":
+                layouts.check_kv(fixed, kv)
+        except PlanError as e:
+            raise PlanError(f"{ranks} ranks cannot hold the batch: {e}") from None
+        drain = rank_drain_steps(samples, np.array([a.rank for a in fixed]), ranks).mean(axis=0)
+        order = sorted(range(ranks), key=lambda r: (-drain[r], r))
+        tl = timeline(fixed, order)
 
     best, considered, reasons = None, 0, []
-    fixed = layouts.natural(keys, ranks) if effective == "natural" else None
-    for sizes in chains(ranks, floor, E) if floor < ranks else [[ranks]]:
-        stages = build_stages(sizes, E)
+    for sizes in all_chains:
+        stages = build_stages(sizes, E, order)
         kv = RankKV(demand, _budgets(stages, ranks, shape))
         try:
             if fixed is not None:
                 assignment = fixed
                 layouts.check_kv(assignment, kv)
-            elif effective == "lengthsort":
-                assignment = layouts.lengthsort(keys, work, ranks, reserve, kv)
             else:
                 assignment = layouts.planned(keys, work, _tiers(sizes), reserve, kv)
         except PlanError as e:
             reasons.append(f"chain {sizes}: {e}")
             continue
         considered += 1
-        rank_of = np.array([a.rank for a in assignment])
-        drain = rank_drain_steps(samples, rank_of, ranks)
-        step = [cost.decode_step_s(batch_per_rank, context, g) for g in sizes]
-        mv = [0] + [moves(a, b) for a, b in zip(stages, stages[1:])]
-        shrink = [0.0] + [cost.shrink_s(m, g) for m, g in zip(mv[1:], sizes)]
-        est = estimate(drain, sizes, mv, step, shrink)
-        if best is None or est.net_release_rank_s > best[0].net_release_rank_s + 1e-9:
+        chain = Plan(ranks, floor, E, layout, tailguard, [], stages)
+        shrink = [0.0] + [cost.shrink_s(len(chain.transfers(i - 1, i)), sizes[i - 1])
+                          for i in range(1, len(sizes))]
+        est = (tl or timeline(assignment, order)).estimate(sizes, shrink)
+        if best is None or (est.occupied_rank_s, -est.detached_rank_s) < \
+                (best[0].occupied_rank_s - 1e-9, -best[0].detached_rank_s):
             best = (est, sizes, stages, assignment)
     if best is None:
         raise PlanError(f"no quorum schedule from {ranks} ranks down to floor {floor} fits the KV "
@@ -144,7 +165,6 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
         "chain": sizes, "chains_feasible": considered, "effective_layout": effective,
         "predicted_rollout_s": est.rollout_s, "predicted_static_rollout_s": est.static_s,
         "predicted_occupied_rank_s": est.occupied_rank_s,
-        "predicted_net_release_rank_s": est.net_release_rank_s,
     })
     plan = Plan(ranks=ranks, floor=floor, num_experts=E, layout=layout, tailguard=tailguard,
                 assignments=assignment, stages=stages,

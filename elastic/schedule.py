@@ -1,9 +1,10 @@
 """Quorum schedules: the safe chains of active groups from all W ranks down to at least the floor.
 
 Conventions that make a chain cheap to carry out:
-- stage i keeps ranks 0..g_i-1 (a prefix), so the ranks leave in a fixed order, highest index
-  first, whatever the chain; the layout can put the longest work on the lowest ranks once, and a
-  prefix of one node stays inside one NVLink domain as the group shrinks;
+- the ranks leave in one fixed order whatever the chain: stage i keeps the first g_i ranks of a
+  staying order (by default 0..g_i-1, which is what `planned` lays out for: the longest work on the
+  lowest ranks, and a prefix of one node stays inside one NVLink domain as the group shrinks; for
+  `natural` and `lengthsort` the planner orders the ranks by their predicted drain, latest first);
 - stage 0 is Megatron's contiguous ownership (`block_owners`) so the runtime starts from the
   ordinary layout; a group size that does not divide the expert count gets contiguous blocks that
   differ by one expert, or, with more ranks than experts, contiguous replicas;
@@ -23,7 +24,7 @@ from typing import Iterator
 
 from elastic.plan import Stage, block_owners
 
-MAX_CANDIDATES = 10
+MAX_CANDIDATES = 6
 
 
 def contiguous_owners(num_experts: int, members) -> dict[int, tuple[int, ...]]:
@@ -102,15 +103,13 @@ def chains(ranks: int, floor: int, num_experts: int) -> Iterator[list[int]]:
             yield [ranks, *combo]
 
 
-def build_stages(sizes: list[int], num_experts: int) -> list[Stage]:
+def build_stages(sizes: list[int], num_experts: int, order: list[int] | None = None) -> list[Stage]:
+    """Stages of the chain `sizes`; stage i holds order[:sizes[i]] (default: ranks 0..g-1)."""
+    order = list(range(sizes[0])) if order is None else list(order)
     stages = [Stage(tuple(range(sizes[0])), (), contiguous_owners(num_experts, range(sizes[0])))]
     for g in sizes[1:]:
         prev = stages[-1]
-        stages.append(Stage(tuple(range(g)), tuple(range(g, len(prev.members))),
-                            shrink_owners(prev.owners, range(g))))
+        members = tuple(sorted(order[:g]))
+        leaving = tuple(sorted(set(prev.members) - set(members)))
+        stages.append(Stage(members, leaving, shrink_owners(prev.owners, members)))
     return stages
-
-
-def moves(prev: Stage, nxt: Stage) -> int:
-    """Experts a shrink must send (an expert already on its new owner is not sent)."""
-    return sum(1 for e, rs in nxt.owners.items() for r in rs if r not in prev.owners[e])
