@@ -1,8 +1,9 @@
 """Cluster simulator: carry out a `Plan` on a cost model instead of GPUs, one decode step at a time.
 
 Semantics (DESIGN.md, issue 7), the same the runtime follows:
-- Tick 0 is the prefill of every rank's batch; then one tick per synchronous decode step of the
-  active EP group. A step lasts `step_overhead + max over members(own compute) + all-to-all(group)`.
+- Tick 0 is the prefill of every rank's batch (it emits each response's first token); then one
+  tick per synchronous decode step of the active EP group, so a response of L tokens is live for
+  L - 1 decode steps. A step lasts `step_overhead + max over members(own compute) + all-to-all(group)`.
   A member with a live request accrues `busy`, one without accrues `dummy`.
 - Every `check_every` steps the ranks compare drain status (the runtime's status all-reduce) and the
   stage is `Plan.advance(current, drained)`: a leaving rank that outlives its prediction holds its
@@ -80,9 +81,10 @@ def lower_bound_s(prompt_lens, response_lens, cost: CostModel, floor: int, ranks
     sizes = np.arange(max(1, min(floor, ranks)), ranks + 1)
     prefill = cost.step_overhead_s + float(cost.rank_compute_s(prompt, prompt, 0.0, 0.0)) \
         + float(np.min(cost.a2a_s(sizes, prompt)))
-    ctx = prompt + np.arange(1, longest + 1, dtype=np.float64)
+    decode = max(longest - 1, 0)  # the prefill emits the first token
+    ctx = prompt + np.arange(1, decode + 1, dtype=np.float64)
     steps = cost.min_decode_step_s(ctx, 1) - float(cost.a2a_s(1, 1.0))
-    return prefill + float(np.sum(steps)) + longest * float(np.min(cost.a2a_s(sizes, 1.0)))
+    return prefill + float(np.sum(steps)) + decode * float(np.min(cost.a2a_s(sizes, 1.0)))
 
 
 class _Rollout:
@@ -99,11 +101,14 @@ class _Rollout:
         self.plan, self.cost, self.shape, self.cfg = plan, cost, shape, config
         w = plan.ranks
         self.rank = np.array([rank_of[r.key] for r in batch], dtype=np.int64)
-        self.length = np.array([r.response_len for r in batch], dtype=np.int64)
+        self.tokens = np.array([r.response_len for r in batch], dtype=np.int64)
+        # Decode steps per response: the prefill emits the first token, as real engines do.
+        self.length = np.maximum(self.tokens - 1, 0)
         self.prompt = np.array([r.prompt_len for r in batch], dtype=np.int64)
         self.steps_total = int(self.length.max()) if len(batch) else 0
         cols = self.steps_total + 2
-        # live[r, t]: requests of rank r still decoding at step t (length >= t); psum: their prompts.
+        # live[r, t]: requests of rank r still decoding at decode step t (decode length >= t), whose
+        # KV then holds prompt + t tokens; psum: their prompts.
         ends = np.zeros((w, cols), dtype=np.int64)
         pends = np.zeros((w, cols), dtype=np.int64)
         np.add.at(ends, (self.rank, self.length), 1)
@@ -117,7 +122,7 @@ class _Rollout:
         self.now = 0.0
         self.detached_at = np.full(w, np.inf)
         self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
-        self.result = RolloutResult(ledger=None, response_tokens=int(self.length.sum()),  # type: ignore[arg-type]
+        self.result = RolloutResult(ledger=None, response_tokens=int(self.tokens.sum()),  # type: ignore[arg-type]
                                     lower_bound_s=0.0)
 
     # ---- ledger helpers ---------------------------------------------------------------------------
@@ -283,7 +288,7 @@ class _Rollout:
                  for r in range(w)]
         res.ledger = Ledger(ranks=ranks, wall_s=self.now, total_steps=total_ticks)
         res.ledger.check()
-        res.lower_bound_s = lower_bound_s(self.prompt, self.length, cost, plan.floor, w)
+        res.lower_bound_s = lower_bound_s(self.prompt, self.tokens, cost, plan.floor, w)
         return res
 
 

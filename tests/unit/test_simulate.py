@@ -74,10 +74,10 @@ def test_vanilla_dummy_steps_are_exactly_the_wait_for_the_last_rank():
     longest = max(r.response_len for r in batch)
     drain = [max([r.response_len for r in batch if rank_of[r.key] == k], default=0) for k in range(8)]
     for k, rl in enumerate(res.ledger.ranks):
-        # one prefill tick, then `drain` busy steps and the rest dummy.
+        # the prefill tick emits the first token, then drain - 1 busy decode steps, the rest dummy.
         assert rl.steps["dummy"] == longest - drain[k]
-        assert rl.steps["busy"] == drain[k] + 1
-    assert res.ledger.total_steps == longest + 1 and res.transitions == []
+        assert rl.steps["busy"] == drain[k]
+    assert res.ledger.total_steps == longest and res.transitions == []
 
 
 def test_shrinks_happen_on_check_steps_and_detached_ranks_go_idle_or_leased():
@@ -107,12 +107,12 @@ def test_a_leaving_rank_that_outlives_its_prediction_holds_the_stage():
     plan = Plan(4, 2, E, "planned", True, asg, stages)
     cfg = SimConfig(check_every=8)
     on_time = simulate_rollout(plan, batch, DEFAULT_COST, config=cfg)
-    assert [t[0] for t in on_time.transitions] == [104, 1000]
+    assert [t[0] for t in on_time.transitions] == [104, 999]
     # Rank 3's response runs 400 steps: the shrink waits for it (it stays busy, it is never cut).
     late = simulate_rollout(plan, batch[:3] + [dataclasses.replace(batch[3], response_len=400)], DEFAULT_COST,
                             config=cfg)
-    assert [t[0] for t in late.transitions] == [400, 1000]
-    assert late.ledger.ranks[3].steps["busy"] == 401 and late.ledger.ranks[2].steps["dummy"] == 300
+    assert [t[0] for t in late.transitions] == [400, 999]
+    assert late.ledger.ranks[3].steps["busy"] == 400 and late.ledger.ranks[2].steps["dummy"] == 301
 
 
 def test_migration_moves_stragglers_to_residents_and_reports_it():
