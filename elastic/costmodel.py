@@ -9,7 +9,8 @@ One rank's decode step (its own compute and memory traffic, phases added, not ov
     bytes  = [batch > 0] * dense weights + KV bytes of its live context + activated expert weights
     flops  = 2 * batch * dense params + routed tokens * 2 * expert params + attention over KV
     time   = bytes / hbm_bytes_per_s + flops / flops_per_s
-A synchronous EP step lasts `step_overhead_s + max over members(time) + all-to-all(group)`; the
+A synchronous EP step lasts `step_overhead_s + max over members(time) + all-to-all(group)` (the
+first two times a contention factor when ranks share a CPU host, see `host_cores`); the
 all-to-all is a per-layer latency plus bytes over a bandwidth, both larger once the group spans
 nodes (RDMA) than inside one NVLink domain. Adding rather than overlapping phases and using the mean
 expert activation are the two simplifications; both keep step time monotone in batch, context and
@@ -29,6 +30,9 @@ _DEEPEP_LL_US = ((16, 313.0), (32, 428.0), (64, 487.0), (128, 561.0), (256, 554.
 # Half of each figure is taken as fixed latency (assumption: DeepEP publishes no small-batch sweep);
 # the other half is bandwidth-bound traffic, which scales with tokens x hidden.
 _LATENCY_SHARE = 0.5
+
+
+_MAY_BE_ZERO = ("step_overhead_s", "a2a_intra_per_peer_s", "host_cores")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -68,6 +72,9 @@ class CostModel:
     # (about a quarter of DeepEP's RDMA EP8 figure of 191 us). Bandwidth: DeepEP normal kernels,
     # intranode EP8 on H800, 153 GB/s (H100's NVLink is faster, so this is conservative).
     a2a_intra_latency_s: float = 48e-6
+    # Extra latency per peer beyond the first (pairwise exchanges, e.g. gloo over TCP on a CPU
+    # host). NVLink kernels write to every peer at once, so 0 on H100 (assumption).
+    a2a_intra_per_peer_s: float = 0.0
     a2a_intra_bytes_per_s: float = 153e9
     # Across nodes (RDMA): latency per EP size from the DeepEP table above (log-interpolated),
     # bandwidth chosen so latency + reference traffic / bandwidth reproduces DeepEP's EP16 figure.
@@ -81,13 +88,17 @@ class CostModel:
     # Routing-table swap + group switch + barrier per shrink/restore (assumption; the communicators
     # are created before the rollout, so this is no rendezvous).
     shrink_fixed_s: float = 0.05
+    # 0: every rank has its own accelerator. N > 0: all ranks share one host's N cores (the CPU
+    # engine), so a step's per-rank work runs max(1, busy ranks / N) times slower.
+    host_cores: int = 0
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name != "step_overhead_s":
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in _MAY_BE_ZERO:
                 _require(v > 0, f"{f.name} must be > 0, got {v}")
-        _require(self.step_overhead_s >= 0, f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        for name in _MAY_BE_ZERO:
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         _require(self.topk <= self.num_experts, f"topk {self.topk} exceeds num_experts {self.num_experts}")
         pts = [tuple(p) for p in self.a2a_inter_latency_s]
         _require(len(pts) >= 1 and all(len(p) == 2 and p[0] > 0 and p[1] >= 0 for p in pts),
@@ -131,9 +142,16 @@ class CostModel:
         eps = np.array([p[0] for p in self.a2a_inter_latency_s], dtype=np.float64)
         lats = np.array([p[1] for p in self.a2a_inter_latency_s], dtype=np.float64)
         inter = np.interp(np.log2(np.maximum(g, 1.0)), np.log2(eps), lats) + traffic / self.a2a_inter_bytes_per_s
-        intra = self.a2a_intra_latency_s + traffic / self.a2a_intra_bytes_per_s
+        intra = self.a2a_intra_latency_s + self.a2a_intra_per_peer_s * np.maximum(g - 2, 0) \
+            + traffic / self.a2a_intra_bytes_per_s
         per_layer = np.where(g > self.ranks_per_node, inter, intra)
         return np.where(g > 1, per_layer * self.num_layers, 0.0)
+
+    def contention(self, busy_ranks):
+        """Slow-down of per-rank work when `busy_ranks` ranks compute at once (1 with accelerators)."""
+        if not self.host_cores:
+            return np.ones_like(np.asarray(busy_ranks, dtype=np.float64))
+        return np.maximum(1.0, np.asarray(busy_ranks, dtype=np.float64) / self.host_cores)
 
     # ---- the protocol the planner prices plans with ------------------------------------------------
     def decode_step_s(self, batch_per_rank, context, ep_size) -> float:
@@ -142,7 +160,7 @@ class CostModel:
         g = np.asarray(ep_size, dtype=np.float64)
         n = np.asarray(batch_per_rank, dtype=np.float64)
         t = self.rank_compute_s(n, n * context, self.num_experts / g, n * g)
-        out = self.step_overhead_s + t + self.a2a_s(g, n)
+        out = self.contention(g) * (self.step_overhead_s + t) + self.a2a_s(g, n)
         return float(out) if np.ndim(out) == 0 else out
 
     def prefill_s(self, prompt_tokens, ep_size) -> float:
@@ -152,7 +170,7 @@ class CostModel:
         p = float(prompt_tokens)
         g = float(ep_size)
         t = self.rank_compute_s(p, p, self.num_experts / g, p * g)
-        return float(self.step_overhead_s + t + self.a2a_s(g, p))
+        return float(self.contention(g) * (self.step_overhead_s + t) + self.a2a_s(g, p))
 
     def shrink_s(self, experts_moved: int, ep_size: int) -> float:
         """The planner's estimate of a shrink that moves `experts_moved` experts out of a group of
@@ -185,6 +203,19 @@ class CostModel:
         rank owning the most experts only adds to the max)."""
         return self.step_overhead_s + self.rank_compute_s(1.0, context, 0.0, 0.0) + self.a2a_s(ep_size, 1.0)
 
+    def scaled(self, factor: float) -> "CostModel":
+        """Every duration times `factor` (rates divided by it): the same shape of costs on a machine
+        that is uniformly `factor` times slower, e.g. to match one measured rollout's wall time."""
+        if factor <= 0:
+            raise ValueError(f"scale factor must be > 0, got {factor}")
+        rates = {f: getattr(self, f) / factor for f in (
+            "hbm_bytes_per_s", "flops_per_s", "a2a_intra_bytes_per_s", "a2a_inter_bytes_per_s",
+            "transfer_intra_bytes_per_s", "transfer_inter_bytes_per_s")}
+        times = {f: getattr(self, f) * factor for f in (
+            "step_overhead_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s", "shrink_fixed_s")}
+        return replace(self, a2a_inter_latency_s=tuple((e, s * factor) for e, s in self.a2a_inter_latency_s),
+                       **rates, **times)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["a2a_inter_latency_s"] = [list(p) for p in self.a2a_inter_latency_s]
@@ -196,13 +227,13 @@ DEFAULT_COST = CostModel()
 
 # ---- calibration from measured step times ---------------------------------------------------------
 # Fitted fields, in feature order: each is a feature's coefficient or its inverse (a rate).
-_FITTED = ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_latency_s")
+_FITTED = ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s")
 _RATES = ("hbm_bytes_per_s", "flops_per_s")
 
 
 def _features(base: CostModel, batch: float, context: float, ep_size: int) -> list[float]:
-    """A balanced group's step time is linear in these four, with coefficients
-    [overhead, 1/hbm, 1/flops, intra all-to-all latency per layer], plus `_unfitted_s`."""
+    """A balanced group's step time is linear in these five, with coefficients [overhead, 1/hbm,
+    1/flops, intra all-to-all latency per layer, and per extra peer], plus `_unfitted_s`."""
     g, n = float(ep_size), float(batch)
     kv, own, big_n = n * context, base.num_experts / g, n * g
     hit = 1.0 - (1.0 - base.topk / base.num_experts) ** big_n
@@ -211,13 +242,14 @@ def _features(base: CostModel, batch: float, context: float, ep_size: int) -> li
     flops = 2.0 * n * base.dense_params + kv * base.attn_flops_per_kv_token \
         + 2.0 * big_n * base.topk * own / base.num_experts * base.expert_params_per_layer * base.num_layers
     intra_layers = float(base.num_layers) if 1 < g <= base.ranks_per_node else 0.0
-    return [1.0, mem, flops, intra_layers]
+    c = float(base.contention(g))
+    return [c, c * mem, c * flops, intra_layers, intra_layers * max(g - 2.0, 0.0)]
 
 
 def _unfitted_s(base: CostModel, batch: float, ep_size: int) -> float:
     """The all-to-all terms `calibrate` keeps at `base`: traffic, and the inter-node latency."""
-    intra_layers = _features(base, batch, 0.0, ep_size)[3]
-    return float(base.a2a_s(ep_size, batch)) - intra_layers * base.a2a_intra_latency_s
+    f = _features(base, batch, 0.0, ep_size)
+    return float(base.a2a_s(ep_size, batch)) - f[3] * base.a2a_intra_latency_s - f[4] * base.a2a_intra_per_peer_s
 
 
 def calibrate(samples: Sequence[tuple[float, float, int, float]], base: CostModel = DEFAULT_COST) -> CostModel:

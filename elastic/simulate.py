@@ -158,8 +158,9 @@ class _Rollout:
         members = np.arange(w)
         tokens = np.bincount(self.rank, weights=self.prompt, minlength=w)
         per_rank = cost.rank_compute_s(tokens, tokens, self._owned(0), tokens.sum())
-        dt = cost.step_overhead_s + float(per_rank.max()) + float(cost.a2a_s(w, tokens.max()))
         has = np.bincount(self.rank, minlength=w) > 0
+        dt = float(cost.contention(has.sum())) * (cost.step_overhead_s + float(per_rank.max())) \
+            + float(cost.a2a_s(w, tokens.max()))
         self.sec[members, np.where(has, _BUSY, _DUMMY)] += dt
         self.ticks[members, np.where(has, _BUSY, _DUMMY)] += 1
         self.now += dt
@@ -176,7 +177,8 @@ class _Rollout:
         group_tokens = live.sum(axis=0)
         own = self._owned(stage)[members][:, None]
         compute = cost.rank_compute_s(live, kv, own, group_tokens[None, :])
-        durations = cost.step_overhead_s + compute.max(axis=0) + cost.a2a_s(len(members), live.max(axis=0))
+        durations = cost.contention((live > 0).sum(axis=0)) * (cost.step_overhead_s + compute.max(axis=0)) \
+            + cost.a2a_s(len(members), live.max(axis=0))
         starts = self.now + np.concatenate(([0.0], np.cumsum(durations)[:-1]))
         busy = live > 0
         self.sec[members, _BUSY] += (busy * durations[None, :]).sum(axis=1)

@@ -73,9 +73,9 @@ def _samples(model, ranks=(1, 2, 4)):
 
 def test_calibrate_recovers_the_constants_that_made_the_samples():
     truth = dataclasses.replace(DEFAULT_COST, step_overhead_s=7e-3, hbm_bytes_per_s=9e11, flops_per_s=2e14,
-                                a2a_intra_latency_s=1.5e-4)
+                                a2a_intra_latency_s=1.5e-4, a2a_intra_per_peer_s=4e-5)
     fitted = calibrate(_samples(truth), base=DEFAULT_COST)
-    for name in ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_latency_s"):
+    for name in ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02), name
     assert fit_error(fitted, _samples(truth)) < 1e-3
     assert fit_error(DEFAULT_COST, _samples(truth)) > 0.1
@@ -89,3 +89,13 @@ def test_calibrate_keeps_unseen_terms_and_rejects_too_few_samples():
     assert fitted.step_overhead_s == pytest.approx(5e-3, rel=0.02)
     with pytest.raises(ValueError, match="at least 2"):
         calibrate([(1, 10, 1, 0.1)])
+
+
+def test_scaled_model_is_uniformly_slower():
+    c = DEFAULT_COST
+    slow = c.scaled(2.5)
+    for args in ((1, 100, 1), (16, 3000, 8), (64, 8000, 16)):
+        assert slow.decode_step_s(*args) == pytest.approx(2.5 * c.decode_step_s(*args))
+    assert slow.transfer_s([(0, 9, 0)]) == pytest.approx(2.5 * c.transfer_s([(0, 9, 0)]))
+    with pytest.raises(ValueError):
+        c.scaled(0)
