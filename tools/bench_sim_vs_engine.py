@@ -10,11 +10,13 @@ step times, then compare its predicted ledger with real 4-rank rollouts of the s
    model's shape.
 2. Real runs: `flexfloor rollout --ranks W --policy P --floor F --out DIR` on the built-in tiny CPU
    example (a DeepScaleR-like trace replay, lengths scaled for CPU).
-3. Replay: the same plan (DIR/plan.json) and batch through `elastic.simulate` with the calibrated
-   model, scaled once so that the first policy's total wall time matches its run (this shared
-   2-core machine's speed drifts with other load); the ledger is compared state by state (issue 7:
-   within 15% per state). The first policy's total is fitted, its split into states and every
-   later policy are predictions.
+3. Fit: the probed model's overhead, compute and all-to-all terms are scaled
+   (`elastic.simcalib.fit_to_ledgers`) to the measured ledgers of the static policies (vanilla,
+   lengthsort), run interleaved with the others: this shared 2-core machine's speed drifts with
+   other load, so probes taken minutes earlier do not describe the runs.
+4. Replay: the same plan (DIR/plan.json) and batch through `elastic.simulate`; the ledger is compared
+   state by state with the median of the real runs (issue 7: within 15% per state). `planned`,
+   which shrinks, is a prediction: nothing of its runs went into the model.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from elastic.costmodel import CostModel, calibrate, fit_error  # noqa: E402
 from elastic.ledger import STATES  # noqa: E402
 from elastic.plan import Plan, block_owners  # noqa: E402
+from elastic.simcalib import fit_to_ledgers  # noqa: E402
 from elastic.simulate import SimConfig, simulate_rollout  # noqa: E402
 from elastic.trace import TraceRecord  # noqa: E402
 from megatron_rl.models.config import MoEModelConfig  # noqa: E402
@@ -132,9 +135,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--floor", type=int, default=2)
-    ap.add_argument("--policies", default="vanilla,planned")
+    ap.add_argument("--policies", default="vanilla,lengthsort,planned")
+    ap.add_argument("--fit-on", default="vanilla,lengthsort",
+                    help="policies whose measured ledgers fit the model (the rest are predictions; '' for none)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per probe point")
-    ap.add_argument("--repeats", type=int, default=3, help="real runs per policy (the median is compared)")
+    ap.add_argument("--repeats", type=int, default=2, help="real runs per policy (the median is compared)")
     args = ap.parse_args(argv)
     cfg = RolloutConfig(ranks=args.ranks)
     mcfg = cfg.model
@@ -167,12 +172,12 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - t1:.0f} s with start-up)", flush=True)
     real = {p: {s: float(np.median([r["rank_seconds"][s] for r in runs[p]])) for s in STATES} for p in policies}
     wall = {p: float(np.median([r["rollout_time_s"] for r in runs[p]])) for p in policies}
-    # Scale the probed model once so that it reproduces the first policy's median wall time; its
-    # split into states, and every other policy, are predictions.
-    first = policies[0]
-    factor = wall[first] / simulate_rollout(plans[first], batch, cost, config=sim_cfg).ledger.wall_s
-    cost = cost.scaled(factor)
-    print(f"scaled the probed model by {factor:.3f} to {first}'s median wall time ({wall[first]:.2f} s)")
+    fit_on = [p for p in args.fit_on.split(",") if p in policies]
+    if fit_on:
+        cost, factors = fit_to_ledgers([(plans[p], batch, real[p]) for p in fit_on], cost, sim_cfg)
+        print(f"fitted the probed model's overhead/compute/all-to-all by "
+              f"{', '.join(f'{k} x{v:.2f}' for k, v in factors.items())} to the median ledgers of "
+              f"{', '.join(fit_on)}; {', '.join(p for p in policies if p not in fit_on) or 'nothing'} predicted")
     failures, noisy = 0, False
     for policy in policies:
         plan = plans[policy]

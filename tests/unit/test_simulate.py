@@ -152,3 +152,25 @@ def test_no_policy_beats_the_lower_bound(lengths, ranks, floor_div, k, migrate):
     assert res.lower_bound_s == pytest.approx(lower_bound_s([r.prompt_len for r in batch],
                                                             [r.response_len for r in batch],
                                                             DEFAULT_COST, floor, ranks))
+
+
+def test_fit_to_ledgers_recovers_the_scale_of_each_step_part():
+    from elastic.simcalib import fit_to_ledgers
+
+    batch = tailed_batch(seed=5)
+    cfg = SimConfig(check_every=4)
+    truth = dataclasses.replace(DEFAULT_COST, step_overhead_s=3 * DEFAULT_COST.step_overhead_s,
+                                hbm_bytes_per_s=DEFAULT_COST.hbm_bytes_per_s / 0.5,
+                                flops_per_s=DEFAULT_COST.flops_per_s / 0.5,
+                                a2a_intra_latency_s=2 * DEFAULT_COST.a2a_intra_latency_s,
+                                a2a_inter_latency_s=tuple((e, 2 * s) for e, s in DEFAULT_COST.a2a_inter_latency_s),
+                                a2a_intra_bytes_per_s=DEFAULT_COST.a2a_intra_bytes_per_s / 2,
+                                a2a_inter_bytes_per_s=DEFAULT_COST.a2a_inter_bytes_per_s / 2)
+    runs = []
+    for plan in (vanilla(batch, 16), vanilla(batch, 4), halving_plan(batch, 16, 2)):
+        measured = simulate_rollout(plan, batch, truth, config=cfg).ledger.rank_seconds()
+        runs.append((plan, batch, measured))
+    fitted, factors = fit_to_ledgers(runs, DEFAULT_COST, cfg)
+    assert factors == pytest.approx({"overhead": 3.0, "compute": 0.5, "a2a": 2.0}, rel=1e-3)
+    again = simulate_rollout(runs[2][0], batch, fitted, config=cfg).ledger.rank_seconds()
+    assert again == pytest.approx(runs[2][2], rel=1e-3)
