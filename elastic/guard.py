@@ -31,8 +31,11 @@ from elastic.trace import Trace, TraceRecord
 class TailGuard:
     margin: float  # in units of each response's predictive sd; may be +inf
     alpha: float
-    calibrated_on: int | None  # the epoch whose errors fitted the margin
+    calibrated_on: int | None  # the newest epoch whose errors fitted the margin
     cap: int | None
+
+    # Errors of the newest epochs of the history pooled: twice the scores halve the margin's noise.
+    CALIBRATION_EPOCHS = 2
 
     def bound(self, dist: LengthDist) -> float:
         if math.isinf(self.margin):
@@ -61,20 +64,26 @@ class TailGuard:
         epochs = history.epochs
         if not epochs:
             return cls(math.inf, alpha, None, cap)
-        c = epochs[-1]
-        calib = history.epoch(c)
         cap = cap if cap is not None else Predictor(history).cap
-        prev = history.before(c)
-        pred = Predictor(prev if len(prev) else history, cap=cap, decay=decay)
-        if len(prev):
-            dists = pred.predict_batch(calib)
-        else:
-            unseen = LengthDist(pred.mu, math.sqrt(pred.sigma2 + pred.tau2), cap, False)
-            dists = [unseen] * len(calib)
-        scores = sorted(_score(d, r) for d, r in zip(dists, calib))
+        scores = []
+        for c in epochs[-cls.CALIBRATION_EPOCHS:]:
+            scores += _scores(history, c, cap, decay)
+        scores.sort()
         k = math.ceil((len(scores) + 1) * (1 - alpha))
         margin = scores[k - 1] if k <= len(scores) else math.inf
-        return cls(margin, alpha, c, cap)
+        return cls(margin, alpha, epochs[-1], cap)
+
+
+def _scores(history: Trace, c: int, cap: int | None, decay: float) -> list[float]:
+    """Standardised errors on epoch c of the predictor fitted on the epochs before c."""
+    calib = history.epoch(c)
+    prev = history.before(c)
+    if len(prev):
+        dists = Predictor(prev, cap=cap, decay=decay).predict_batch(calib)
+    else:
+        pop = Predictor(history.before(c + 1), cap=cap, decay=decay)
+        dists = [LengthDist(pop.mu, math.sqrt(pop.sigma2 + pop.tau2), cap, False)] * len(calib)
+    return [_score(d, r) for d, r in zip(dists, calib)]
 
 
 def _score(d: LengthDist, r: TraceRecord) -> float:

@@ -15,8 +15,9 @@ magnitude more than any rollout uses and reject every realistic batch. With exac
 oracle, or an empty history where every response is taken to run to the cap) S is 0/1 and D is an
 exact upper bound.
 
-The grid is geometric from 16 tokens to the longest possible response; the `+ t_j+1` keeps the bound
-conservative between grid points.
+The grid is 0, then geometric from 1 token to the longest possible response; the `+ t_j+1` keeps
+the bound conservative between grid points (a response alive at t in [t_j, t_j+1) has L_i > t_j and
+holds at most prompt_i + t_j+1 tokens).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class Demand:
         sd = np.array([d.sd for d in dists], float)
         cap = np.array([d.cap or math.inf for d in dists], float)
         top = float(np.max(np.where(np.isfinite(cap), cap, np.expm1(mu + 8 * sd)))) if len(mu) else 1.0
-        edges = np.geomspace(16.0, max(top, 17.0), GRID + 1)
+        edges = np.concatenate([[0.0], np.geomspace(1.0, max(top, 2.0), GRID)])
         t, t_next = edges[:-1], edges[1:]
         with np.errstate(divide="ignore", invalid="ignore"):
             zs = (np.log1p(t)[None, :] - mu[:, None]) / sd[:, None]

@@ -100,8 +100,8 @@ def check_kv(assignments: Sequence[Assignment], kv: RankKV) -> None:
     for r, idx in sorted(per_rank.items()):
         peak = kv.d.peak(idx)
         if peak > kv.budget[r]:
-            raise PlanError(f"rank {r} would hold up to {peak:.0f} KV tokens for its responses but "
-                            f"has room for {max(kv.budget[r], 0):.0f}")
+            raise PlanError(f"KV cache cannot fit: rank {r} would hold up to {peak:.0f} KV tokens "
+                            f"for its responses but has room for {max(kv.budget[r], 0):.0f}")
 
 
 def _by_reserve(reserve: Sequence[float], work: Sequence[float]) -> list[int]:

@@ -131,7 +131,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
             if effective == "natural":
                 layouts.check_kv(fixed, kv)
         except PlanError as e:
-            raise PlanError(f"{ranks} ranks cannot hold the batch: {e}") from None
+            raise PlanError(f"{e} (on all {ranks} ranks, before any shrink)") from None
         drain = rank_drain_steps(samples, np.array([a.rank for a in fixed]), ranks).mean(axis=0)
         order = sorted(range(ranks), key=lambda r: (-drain[r], r))
         tl = timeline(fixed, order)
