@@ -73,10 +73,12 @@ class RankKV:
 
     def __init__(self, demand: Demand, budget: Sequence[float]):
         self.d = demand
-        self.budget = np.asarray(budget, float)
-        self.own = np.max(demand.mean + demand.z * np.sqrt(demand.var), axis=1) \
+        own = np.max(demand.mean + demand.z * np.sqrt(demand.var), axis=1) \
             if len(demand.mean) else np.zeros(0)
-        self.upper = np.zeros(len(budget))
+        # Plain lists: the placing loops index them once per response.
+        self.own = own.tolist()
+        self.upper = [0.0] * len(budget)
+        self.budget = [float(b) for b in budget]
         self.members: list[list[int]] = [[] for _ in budget]
 
     def fits(self, r: int, i: int) -> bool:

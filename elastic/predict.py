@@ -20,7 +20,6 @@ prompt: near 0, history carries no signal and the planner should not trust the r
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 

@@ -71,10 +71,10 @@ class ShapeCost:
 def rank_drain_steps(lengths: np.ndarray, ranks_of: np.ndarray, ranks: int) -> np.ndarray:
     """(samples, responses) lengths -> (samples, ranks) step at which each rank drains."""
     out = np.zeros((lengths.shape[0], ranks))
-    for r in range(ranks):
-        cols = ranks_of == r
-        if cols.any():
-            out[:, r] = lengths[:, cols].max(axis=1)
+    order = np.argsort(ranks_of, kind="stable")
+    present, starts = np.unique(ranks_of[order], return_index=True)
+    if len(present):
+        out[:, present] = np.maximum.reduceat(lengths[:, order], starts, axis=1)
     return out
 
 
