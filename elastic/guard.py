@@ -18,8 +18,8 @@ the predictor knew about epoch c before seeing it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -51,6 +51,11 @@ class TailGuard:
         return LengthDist(dist.mu + shift, dist.sd, dist.cap, dist.seen)
 
     @property
+    def margin_or_none(self) -> float | None:
+        """The margin for JSON, which has no infinity: None when every bound is the cap."""
+        return None if math.isinf(self.margin) else self.margin
+
+    @property
     def tail_floor(self) -> float:
         """Least chance any response runs to the cap: alpha when the calibration epoch had more
         than alpha of its responses cut at the cap (the margin is then unbounded)."""
@@ -58,7 +63,7 @@ class TailGuard:
 
     @classmethod
     def fit(cls, history: Trace, alpha: float = 0.05, cap: int | None = None,
-            decay: float = 0.7) -> "TailGuard":
+            decay: float = 0.7) -> TailGuard:
         if not 0 < alpha < 1:
             raise ValueError(f"TailGuard alpha must be in (0, 1), got {alpha}")
         epochs = history.epochs
@@ -113,7 +118,7 @@ def report(trace: Trace, alpha: float = 0.05, decay: float = 0.7) -> list[dict]:
         guard = TailGuard.fit(history, alpha, cap=cap, decay=decay)
         bounds = [guard.bound(d) for d in dists]
         row = {"epoch": e, **score(dists, batch), "icc": pred.icc,
-               "tailguard": {"alpha": alpha, "margin": guard.margin,
+               "tailguard": {"alpha": alpha, "margin": guard.margin_or_none,
                              "miss_rate": miss_rate(bounds, batch),
                              "mean_bound": float(np.mean(bounds))}}
         rows.append(row)

@@ -22,7 +22,7 @@ holds at most prompt_i + t_j+1 tokens).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -19,7 +19,7 @@ ones choose their ranks while there is room.
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

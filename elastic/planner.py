@@ -21,7 +21,8 @@ Order of decisions (each step documented in its own module):
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -96,7 +97,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
         meta = {"predictor": {"icc": round(pred.icc, 4), "weak": weak, "cap": pred.cap,
                               "history_records": len(history)}}
         if guard is not None:
-            meta["tailguard"] = {"alpha": alpha, "margin": guard.margin,
+            meta["tailguard"] = {"alpha": alpha, "margin": guard.margin_or_none,
                                  "calibrated_on": guard.calibrated_on}
 
     held_floor = math.ceil(E / floor)

@@ -17,8 +17,9 @@ job a longer rollout holds every rank back.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class ShapeCost:
     (`link_bytes_per_s`, serialised: an upper bound) after a fixed routing-table swap.
     """
 
-    shape: ModelShape = ModelShape()
+    shape: ModelShape = field(default_factory=ModelShape)
     hbm_bytes_per_s: float = 3.35e12
     a2a_base_s: float = 30e-6
     a2a_per_log2_s: float = 10e-6

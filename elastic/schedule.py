@@ -19,8 +19,8 @@ that divide W (even replicas), plus the floor itself; when there are more than
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from itertools import combinations
-from typing import Iterator
 
 from elastic.plan import Stage, block_owners
 

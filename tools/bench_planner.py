@@ -16,11 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.guard import TailGuard  # noqa: E402
-from elastic.planner import plan_epoch  # noqa: E402
-from elastic.predict import Predictor  # noqa: E402
-from elastic.shape import ModelShape  # noqa: E402
-from elastic.synth import generate, preset  # noqa: E402
+from elastic.guard import TailGuard
+from elastic.planner import plan_epoch
+from elastic.predict import Predictor
+from elastic.shape import ModelShape
+from elastic.synth import generate, preset
 
 POLICIES = [  # name, layout, floor (None: the case's floor), tailguard, oracle
     ("vanilla", "natural", "W", False, False),
@@ -52,9 +52,9 @@ def bench(label, trace, epoch, ranks, repeat):
     print(f"  {'TailGuard fit':24s} best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms")
     worst = 0.0
     for name, layout, floor, tg, oracle in POLICIES:
-        plan, best, med = timed(lambda: plan_epoch(
-            trace, epoch, ranks=ranks, floor=ranks if floor == "W" else floor, shape=shape,
-            layout=layout, tailguard=tg, oracle=oracle), repeat)
+        kw = {"ranks": ranks, "floor": ranks if floor == "W" else floor, "shape": shape,
+              "layout": layout, "tailguard": tg, "oracle": oracle}
+        plan, best, med = timed(lambda kw=kw: plan_epoch(trace, epoch, **kw), repeat)
         worst = max(worst, med)
         print(f"  {name:24s} best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms  "
               f"chain {plan.meta['chain']} ({plan.meta['chains_feasible']} feasible)")

@@ -49,7 +49,7 @@ def test_unbounded_margin_when_the_cap_is_common():
     recs = [TraceRecord(f"p{i}", e, 0, 10, 100 if i % 2 else 1000, i % 2 == 0)
             for e in range(2) for i in range(20)]
     guard = TailGuard.fit(Trace(recs), 0.05)
-    assert math.isinf(guard.margin) and guard.tail_floor == 0.05
+    assert math.isinf(guard.margin) and guard.tail_floor == 0.05 and guard.margin_or_none is None
     d = Predictor(Trace(recs)).predict("p1")
     assert guard.bound(d) == 1000
 

@@ -8,8 +8,14 @@ import pytest
 from elastic.plan import Plan, block_owners
 from elastic.planner import ShapeCost, make_plan, plan_epoch
 from elastic.release import replay
-from elastic.schedule import (build_stages, candidate_sizes, chains, contiguous_owners,
-                              held_counts, shrink_owners)
+from elastic.schedule import (
+    build_stages,
+    candidate_sizes,
+    chains,
+    contiguous_owners,
+    held_counts,
+    shrink_owners,
+)
 from elastic.shape import ModelShape
 from elastic.synth import generate, preset
 
