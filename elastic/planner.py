@@ -40,9 +40,9 @@ __all__ = ["LAYOUTS", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_e
 
 LAYOUTS = ("natural", "lengthsort", "planned")
 WEAK_ICC = 0.1
-# Length samples the release estimate averages over: 64 for a 1,024-response batch, fewer for
+# Length samples the release estimate averages over: 32 for a 1,024-response batch, fewer for
 # larger batches, whose many ranks average out on their own.
-SAMPLES = (8, 64)
+SAMPLES = (8, 32)
 
 
 class BatchItem(Protocol):
@@ -55,14 +55,15 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
               shape: ModelShape, layout: str, tailguard: bool, alpha: float = 0.05,
               cost: StepCost | None = None,
               true_lengths: dict[tuple[str, int], int] | None = None,
-              max_response_len: int | None = None, seed: int = 0) -> Plan:
+              max_response_len: int | None = None, seed: int = 0,
+              objective: str = "occupied") -> Plan:
     """Plan one rollout of `batch` (data order) on `ranks` ranks; see the module docstring.
 
     Only `prompt_id`, `sample` and `prompt_len` of the batch are read. `max_response_len` is the
     generation cap; it is inferred from truncated history records when omitted, and is required
     when the history is empty (nothing else bounds a response's KV then).
     """
-    _validate(batch, ranks, floor, shape, layout, alpha)
+    _validate(batch, ranks, floor, shape, layout, alpha, objective)
     cost = cost or ShapeCost(shape)
     keys = [(b.prompt_id, b.sample) for b in batch]
     prompt_len = np.array([b.prompt_len for b in batch], float)
@@ -114,7 +115,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
     search = _ChainSearch(keys, work, reserve, Demand(kv_dists, prompt_len, alpha, tail_floor),
                           _samples(dists, true_lengths is not None, seed), float(prompt_len.mean()),
-                          ranks, floor, shape, effective, cost)
+                          ranks, floor, shape, effective, cost, objective)
     est, sizes, stages, rank_of = search.best()
     meta.update({
         "chain": sizes, "chains_feasible": search.feasible, "chains_priced": len(search.cache),
@@ -131,20 +132,22 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
 
 class _ChainSearch:
     """Prices quorum chains for one batch and finds the one with the fewest occupied rank-seconds:
-    every chain when there are at most `EXHAUSTIVE`, else a hill climb over which candidate sizes
-    the chain passes through, from both the one-stage and the deepest chain."""
+    every chain when there are at most `EXHAUSTIVE`, else the one-stage chain against a hill climb
+    (toggling one candidate size at a time while that helps) from the deepest chain."""
 
     EXHAUSTIVE = 16
 
     def __init__(self, keys, work, reserve, demand, samples, prompt_mean, ranks, floor, shape,
-                 layout, cost):
+                 layout, cost, objective):
         self.keys, self.work, self.demand, self.samples = keys, work, demand, samples
         self.prompt_mean, self.ranks, self.floor, self.shape, self.cost = (
             prompt_mean, ranks, floor, shape, cost)
         self.E = shape.num_experts
+        self.key = OBJECTIVES[objective]
         self.order = layouts.placement_order(reserve, work)
         self.cands = candidate_sizes(ranks, floor, self.E) if floor < ranks else []
         self.cache: dict[tuple[int, ...], tuple | None] = {}
+        self.stage_memo: dict = {}
         self.feasible, self.reasons = 0, []
         self.fixed = self.timeline = None
         self.leave_order = list(range(ranks))
@@ -187,7 +190,7 @@ class _ChainSearch:
         """(estimate, sizes, stages, rank_of) of a chain, or None if its layout cannot fit."""
         if sizes in self.cache:
             return self.cache[sizes]
-        stages = build_stages(list(sizes), self.E, self.leave_order)
+        stages = build_stages(list(sizes), self.E, self.leave_order, self.stage_memo)
         kv = RankKV(self.demand, self._budgets(stages))
         result = None
         try:
@@ -212,12 +215,12 @@ class _ChainSearch:
         if 2 ** len(self.cands) <= self.EXHAUSTIVE:
             found = [self.price(tuple(c)) for c in chains(self.ranks, self.floor, self.E)]
         else:
-            found = [self._climb(frozenset()), self._climb(frozenset(self.cands))]
+            found = [self._score(frozenset()), self._climb(frozenset(self.cands))]
         found = [f for f in found if f is not None]
         if not found:
             raise PlanError(f"no quorum schedule from {self.ranks} ranks down to floor "
                             f"{self.floor} fits the KV cache; {self.reasons[0]}")
-        return min(found, key=_rank)
+        return min(found, key=self.key)
 
     def _score(self, subset: frozenset):
         return self.price((self.ranks, *sorted(subset, reverse=True)))
@@ -229,15 +232,18 @@ class _ChainSearch:
             improved = False
             for c in self.cands:
                 there = self._score(current ^ {c})
-                if there is not None and (here is None or _rank(there) < _rank(here)):
+                if there is not None and (here is None or self.key(there) < self.key(here)):
                     current, here, improved = current ^ {c}, there, True
         return here
 
 
-def _rank(result) -> tuple[float, float]:
-    """Fewest occupied rank-seconds first; on a tie, the larger release area."""
-    est = result[0]
-    return (round(est.occupied_rank_s, 6), -est.detached_rank_s)
+# How chains are compared (smaller first). `occupied`: fewest occupied rank-seconds, the largest
+# release area net of lengthening (capacity-oriented); `rollout`: shortest rollout, then the
+# largest release area (latency-oriented). Ties go to the larger release area.
+OBJECTIVES = {
+    "occupied": lambda r: (round(r[0].occupied_rank_s, 6), -r[0].detached_rank_s),
+    "rollout": lambda r: (round(r[0].rollout_s, 6), -r[0].detached_rank_s),
+}
 
 
 def plan_epoch(trace: Trace, epoch: int, **kw) -> Plan:
@@ -248,7 +254,7 @@ def plan_epoch(trace: Trace, epoch: int, **kw) -> Plan:
     return make_plan(batch, trace.before(epoch), **kw)
 
 
-def _validate(batch, ranks, floor, shape, layout, alpha):
+def _validate(batch, ranks, floor, shape, layout, alpha, objective):
     if not 1 <= ranks:
         raise PlanError(f"ranks must be >= 1, got {ranks}")
     if not 1 <= floor <= ranks:
@@ -257,6 +263,8 @@ def _validate(batch, ranks, floor, shape, layout, alpha):
         raise PlanError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if not 0 < alpha < 1:
         raise PlanError(f"alpha must be in (0, 1), got {alpha}")
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if not batch:
         raise PlanError("the batch is empty")
     keys = [(b.prompt_id, b.sample) for b in batch]
@@ -279,6 +287,6 @@ def _samples(dists: Sequence[LengthDist], exact: bool, seed: int) -> np.ndarray:
         return np.expm1(mu)[None, :]
     sd = np.array([d.sd for d in dists])
     cap = np.array([d.cap or math.inf for d in dists])
-    count = int(np.clip(2**16 // max(len(dists), 1), *SAMPLES))
+    count = int(np.clip(2**15 // max(len(dists), 1), *SAMPLES))
     z = np.random.default_rng(seed).standard_normal((count, len(dists)))
     return np.minimum(np.maximum(np.expm1(mu + sd * z), 1.0), cap)

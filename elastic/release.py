@@ -114,11 +114,10 @@ class Timeline:
         self.seg = np.diff(self.bounds, axis=1)
         mid = (self.bounds[:, :-1] + self.bounds[:, 1:]) / 2
         # The synchronous step waits for the member with the most live requests.
-        flat = rank_of[None, :] + ranks * np.arange(S)[:, None]
-        self.batch = np.array([
-            np.bincount(flat[lengths > mid[:, k:k + 1]], minlength=S * ranks)
-            .reshape(S, ranks).max(axis=1).mean()
-            for k in range(mid.shape[1])])
+        onehot = np.zeros((lengths.shape[1], ranks), np.float32)
+        onehot[np.arange(lengths.shape[1]), rank_of] = 1.0
+        alive = (lengths[:, None, :] > mid[:, :, None]).astype(np.float32)  # (S, K, n)
+        self.batch = (alive @ onehot).max(axis=2).mean(axis=0)
         self.context = prompt_mean + mid.mean(axis=0)
         self._tau: dict[tuple[int, int], float] = {}
 
@@ -131,32 +130,26 @@ class Timeline:
     def estimate(self, sizes: Sequence[int], shrink_s: Sequence[float]) -> Estimate:
         """Mean over samples of the chain `sizes` (W first); `shrink_s[i]` is the shrink into i."""
         S, K = self.seg.shape
-        stages = len(sizes)
-        # A stage fires at its trigger's drain step, unless the rollout ends there.
-        fire = np.column_stack([self.suffix[:, g] for g in sizes[1:]]) if stages > 1 \
+        # Stage i fires at its trigger's drain step, unless the rollout ends there; fire steps
+        # grow with i (each trigger includes the previous ones' ranks).
+        fire = np.column_stack([self.suffix[:, g] for g in sizes[1:]]) if len(sizes) > 1 \
             else np.zeros((S, 0))
-        fires = fire < self.end[:, None]
-        t = np.zeros(S)
-        static = np.zeros(S)
-        count = np.zeros(S, int)
-        start = np.zeros((S, stages))
-        size_of = np.asarray(sizes)
-        for k in range(K):
-            now = np.sum(fires & (fire <= self.bounds[:, k:k + 1]), axis=1)
-            for i in range(1, stages):
-                newly = (count < i) & (now >= i)
-                t = t + np.where(newly, shrink_s[i], 0.0)
-                start[:, i] = np.where(newly, t, start[:, i])
-            count = now
-            taus = {g: self.step_s(k, g) for g in set(size_of[count].tolist())}
-            t = t + self.seg[:, k] * np.array([taus[g] for g in size_of[count]])
-            static = static + self.seg[:, k] * self.step_s(k, self.ranks)
-        detached = np.zeros(S)
-        for i in range(1, stages):
-            leavers = sizes[i - 1] - sizes[i]
-            detached += np.where(fires[:, i - 1], leavers * (t - start[:, i]), 0.0)
-        return Estimate(float(t.mean()), float(static.mean()), float(detached.mean()),
-                        float((self.ranks * t - detached).mean()))
+        fired = fire < self.end[:, None]
+        # Stages active in each segment: those fired at or before the segment's start.
+        active = np.sum(fired[:, None, :] & (fire[:, None, :] <= self.bounds[:, :K, None]), axis=2)
+        tau = np.array([[self.step_s(k, g) for g in sizes] for k in range(K)])  # (K, stages)
+        step_time = self.seg * tau[np.arange(K)[None, :], active]
+        static = float((self.seg * tau[:, 0][None, :]).sum(axis=1).mean())  # sizes[0] is W
+        shrink = np.asarray(shrink_s[1:], float)[None, :] * fired  # (S, stages - 1)
+        T = step_time.sum(axis=1) + shrink.sum(axis=1)
+        # Time at each fire step, plus every shrink up to and including this one.
+        cum = np.concatenate([np.zeros((S, 1)), np.cumsum(step_time, axis=1)], axis=1)
+        at = np.sum(self.bounds[:, :, None] < fire[:, None, :], axis=1)  # bound index of fire
+        start = np.take_along_axis(cum, at, axis=1) + np.cumsum(shrink, axis=1)
+        leavers = -np.diff(np.asarray(sizes, float))[None, :]
+        detached = np.sum(np.where(fired, leavers * (T[:, None] - start), 0.0), axis=1)
+        return Estimate(float(T.mean()), static, float(detached.mean()),
+                        float((self.ranks * T - detached).mean()))
 
 
 def replay(plan: Plan, lengths: dict[tuple[str, int], int], prompt_mean: float,

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from elastic.plan import Plan, block_owners
+from elastic.plan import Plan, PlanError, block_owners
 from elastic.planner import ShapeCost, make_plan, plan_epoch
 from elastic.release import replay
 from elastic.schedule import (
@@ -49,12 +49,14 @@ def test_shrink_moves_only_orphans_and_stays_balanced(E, W, g):
 
 
 def test_candidate_sizes_and_chains():
-    assert candidate_sizes(16, 2, 128) == [8, 4, 2]
-    assert candidate_sizes(16, 3, 128) == [8, 4, 3]
+    # Small worlds may shed ranks one by one; large ones use divisors of E, then a halving ladder.
+    assert candidate_sizes(16, 2, 128) == list(range(15, 1, -1))
     assert candidate_sizes(16, 16, 128) == []
+    assert candidate_sizes(64, 3, 128) == [32, 16, 8, 4, 3]
+    assert candidate_sizes(64, 4, 8) == [32, 16, 8, 4]  # 32 and 16 hold even replicas of 8
     big = candidate_sizes(256, 1, 256)
     assert 1 in big and len(big) <= 6 and big == sorted(big, reverse=True)
-    assert list(chains(16, 4, 128)) == [[16], [16, 8], [16, 4], [16, 8, 4]]
+    assert list(chains(4, 2, 128)) == [[4], [4, 3], [4, 2], [4, 3, 2]]
     for c in chains(256, 3, 64):
         assert c[0] == 256 and all(a > b for a, b in zip(c, c[1:])) and c[-1] >= 3
 
@@ -104,6 +106,17 @@ def test_chain_follows_the_callers_cost_model():
     fast_small = plan_epoch(trace, 3, cost=_Cost(shrink_s=0.0, small_group_speedup=1.5), **kw)
     assert len(fast_small.stages) >= 3
     assert fast_small.meta["predicted_rollout_s"] < fast_small.meta["predicted_static_rollout_s"]
+
+
+def test_objective_trades_release_for_rollout_time():
+    trace = generate(preset("deepscaler"), seed=0)
+    kw = dict(ranks=16, floor=4, shape=QWEN, layout="planned", tailguard=True)
+    capacity = plan_epoch(trace, 3, **kw)
+    latency = plan_epoch(trace, 3, objective="rollout", **kw)
+    assert latency.meta["predicted_rollout_s"] <= capacity.meta["predicted_rollout_s"]
+    assert capacity.meta["predicted_occupied_rank_s"] <= latency.meta["predicted_occupied_rank_s"]
+    with pytest.raises(PlanError, match="objective must be one of"):
+        plan_epoch(trace, 3, objective="fast", **kw)
 
 
 def _replay(plan, batch):
