@@ -11,7 +11,8 @@ Order of decisions (each step documented in its own module):
    the per-rank KV budgets at the tightest stage each rank belongs to, and the layout under those
    budgets (`natural` and `lengthsort` place once and only check); drop chains whose layout cannot
    fit; price the rest over samples of the predictive distribution (`release.Timeline`) and keep
-   the one with the fewest occupied rank-seconds (the largest release area net of lengthening);
+   the one with the fewest occupied rank-seconds (the largest release area net of lengthening;
+   `objective="rollout"` keeps the shortest predicted rollout instead);
 5. with a weak predictor (the prompt explains under `WEAK_ICC` of the length variance), `planned`
    places like `lengthsort`: residency built on noise would only concentrate random long responses.
 

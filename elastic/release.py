@@ -7,12 +7,12 @@ default, a bandwidth-bound estimate from `ModelShape` alone.
 The estimate is deliberately coarse: ranks decode all their responses concurrently, one token per
 step, so a rank drains at the step of its longest response; stage i+1 fires at the step its trigger
 ranks have drained, costs `shrink_s` on its old members, and its leaving ranks are detached from
-then until the end; a step costs `decode_step_s` at the live batch and mean context of
-its segment (`Timeline`), for the busiest member. Over samples of the predicted lengths this gives the rollout time T and
-the detached rank-seconds (the release area). The planner keeps the chain with the fewest occupied
-rank-seconds `W * T - detached`, i.e. the largest release area net of any lengthening of the
-rollout: a smaller group steps more slowly (each member reads more experts), and in a synchronous
-job a longer rollout holds every rank back.
+then until the end; a step costs `decode_step_s` at the busiest member's live batch and the mean
+context of its segment (`Timeline`). Over samples of the predicted lengths this gives the rollout
+time T and the detached rank-seconds (the release area). By default the planner keeps the chain
+with the fewest occupied rank-seconds `W * T - detached`, i.e. the largest release area net of any
+lengthening of the rollout: a smaller group may step more slowly (each member reads more experts),
+and in a synchronous job a longer rollout holds every rank back.
 """
 from __future__ import annotations
 
