@@ -1,19 +1,21 @@
 """TailGuard: a calibrated upper bound on every response's length.
 
 The bound is the predictor's distribution widened by a margin fitted, split-conformal style, on
-the errors the same predictor made on the newest epoch of the history:
+the errors the same predictor made on the newest epochs of the history:
 
-    score_i = (log(1 + L_i) - mu_i) / sd_i        on epoch c = the newest history epoch,
-                                                  predicted from epochs < c only
-    margin  = the ceil((n + 1)(1 - alpha))-th smallest score
+    score_i = (log(1 + L_i) - mu_i) / sd_i        on the newest two history epochs, each
+                                                  predicted from the epochs before it only
+    margin  = the ceil((n + 1)(1 - alpha))-th smallest of the n scores
     bound   = min(cap, expm1(mu + margin * sd))   for every response of the next batch
 
-so that, as far as epoch c's errors are exchangeable with the next epoch's, at most a share alpha
-of responses outlive their bound. `guarded` shifts each predictive distribution so that its
-(1 - alpha) quantile is the bound: the calibrated distribution the KV-safe layouts size against. A truncated response's score is a lower bound, taken as +inf (it
-may need the whole cap); when the margin is +inf the bound is the cap. With a single epoch of
-history, the calibration predictions are the population's (each prompt as if unseen), which is what
-the predictor knew about epoch c before seeing it.
+so that, as far as those errors are exchangeable with the next epoch's, at most a share alpha of
+responses outlive their bound. A truncated response is recorded at the cap and is covered exactly
+by the bounds that reach the cap, so its score is the ordinary one at the cap. With too few
+calibration responses (n + 1 < 1 / alpha) the margin is unbounded and every bound is the cap.
+With a single epoch of history, the calibration predictions are the population's (each prompt as
+if unseen), which is what the predictor knew about that epoch before seeing it. `guarded` shifts
+each predictive distribution so that its (1 - alpha) quantile is the bound: the calibrated
+distribution the KV-safe layouts size against.
 """
 from __future__ import annotations
 
@@ -57,8 +59,8 @@ class TailGuard:
 
     @property
     def tail_floor(self) -> float:
-        """Least chance any response runs to the cap: alpha when the calibration epoch had more
-        than alpha of its responses cut at the cap (the margin is then unbounded)."""
+        """Least chance any response runs to the cap: alpha when the calibration could not bound
+        the margin (too few responses), since nothing then says a response stops earlier."""
         return self.alpha if math.isinf(self.margin) else 0.0
 
     @classmethod
@@ -92,8 +94,8 @@ def _scores(history: Trace, c: int, cap: int | None, decay: float) -> list[float
 
 
 def _score(d: LengthDist, r: TraceRecord) -> float:
-    if r.truncated:
-        return math.inf
+    # A truncated response (length recorded at the cap) is covered exactly by the margins whose
+    # bound reaches the cap, so the ordinary formula at its recorded length is its score.
     if d.sd == 0:
         return math.inf if math.log1p(r.response_len) > d.mu else -math.inf
     return (math.log1p(r.response_len) - d.mu) / d.sd

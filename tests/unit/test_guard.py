@@ -44,14 +44,26 @@ def test_bounds_sit_above_predictions_and_below_the_cap():
         assert guard.guarded(d).quantile(0.95) == pytest.approx(b)
 
 
-def test_unbounded_margin_when_the_cap_is_common():
-    # Half the calibration epoch ran to the cap: no finite margin covers 95%.
-    recs = [TraceRecord(f"p{i}", e, 0, 10, 100 if i % 2 else 1000, i % 2 == 0)
-            for e in range(2) for i in range(20)]
+def test_truncated_responses_count_as_covered_by_the_cap():
+    # Half of every epoch runs to the cap: the margin must let those prompts' bounds reach it,
+    # and then none of them is a miss.
+    recs = [TraceRecord(f"p{i}", e, 0, 10, 1000 if i % 2 == 0 else 100 + i, i % 2 == 0)
+            for e in range(3) for i in range(40)]
+    trace = Trace(recs)
+    guard = TailGuard.fit(trace.before(2), 0.05)
+    assert math.isfinite(guard.margin)
+    batch = trace.epoch(2)
+    bounds = [guard.bound(d) for d in Predictor(trace.before(2)).predict_batch(batch)]
+    assert all(b == 1000 for b, r in zip(bounds, batch) if r.truncated)
+    assert miss_rate(bounds, batch) <= 0.05
+
+
+def test_unbounded_margin_with_too_few_responses():
+    recs = [TraceRecord(f"p{i}", 0, 0, 10, 100 + i) for i in range(10)]  # 11 < 1 / 0.05
     guard = TailGuard.fit(Trace(recs), 0.05)
     assert math.isinf(guard.margin) and guard.tail_floor == 0.05 and guard.margin_or_none is None
-    d = Predictor(Trace(recs)).predict("p1")
-    assert guard.bound(d) == 1000
+    d = Predictor(Trace(recs), cap=500).predict("p1")
+    assert guard.bound(d) == 500
 
 
 def test_single_epoch_history_calibrates_on_the_population():
