@@ -149,6 +149,7 @@ class _ChainSearch:
         self.cands = candidate_sizes(ranks, floor, self.E) if floor < ranks else []
         self.cache: dict[tuple[int, ...], tuple | None] = {}
         self.stage_memo: dict = {}
+        self.move_memo: dict[tuple[int, ...], int] = {}
         self.feasible, self.reasons = 0, []
         self.fixed = self.timeline = None
         self.leave_order = list(range(ranks))
@@ -205,8 +206,12 @@ class _ChainSearch:
         else:
             self.feasible += 1
             chain = Plan(self.ranks, self.floor, self.E, "", False, [], stages)
-            shrink = [0.0] + [self.cost.shrink_s(len(chain.transfers(i - 1, i)), sizes[i - 1])
-                              for i in range(1, len(sizes))]
+            shrink = [0.0]
+            for i in range(1, len(sizes)):
+                # A shrink's moves depend only on the chain up to it: share them across chains.
+                if sizes[:i + 1] not in self.move_memo:
+                    self.move_memo[sizes[:i + 1]] = len(chain.transfers(i - 1, i))
+                shrink.append(self.cost.shrink_s(self.move_memo[sizes[:i + 1]], sizes[i - 1]))
             est = (self.timeline or self._timeline(rank_of)).estimate(sizes, shrink)
             result = (est, list(sizes), stages, rank_of)
         self.cache[sizes] = result

@@ -114,10 +114,11 @@ class Timeline:
         self.seg = np.diff(self.bounds, axis=1)
         mid = (self.bounds[:, :-1] + self.bounds[:, 1:]) / 2
         # The synchronous step waits for the member with the most live requests.
-        onehot = np.zeros((lengths.shape[1], ranks), np.float32)
-        onehot[np.arange(lengths.shape[1]), rank_of] = 1.0
-        alive = (lengths[:, None, :] > mid[:, :, None]).astype(np.float32)  # (S, K, n)
-        self.batch = (alive @ onehot).max(axis=2).mean(axis=0)
+        by_rank = np.argsort(rank_of, kind="stable")
+        _, starts = np.unique(rank_of[by_rank], return_index=True)
+        alive = lengths[:, by_rank][:, None, :] > mid[:, :, None]  # (S, K, n)
+        live = np.add.reduceat(alive, starts, axis=2, dtype=np.int32)  # (S, K, ranks present)
+        self.batch = live.max(axis=2).mean(axis=0)
         self.context = prompt_mean + mid.mean(axis=0)
         self._tau: dict[tuple[int, int], float] = {}
 
