@@ -27,6 +27,8 @@ from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fault_rank
+from megatron_rl.rollout.lease_jobs import RewardScoringJob, SidecarJob, distinct_ngram_reward
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -90,8 +92,18 @@ def _progress(start: float):
     return report
 
 
+def lease_jobs(cfg: RolloutConfig, engine: RolloutEngine, rank: int) -> list:
+    jobs = []
+    if "rewards" in cfg.leases:
+        jobs.append(RewardScoringJob(engine.finished, distinct_ngram_reward))
+    if "sidecar" in cfg.leases and cfg.sidecar_queries > 0:
+        jobs.append(SidecarJob(cfg.sidecar_queries, seed=cfg.seed * 7919 + rank))
+    return jobs
+
+
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
                plan: Plan, out_dir: str | None, quiet: bool):
+    from elastic.pool import IdlePool
     from elastic.runtime import ElasticRuntime
 
     rank, dtype = ctx.rank, DTYPES[cfg.dtype]
@@ -122,12 +134,24 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
             sink.flush()
             written[0] = len(engine.finished)
 
-    runtime = ElasticRuntime(ElasticRolloutEngine(engine, ctx.world), plan, rank,
-                             status_interval=cfg.status_interval,
+    elastic_engine = ElasticRolloutEngine(engine, ctx.world)
+    jobs = lease_jobs(cfg, engine, rank)
+    hit = cfg.fault is not None and rank == fault_rank(plan)
+    if hit and cfg.fault == "fail-transfer":
+        elastic_engine = FailingExport(elastic_engine)
+    if hit and cfg.fault in ("kill-leased-rank", "stuck-lease"):
+        jobs.insert(0, KillSelfJob() if cfg.fault == "kill-leased-rank" else StuckJob())
+    pool = IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.lease_grace_s)
+    runtime = ElasticRuntime(elastic_engine, plan, rank, ctx.store, status_interval=cfg.status_interval, pool=pool,
                              progress=None if quiet else _progress(time.perf_counter()),
                              after_step=flush_finished)
     try:
         outcome = runtime.run()
+    except BaseException:
+        # Nothing lost on failure: what finished is already streamed; add the ledger so far.
+        if out_dir is not None and runtime.ledger is not None:
+            (Path(out_dir) / f"ledger.rank{rank}.json").write_text(json.dumps(runtime.ledger.to_dict()))
+        raise
     finally:
         flush_finished()
         if sink is not None:
