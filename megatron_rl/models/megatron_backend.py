@@ -21,7 +21,7 @@ device="cpu"`), which is how the tests check construction, pg_collection wiring 
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F

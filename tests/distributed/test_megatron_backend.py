@@ -31,7 +31,11 @@ def _check(moe, reference: Qwen3MoeModel, layer: int, experts: list[int]) -> Non
 
 
 def _rank(ctx, mcfg: MoEModelConfig):
-    from megatron_rl.models.megatron_backend import install_megatron_moe, moe_pg_collection, rebuild_ep
+    from megatron_rl.models.megatron_backend import (
+        install_megatron_moe,
+        moe_pg_collection,
+        rebuild_ep,
+    )
 
     rank = ctx.rank
     # Every group is created up front on every rank, as the elastic runtime pre-creates them.

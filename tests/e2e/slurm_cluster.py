@@ -94,7 +94,7 @@ class LocalSlurm:
         return dict(os.environ, SLURM_CONF=str(self.conf), PATH=SEARCH_PATH)
 
     # -- start ---------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 60) -> "LocalSlurm":
+    def start(self, timeout_s: float = 60) -> LocalSlurm:
         ensure_installed()
         try:
             self._start_munge()
@@ -258,7 +258,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=60 State=UP
                 return
             time.sleep(0.5)
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         return self.start()
 
     def __exit__(self, *exc) -> None:

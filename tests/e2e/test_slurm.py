@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from slurm_cluster import LocalSlurm, SlurmUnavailable
 
 REPO = Path(__file__).resolve().parents[2]

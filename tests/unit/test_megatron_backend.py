@@ -19,7 +19,12 @@ import torch.nn.functional as F
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.megatron_backend import (
-    install_megatron_moe, moe_pg_collection, require_backend, to_torch_moe, transformer_config)
+    install_megatron_moe,
+    moe_pg_collection,
+    require_backend,
+    to_torch_moe,
+    transformer_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, grouped_gemm=False, device="cpu")
