@@ -63,8 +63,9 @@ ff_launch() {
 }
 
 # Called on the USR1 that `#SBATCH --signal=B:USR1@SECONDS` sends before the time limit: stop the
-# step (SIGTERM reaches every rank, so a trainer may write a last checkpoint), then requeue the
-# job; it restarts with the same job id and run folder and resumes from the last checkpoint.
+# step (Slurm sends every rank SIGTERM, then SIGKILL after KillWait: time for a trainer to write a
+# last checkpoint), then requeue the job; it restarts with the same job id and run folder and
+# resumes from the last checkpoint.
 # Pre-emption needs no trap: with `--requeue` Slurm requeues the job itself.
 ff_requeue() {
     ff_log "got USR1 at $(date -u +%FT%TZ), stopping the step and requeueing job $SLURM_JOB_ID"
