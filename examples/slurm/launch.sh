@@ -62,15 +62,16 @@ ff_launch() {
     wait "$FF_STEP_PID"
 }
 
-# Called on the USR1 that `#SBATCH --signal=B:USR1@SECONDS` sends before the time limit: stop the
-# step (Slurm sends every rank SIGTERM, then SIGKILL after KillWait: time for a trainer to write a
+# Called on the USR1 that `#SBATCH --signal=B:USR1@SECONDS` sends before the time limit: send
+# SIGTERM to every rank of the running step and wait for it to end (time for a trainer to write a
 # last checkpoint), then requeue the job; it restarts with the same job id and run folder and
-# resumes from the last checkpoint.
-# Pre-emption needs no trap: with `--requeue` Slurm requeues the job itself.
+# resumes from the last checkpoint. The signal goes through scancel, not to srun: srun answers a
+# SIGTERM of its own by killing the step outright. Pre-emption needs no trap: with `--requeue`
+# Slurm requeues the job itself.
 ff_requeue() {
-    ff_log "got USR1 at $(date -u +%FT%TZ), stopping the step and requeueing job $SLURM_JOB_ID"
+    ff_log "got USR1 at $(date -u +%FT%TZ), stopping the ranks and requeueing job $SLURM_JOB_ID"
+    scancel --signal=TERM "$SLURM_JOB_ID" || true
     if [[ -n ${FF_STEP_PID:-} ]]; then
-        kill -TERM "$FF_STEP_PID" 2>/dev/null || true
         wait "$FF_STEP_PID" || true
     fi
     scontrol requeue "$SLURM_JOB_ID"

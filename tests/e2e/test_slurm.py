@@ -59,10 +59,13 @@ def test_tiny_cpu_sbatch_runs_the_rollout_and_writes_its_report(slurm, tmp_path)
 
 
 FAKE_TRAIN = """#!/bin/bash
-# Stands in for `flexfloor`: records its arguments, then runs until signalled unless resuming.
+# Stands in for `flexfloor`: records its arguments; unless resuming, runs until SIGTERM and then
+# records a last checkpoint, as a trainer would.
 echo "$RANK $*" >> "$FF_RUN_DIR/calls.txt"
 case " $* " in *" --resume "*) exit 0 ;; esac
-sleep 120
+trap 'echo "$RANK checkpoint" >> "$FF_RUN_DIR/calls.txt"; exit 0' TERM
+sleep 120 &
+wait
 """
 
 
@@ -89,6 +92,7 @@ def test_train_sbatch_requeues_on_usr1_and_resumes(slurm, tmp_path):
     lines = calls.read_text().splitlines()
     assert lines == [
         f"0 train --config cfg.yaml --out {tmp_path / 'run'} --seed 3",
+        "0 checkpoint",  # the rank got SIGTERM and time to save, not an outright SIGKILL
         f"0 train --config cfg.yaml --out {tmp_path / 'run'} --resume --seed 3",
     ], (lines, log)
     assert "requeueing job" in log and "restart 1: resuming" in log, log
