@@ -38,6 +38,9 @@ class BatchConfig:
 class RolloutConfig:
     model: MoEModelConfig = field(default_factory=MoEModelConfig)
     checkpoint: str | None = None  # a HuggingFace Qwen3-MoE directory; else random init from `seed`
+    # MoE implementation: `torch` (plain PyTorch, CPU or GPU) or `megatron` (megatron-core's
+    # MoELayer with TransformerEngine kernels; GPUs only, see megatron_rl/models/megatron_backend.py).
+    backend: Literal["torch", "megatron"] = "torch"
     seed: int = 0
     dtype: Literal["float32", "float64"] = "float64"
     ranks: int = 4

@@ -185,6 +185,9 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
 
 def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
     """Returns (report, responses) on the driver; None on non-zero torchrun ranks."""
+    from megatron_rl.models.megatron_backend import require_backend
+
+    require_backend(cfg.backend)
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
