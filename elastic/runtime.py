@@ -103,6 +103,14 @@ class ElasticRuntime:
     def _group(self, stage: int):
         return self.groups[stage]
 
+    def _use_stage(self, stage: int) -> None:
+        """Route through stage `stage`; refuse an ownership that leaves an expert without a member."""
+        owners, members = self._owners(stage), set(self.plan.stages[stage].members)
+        orphans = sorted(e for e, r in owners.items() if r not in members)
+        if len(owners) != self.plan.num_experts or orphans:
+            raise ElasticFault(self.rank, stage, self.phase, f"experts {orphans} have no owner in the group")
+        self.engine.use_group(self._group(stage), owners)
+
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
         try:
@@ -112,10 +120,11 @@ class ElasticRuntime:
 
     def _run(self) -> RankOutcome:
         plan, rank = self.plan, self.rank
+        plan.check()
         self.groups = [dist.group.WORLD if len(st.members) == self.world else dist.new_group(list(st.members))
                        for st in plan.stages]
         before = self.engine.checksums()
-        self.engine.use_group(self._group(0), self._owners(0))
+        self._use_stage(0)
         ledger = self.ledger = RankLedger(rank)
         dist.barrier()
         t0 = t_prev = time.perf_counter()
@@ -138,11 +147,14 @@ class ElasticRuntime:
                     self.phase = "shrink"
                     _move_experts(self.engine, plan.transfers(self.stage, nxt), rank)
                     leaving = rank not in plan.stages[nxt].members
+                    if leaving and self.engine.load() != 0:
+                        raise ElasticFault(rank, self.stage, self.phase,
+                                           f"would leave with {self.engine.load()} live requests")
                     for e in self.engine.held_experts():
                         if leaving or rank not in plan.stages[nxt].owners[e]:
                             self.engine.drop_expert(e)
                     if not leaving:
-                        self.engine.use_group(self._group(nxt), self._owners(nxt))
+                        self._use_stage(nxt)
                     now = time.perf_counter()
                     ledger.add("transition", now - t_prev)
                     shrink_s[nxt] = now - t_prev
@@ -197,7 +209,7 @@ class ElasticRuntime:
             for e in self.engine.held_experts():
                 if rank not in plan.stages[0].owners[e]:
                     self.engine.drop_expert(e)
-            self.engine.use_group(self._group(0), self._owners(0))
+            self._use_stage(0)
             self.phase = "verify"
             bad = sorted(k for k, v in self.engine.checksums().items() if before.get(k) != v)
             bad += sorted(set(before) - set(self.engine.checksums()))

@@ -11,6 +11,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -183,8 +184,18 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     return report, all_responses
 
 
-def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
-    """Returns (report, responses) on the driver; None on non-zero torchrun ranks."""
+@dataclass
+class RolloutJob:
+    """Everything a rank needs for one rollout, built identically on the driver or every rank."""
+
+    cfg: RolloutConfig
+    mcfg: MoEModelConfig
+    requests: list[Request]  # in plan.assignments order
+    plan: Plan
+    out_dir: str | None
+
+
+def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     from megatron_rl.models.megatron_backend import require_backend
 
     require_backend(cfg.backend)
@@ -198,5 +209,27 @@ def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = Fa
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "plan.json").write_text(plan.to_json())
-    return run_ranks(_rank_main, cfg.ranks, cfg, mcfg, requests, plan, out_dir, quiet,
-                     timeout_s=cfg.timeout_s)
+    return RolloutJob(cfg, mcfg, requests, plan, out_dir)
+
+
+def _rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
+    return [_rank_main(ctx, j.cfg, j.mcfg, j.requests, j.plan, j.out_dir, quiet) for j in jobs]
+
+
+def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = None,
+                 quiet: bool = False):
+    """Several rollouts, one after another, in one world of ranks (side-by-side benchmarks and
+    tests pay the start-up once). Returns a list of (report, responses); None on torchrun ranks != 0.
+    """
+    out_dirs = out_dirs or [None] * len(cfgs)
+    jobs = [prepare(c, d) for c, d in zip(cfgs, out_dirs)]
+    ranks = {c.ranks for c in cfgs}
+    if len(ranks) != 1:
+        raise FlexFloorError(f"rollouts in one world must share the rank count, got {sorted(ranks)}")
+    return run_ranks(_rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs))
+
+
+def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
+    """Returns (report, responses) on the driver; None on non-zero torchrun ranks."""
+    out = run_rollouts([cfg], [out_dir], quiet)
+    return None if out is None else out[0]
