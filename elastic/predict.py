@@ -20,9 +20,8 @@ prompt: near 0, history carries no signal and the planner should not trust the r
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -65,7 +64,7 @@ class Predictor:
         self._fit(records)
 
     @classmethod
-    def for_epoch(cls, trace: Trace, epoch: int, **kw) -> "Predictor":
+    def for_epoch(cls, trace: Trace, epoch: int, **kw) -> Predictor:
         return cls(trace.before(epoch), **kw)
 
     @property
