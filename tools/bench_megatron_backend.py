@@ -19,15 +19,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from elastic.plan import Plan, Stage, block_owners
+from elastic.runtime import _move_experts
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
-from megatron_rl.models.megatron_backend import (
-    block_experts,
-    install_megatron_moe,
-    moe_pg_collection,
-    rebuild_ep,
-)
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
 from megatron_rl.rollout.sampling import SamplingParams
 
 
@@ -61,66 +58,40 @@ def build_model(mcfg: MoEModelConfig, experts: list[int], device: torch.device) 
     return model.to(device).eval()
 
 
-def decode_tokens_per_s(model: Qwen3MoeModel, a, rank: int, device: torch.device) -> float:
-    """Greedy-decode the same requests on every rank in lockstep; all ranks' tokens / wall time."""
+def requests_for(rank: int, a) -> list[Request]:
     gen = torch.Generator().manual_seed(1000 + rank)
-    requests = [Request(f"r{rank}-{i}", 0, torch.randint(0, a.vocab, (a.prompt_len,), generator=gen).tolist(),
-                        a.new_tokens, fixed_len=a.new_tokens) for i in range(a.batch)]
-    with torch.device(device):  # the engine allocates its cache and inputs on the default device
-        engine = RolloutEngine(model, SamplingParams(greedy=True), a.batch, a.prompt_len + a.new_tokens)
-        engine.add(requests)
-        engine.step()  # prefill (and kernel warm-up), not counted
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0, tokens = time.perf_counter(), 0
-        while engine.has_work():
-            tokens += engine.step()
-        torch.cuda.synchronize()
-        dist.barrier()
-        elapsed = time.perf_counter() - t0
+    return [Request(f"r{rank}-{i}", 0, torch.randint(0, a.vocab, (a.prompt_len,), generator=gen).tolist(),
+                    a.new_tokens, fixed_len=a.new_tokens) for i in range(a.batch)]
+
+
+def decode_tokens_per_s(engine: RolloutEngine, device: torch.device) -> float:
+    """Greedy-decode on every rank in lockstep; all ranks' tokens / wall time (prefill excluded)."""
+    engine.step()  # prefill (and kernel warm-up), not counted
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0, tokens = time.perf_counter(), 0
+    while engine.has_work():
+        tokens += engine.step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
     total = torch.tensor([tokens], dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return total.item() / elapsed
 
 
-def flat_expert(model: Qwen3MoeModel, e: int) -> torch.Tensor:
-    parts = []
-    for moe in model.moe_layers:
-        fc1, fc2 = moe.expert_weights()[e]
-        parts += [fc1.reshape(-1), fc2.reshape(-1)]
-    return torch.cat(parts)
-
-
-def shrink_latency_s(model: Qwen3MoeModel, mcfg: MoEModelConfig, rank: int, world: int, selves, device) -> float:
-    """Seconds from the shrink decision to every member running on the half-size EP group."""
-    members = list(range(max(1, world // 2)))
-    half = dist.new_group(members)  # created before timing, as the runtime pre-creates its groups
-    fc1_n, fc2_n = 2 * mcfg.moe_ffn_hidden_size * mcfg.hidden_size, mcfg.hidden_size * mcfg.moe_ffn_hidden_size
-    old_per, new_per = mcfg.num_moe_experts // world, mcfg.num_moe_experts // len(members)
+def shrink_latency_s(elastic: MegatronElasticEngine, plan: Plan, rank: int, groups) -> float:
+    """Seconds from the shrink decision to every member running on the stage-1 group, done as the
+    elastic runtime does it: expert moves, drops, then the switch (an MoE rebuild here)."""
     torch.cuda.synchronize()
     dist.barrier()
     t0 = time.perf_counter()
-    ops, incoming = [], {}
-    for e in range(mcfg.num_moe_experts):
-        src, dst = e // old_per, e // new_per
-        if src == dst:
-            continue
-        if rank == src:
-            ops.append(dist.P2POp(dist.isend, flat_expert(model, e).contiguous(), dst))
-        elif rank == dst:
-            incoming[e] = torch.empty(mcfg.num_layers * (fc1_n + fc2_n), dtype=torch.bfloat16, device=device)
-            ops.append(dist.P2POp(dist.irecv, incoming[e], src))
-    for req in dist.batch_isend_irecv(ops) if ops else []:
-        req.wait()
-    if rank in members:
-        per_layer = {}
-        for e, flat in incoming.items():
-            chunks = flat.split([fc1_n, fc2_n] * mcfg.num_layers)
-            per_layer[e] = [(chunks[2 * i].view(2 * mcfg.moe_ffn_hidden_size, mcfg.hidden_size),
-                             chunks[2 * i + 1].view(mcfg.hidden_size, mcfg.moe_ffn_hidden_size))
-                            for i in range(mcfg.num_layers)]
-        rebuild_ep(model, moe_pg_collection(half, selves[rank]), per_layer)
-        assert model.moe_layers[0].local_experts == block_experts(mcfg.num_moe_experts, len(members), rank)
+    _move_experts(elastic, plan.transfers(0, 1), rank)
+    for e in elastic.held_experts():
+        if rank not in plan.stages[1].owners[e]:
+            elastic.drop_expert(e)
+    if rank in plan.stages[1].members:
+        elastic.use_group(groups[1], {e: plan.stages[1].owner_of(e) for e in range(plan.num_experts)})
     torch.cuda.synchronize()
     dist.barrier()
     return time.perf_counter() - t0
@@ -134,34 +105,45 @@ def main() -> None:
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     mcfg = model_config(a)
-    if mcfg.num_moe_experts % world:
-        raise SystemExit(f"{mcfg.num_moe_experts} experts do not divide over {world} ranks")
+    E = mcfg.num_moe_experts
+    if E % world:
+        raise SystemExit(f"{E} experts do not divide over {world} ranks")
+    members = list(range(max(1, world // 2)))
+    stages = [Stage(tuple(range(world)), (), block_owners(E, range(world))),
+              Stage(tuple(members), tuple(range(len(members), world)), block_owners(E, members))]
+    plan = Plan(ranks=world, floor=len(members), num_experts=E, layout="natural", tailguard=False,
+                assignments=[], stages=stages)
+    # Every group before any timing, as the elastic runtime pre-creates them.
     selves = [dist.new_group([r]) for r in range(world)]
-    full = dist.new_group(list(range(world)))
-    mine = block_experts(mcfg.num_moe_experts, world, rank)
+    groups = [dist.new_group(list(range(world))), dist.new_group(members)]
+    mine = [e for e in range(E) if stages[0].owner_of(e) == rank]
     say = print if rank == 0 else (lambda *_: None)
-    say(f"model: {mcfg.num_layers} layers, {mcfg.num_moe_experts} experts top-{mcfg.moe_router_topk}, hidden "
-        f"{mcfg.hidden_size}, expert FFN {mcfg.moe_ffn_hidden_size}, bf16; EP over {world} GPU(s); "
-        f"{a.batch} requests/rank, {a.new_tokens} new tokens each")
+    say(f"model: {mcfg.num_layers} layers, {E} experts top-{mcfg.moe_router_topk}, hidden {mcfg.hidden_size}, "
+        f"expert FFN {mcfg.moe_ffn_hidden_size}, bf16; EP over {world} GPU(s); {a.batch} requests/rank, "
+        f"{a.new_tokens} new tokens each")
+    max_len = a.prompt_len + a.new_tokens
+    # The engine allocates its cache and inputs on the default device.
+    with torch.device(device):
+        torch_engine = RolloutEngine(build_model(mcfg, mine, device), SamplingParams(greedy=True), a.batch, max_len)
+        if world > 1:
+            torch_engine.model.set_dispatcher(AllToAllDispatcher(groups[0], [stages[0].owner_of(e) for e in range(E)]))
+        torch_engine.add(requests_for(rank, a))
+        torch_tps = decode_tokens_per_s(torch_engine, device)
+        del torch_engine
+        torch.cuda.empty_cache()
 
-    torch_model = build_model(mcfg, mine, device)
-    if world > 1:
-        with torch.device(device):
-            torch_model.set_dispatcher(AllToAllDispatcher(full, [e // len(mine) for e in range(mcfg.num_moe_experts)]))
-    torch_tps = decode_tokens_per_s(torch_model, a, rank, device)
-    del torch_model
-    torch.cuda.empty_cache()
+        engine = RolloutEngine(build_model(mcfg, mine, device), SamplingParams(greedy=True), a.batch, max_len)
+        elastic = MegatronElasticEngine(engine, world, selves[rank], dispatcher=a.dispatcher, dtype=torch.bfloat16,
+                                        grouped_gemm=not a.no_grouped_gemm, device="cuda")
+        elastic.use_group(groups[0], {e: stages[0].owner_of(e) for e in range(E)})
+        engine.add(requests_for(rank, a))
+        megatron_tps = decode_tokens_per_s(engine, device)
+        experts = "SequentialMLP" if a.no_grouped_gemm else "TE grouped GEMM"
+        say(f"decode tokens/s (all ranks): torch backend {torch_tps:,.0f}, megatron backend ({a.dispatcher}, "
+            f"{experts}) {megatron_tps:,.0f}; megatron/torch {megatron_tps / torch_tps:.2f}x")
 
-    megatron_model = build_model(mcfg, mine, device)
-    install_megatron_moe(megatron_model, moe_pg_collection(full, selves[rank]), dispatcher=a.dispatcher,
-                         dtype=torch.bfloat16, grouped_gemm=not a.no_grouped_gemm, device="cuda")
-    megatron_tps = decode_tokens_per_s(megatron_model, a, rank, device)
-    experts = "SequentialMLP" if a.no_grouped_gemm else "TE grouped GEMM"
-    say(f"decode tokens/s (all ranks): torch backend {torch_tps:,.0f}, megatron backend ({a.dispatcher}, {experts}) "
-        f"{megatron_tps:,.0f}; megatron/torch {megatron_tps / torch_tps:.2f}x")
-
-    shrink_s = shrink_latency_s(megatron_model, mcfg, rank, world, selves, device)
-    what = (f"shrink {world} -> {max(1, world // 2)} ranks (expert moves + MoE rebuild)" if world > 1
+        shrink_s = shrink_latency_s(elastic, plan, rank, groups)
+    what = (f"shrink {world} -> {len(members)} ranks (expert moves + MoE rebuild)" if world > 1
             else "MoE rebuild on a new 1-rank EP group (one GPU: no expert moves)")
     say(f"{what}: {shrink_s * 1e3:.1f} ms for {mcfg.num_layers} layers")
     dist.destroy_process_group()

@@ -21,7 +21,7 @@ device="cpu"`), which is how the tests check construction, pg_collection wiring 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -203,17 +203,19 @@ def to_torch_moe(moe: MegatronMoE) -> TorchMoELayer:
     return out
 
 
-def rebuild_ep(model, pg_collection, incoming: Mapping[int, list[ExpertWeights]] | None = None) -> None:
+def rebuild_ep(model, pg_collection, incoming: Mapping[int, list[ExpertWeights]] | None = None,
+               dropped: Iterable[int] = ()) -> None:
     """Rebuild every MegatronMoE layer of `model` over the EP group of `pg_collection`.
 
     A shrink (or restore) changes which block of experts each member owns; the experts this rank
-    held keep their weights, and `incoming[e]` (one (fc1, fc2) per layer) supplies the ones it gains,
-    as moved by `elastic/` (`Plan.transfers`). Only members of the new group call this.
+    held keep their weights unless `dropped`, and `incoming[e]` (one (fc1, fc2) per layer)
+    supplies the ones it gains, as moved by `elastic/` (`Plan.transfers`). Only members of the new
+    group call this.
     """
-    incoming = incoming or {}
+    incoming, dropped = incoming or {}, set(dropped)
     for i, layer in enumerate(model.decoder.layers):
         old = layer.mlp
-        experts = dict(old.expert_weights())
+        experts = {e: w for e, w in old.expert_weights().items() if e not in dropped}
         experts.update({e: per_layer[i] for e, per_layer in incoming.items()})
         layer.mlp = MegatronMoE(old.mcfg, pg_collection, old.router_weight.detach(), experts,
                                 layer_number=old.layer_number, **old.options)

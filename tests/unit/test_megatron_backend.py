@@ -1,7 +1,7 @@
 """The megatron backend on a CPU machine: the clear refusal, the TransformerConfig mapping, and the
 construction of megatron-core's MoELayer on a one-rank gloo group with the torch backend's weights.
 
-Multi-rank pg_collection wiring and the EP shrink are in tests/distributed/test_megatron_backend.py;
+Multi-rank pg_collection wiring and the EP shrink are in tests/distributed/test_megatron_elastic.py;
 the forward pass needs CUDA (tools/gpu_check.sh).
 """
 from __future__ import annotations
