@@ -18,8 +18,8 @@ group tokens, which the analytical lower bound relies on.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -203,7 +203,7 @@ class CostModel:
         rank owning the most experts only adds to the max)."""
         return self.step_overhead_s + self.rank_compute_s(1.0, context, 0.0, 0.0) + self.a2a_s(ep_size, 1.0)
 
-    def scaled(self, factor: float) -> "CostModel":
+    def scaled(self, factor: float) -> CostModel:
         """Every duration times `factor` (rates divided by it): the same shape of costs on a machine
         that is uniformly `factor` times slower, e.g. to match one measured rollout's wall time."""
         if factor <= 0:

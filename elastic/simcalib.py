@@ -12,8 +12,8 @@ non-negative least-squares fit over every calibration run's states gives the fac
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import numpy as np
 

@@ -2,7 +2,7 @@
 lower bound and vanilla, with DESIGN.md's decomposition of the dummy run removed."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from elastic.costmodel import CostModel
 from elastic.ledger import format_report
@@ -77,9 +77,9 @@ def single_report(summary: dict) -> str:
     """`flexfloor simulate` without --json: the ledger table plus the distance to the bound."""
     lines = [f"policy {summary['label']} on {summary['ranks']} ranks, {summary['rollouts']} rollout(s), summed:",
              format_report(summary),
-             f"lower bound {summary['lower_bound_s']:.2f} s "
+             (f"lower bound {summary['lower_bound_s']:.2f} s "
              f"(rollout time is {summary['rollout_time_s'] / summary['lower_bound_s']:.2f}x it); "
-             f"{summary['shrinks']} shrinks, {summary['detached_rank_s']:.1f} detached rank-s"]
+             f"{summary['shrinks']} shrinks, {summary['detached_rank_s']:.1f} detached rank-s")]
     mig = summary.get("migration")
     if mig:
         lines.append(f"KV migration (up to {mig['max_responses']} stragglers per shrink): {mig['migrated_responses']} "

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -222,10 +222,9 @@ class _Rollout:
         for i in moves:
             span = slice(step + 1, int(self.length[i]) + 1)
             ts = np.arange(span.start, span.stop)
-
-            def peak(r: int) -> float:
-                return float(np.max(self.psum[r, span] + self.live[r, span] * ts + self.prompt[i] + ts))
-            fits = [r for r in residents if peak(r) <= budget[r]]
+            # Peak KV tokens each resident would hold over the response's remaining steps.
+            peaks = (self.psum[residents, span] + self.live[residents, span] * ts + self.prompt[i] + ts).max(axis=1)
+            fits = [r for r, p in zip(residents, peaks) if p <= budget[r]]
             if not fits:
                 self.live, self.psum, self.rank = saved
                 return None

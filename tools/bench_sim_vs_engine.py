@@ -34,14 +34,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.costmodel import CostModel, calibrate, fit_error  # noqa: E402
-from elastic.ledger import STATES  # noqa: E402
-from elastic.plan import Plan, block_owners  # noqa: E402
-from elastic.simcalib import fit_to_ledgers  # noqa: E402
-from elastic.simulate import SimConfig, simulate_rollout  # noqa: E402
-from elastic.trace import TraceRecord  # noqa: E402
-from megatron_rl.models.config import MoEModelConfig  # noqa: E402
-from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
+from elastic.costmodel import CostModel, calibrate, fit_error
+from elastic.ledger import STATES
+from elastic.plan import Plan, block_owners
+from elastic.simcalib import fit_to_ledgers
+from elastic.simulate import SimConfig, simulate_rollout
+from elastic.trace import TraceRecord
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.rollout.config import RolloutConfig
 
 TOLERANCE = 0.15
 # A state below this share of the real run's rank-time is reported but not judged: a relative error
@@ -114,7 +114,7 @@ def measure(mcfg: MoEModelConfig, world: int, sizes, points, steps: int, seed: i
 def real_run(policy: str, ranks: int, floor: int, out: Path) -> tuple[dict, Plan]:
     cmd = [sys.executable, "-m", "megatron_rl.cli", "rollout", "--ranks", str(ranks), "--policy", policy,
            "--floor", str(floor), "--out", str(out), "--json", str(out / "ledger.json"), "--quiet"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"real rollout failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
     report = json.loads((out / "ledger.json").read_text())

@@ -15,11 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.costmodel import CostModel  # noqa: E402
-from elastic.shape import ModelShape  # noqa: E402
-from elastic.simtrace import Policy, make_policy_plan  # noqa: E402
-from elastic.simulate import SimConfig, simulate_rollout  # noqa: E402
-from elastic.synth import generate, preset  # noqa: E402
+from elastic.costmodel import CostModel
+from elastic.shape import ModelShape
+from elastic.simtrace import Policy, make_policy_plan
+from elastic.simulate import SimConfig, simulate_rollout
+from elastic.synth import generate, preset
 
 LIMIT_S = 30.0
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.costmodel import CostModel  # noqa: E402
-from elastic.shape import ModelShape  # noqa: E402
-from elastic.simreport import compare_table, run_compare  # noqa: E402
-from elastic.simulate import SimConfig  # noqa: E402
-from elastic.synth import generate, preset  # noqa: E402
+from elastic.costmodel import CostModel
+from elastic.shape import ModelShape
+from elastic.simreport import compare_table, run_compare
+from elastic.simulate import SimConfig
+from elastic.synth import generate, preset
 
 RANKS = 16
 TRACES = {"deepscaler": "DeepScaleR-like math", "eurus": "Eurus-like code", "nosignal": "no-signal"}
@@ -69,17 +69,17 @@ def paper_table(dsr, code) -> tuple[list[str], dict]:
         "| figure | paper | simulated | oracle (true lengths) |",
         "|---|---|---|---|",
         f"| vanilla dummy share (math) | 32.83% | {_pct(van['dummy_share'])} | — |",
-        f"| dummy cut, natural floor2 + TailGuard | 96.15% | {_pct(nat2['dummy_reduction'])} | "
-        f"— |",
-        f"| rollout-time cut, planned floor4 + TailGuard vs vanilla | 24.09% | "
-        f"{_pct(pl4['rollout_time_reduction'])} | {_pct(1 - pl4['oracle_rollout_time_s'] / base_t)} |",
-        f"| rollout-time cut, planned floor4 + TailGuard vs lengthsort + TailGuard | 2.31% | {_pct(vs_ls)} | "
-        f"{_pct(vs_ls_oracle)} |",
-        f"| code: rollout-time cut (planned floor4 + TailGuard) | 20.56% | {_pct(cpl4['rollout_time_reduction'])} | "
-        f"{_pct(1 - cpl4['oracle_rollout_time_s'] / _row(code, 'vanilla')['rollout_time_s'])} |",
+        (f"| dummy cut, natural floor2 + TailGuard | 96.15% | {_pct(nat2['dummy_reduction'])} | "
+        f"— |"),
+        (f"| rollout-time cut, planned floor4 + TailGuard vs vanilla | 24.09% | "
+        f"{_pct(pl4['rollout_time_reduction'])} | {_pct(1 - pl4['oracle_rollout_time_s'] / base_t)} |"),
+        (f"| rollout-time cut, planned floor4 + TailGuard vs lengthsort + TailGuard | 2.31% | {_pct(vs_ls)} | "
+        f"{_pct(vs_ls_oracle)} |"),
+        (f"| code: rollout-time cut (planned floor4 + TailGuard) | 20.56% | {_pct(cpl4['rollout_time_reduction'])} | "
+        f"{_pct(1 - cpl4['oracle_rollout_time_s'] / _row(code, 'vanilla')['rollout_time_s'])} |"),
         f"| code: dummy cut (planned floor4 + TailGuard) | 89.13% | {_pct(cpl4['dummy_reduction'])} | — |",
-        f"| response tokens per occupied rank-s vs vanilla (planned floor4 + TailGuard) | +65.40% | "
-        f"{100 * (pl4['tokens_per_occupied_vs_vanilla'] - 1):+.2f}% | — |",
+        (f"| response tokens per occupied rank-s vs vanilla (planned floor4 + TailGuard) | +65.40% | "
+        f"{100 * (pl4['tokens_per_occupied_vs_vanilla'] - 1):+.2f}% | — |"),
     ]
     return lines, figures
 
@@ -95,18 +95,18 @@ def goals_table(figures: dict, nosignal) -> list[str]:
     return [
         "| goal (issue 7) | target | simulated | verdict |",
         "|---|---|---|---|",
-        f"| planned + TailGuard (floor 4) dummy rank-s cut vs vanilla | ≥ 97% | {_pct(figures['planned4_tg_dummy_cut'])} "
-        f"| {met(figures['planned4_tg_dummy_cut'] >= 0.97)} |",
-        f"| planned + TailGuard rollout-time cut vs vanilla | ≥ 25% | {_pct(figures['planned4_tg_time_cut'])} "
-        f"| {met(figures['planned4_tg_time_cut'] >= 0.25)} |",
-        f"| planned + TailGuard rollout-time cut vs lengthsort + TailGuard | ≥ 3% | "
-        f"{_pct(figures['planned4_tg_vs_lengthsort_tg'])} | {met(figures['planned4_tg_vs_lengthsort_tg'] >= 0.03)} |",
-        f"| response tokens per occupied rank-s vs vanilla | ≥ 1.7x | {1 + figures['tokens_per_occupied_gain']:.3f}x "
-        f"| {met(figures['tokens_per_occupied_gain'] >= 0.7)} |",
-        f"| no-signal trace: slowest policy of ours vs vanilla | ≤ +2% | {slow:+.2%} ({worst['label']}) "
-        f"| {met(slow <= 0.02)} |",
-        f"| vanilla dummy share, math trace | 25–40% | {_pct(figures['vanilla_dummy_share'])} "
-        f"| {met(0.25 <= figures['vanilla_dummy_share'] <= 0.40)} |",
+        (f"| planned + TailGuard (floor 4) dummy rank-s cut vs vanilla | ≥ 97% | {_pct(figures['planned4_tg_dummy_cut'])} "
+        f"| {met(figures['planned4_tg_dummy_cut'] >= 0.97)} |"),
+        (f"| planned + TailGuard rollout-time cut vs vanilla | ≥ 25% | {_pct(figures['planned4_tg_time_cut'])} "
+        f"| {met(figures['planned4_tg_time_cut'] >= 0.25)} |"),
+        (f"| planned + TailGuard rollout-time cut vs lengthsort + TailGuard | ≥ 3% | "
+        f"{_pct(figures['planned4_tg_vs_lengthsort_tg'])} | {met(figures['planned4_tg_vs_lengthsort_tg'] >= 0.03)} |"),
+        (f"| response tokens per occupied rank-s vs vanilla | ≥ 1.7x | {1 + figures['tokens_per_occupied_gain']:.3f}x "
+        f"| {met(figures['tokens_per_occupied_gain'] >= 0.7)} |"),
+        (f"| no-signal trace: slowest policy of ours vs vanilla | ≤ +2% | {slow:+.2%} ({worst['label']}) "
+        f"| {met(slow <= 0.02)} |"),
+        (f"| vanilla dummy share, math trace | 25–40% | {_pct(figures['vanilla_dummy_share'])} "
+        f"| {met(0.25 <= figures['vanilla_dummy_share'] <= 0.40)} |"),
     ]
 
 
@@ -149,11 +149,11 @@ def main(argv=None) -> int:
     doc = [
         "# Reproduction report: the simulator beside arXiv 2611.06984",
         "",
-        f"Generated by `python tools/reproduction_report.py --seed {args.seed}` (do not edit by hand). "
+        (f"Generated by `python tools/reproduction_report.py --seed {args.seed}` (do not edit by hand). "
         f"{RANKS} simulated H100-80GB ranks on 2 nodes of 8, Qwen3-30B-A3B, the cost model's cited "
         f"defaults (`elastic/costmodel.py`), drain checks every {config.check_every} steps. Each trace "
         f"has {preset('deepscaler').epochs} epochs; every epoch after the first is one rollout planned "
-        f"from the epochs before it ({rollouts} rollouts per trace), and figures are summed over them.",
+        f"from the epochs before it ({rollouts} rollouts per trace), and figures are summed over them."),
         "",
         "## Published figures beside the simulated ones",
         "",
@@ -163,11 +163,11 @@ def main(argv=None) -> int:
         "",
         *paper,
         "",
-        "Decomposition of vanilla's dummy run for natural floor2 + TailGuard (paper: 29393.9 = 18693.6 "
-        "shortening + 9568.6 coordinated exits + 1131.7 left):",
-        f"{nat2['vanilla_dummy_rank_s']:.1f} = {nat2['rollout_shortening_rank_s']:.1f} shortening + "
+        ("Decomposition of vanilla's dummy run for natural floor2 + TailGuard (paper: 29393.9 = 18693.6 "
+        "shortening + 9568.6 coordinated exits + 1131.7 left):"),
+        (f"{nat2['vanilla_dummy_rank_s']:.1f} = {nat2['rollout_shortening_rank_s']:.1f} shortening + "
         f"{nat2['coordinated_exits_rank_s']:.1f} coordinated exits + {nat2['dummy_left_rank_s']:.1f} left "
-        f"+ {nat2['other_rank_s']:.1f} other (change of busy and transition rank-s).",
+        f"+ {nat2['other_rank_s']:.1f} other (change of busy and transition rank-s)."),
         "",
         "## Our goals",
         "",

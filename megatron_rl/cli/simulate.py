@@ -39,11 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _setup(args):
-    from megatron_rl.config import load_dataclass
     from elastic.costmodel import CostModel
     from elastic.shape import SHAPES, ModelShape
     from elastic.simulate import SimConfig
     from elastic.trace import TraceError, read_trace
+    from megatron_rl.config import load_dataclass
 
     if args.ranks < 1:
         raise FlexFloorError(f"--ranks must be >= 1, got {args.ranks}")
