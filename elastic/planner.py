@@ -32,12 +32,12 @@ from elastic.guard import TailGuard
 from elastic.kv import Demand, RankKV
 from elastic.plan import Assignment, Plan, PlanError
 from elastic.predict import LengthDist, Predictor
-from elastic.release import ShapeCost, StepCost, Timeline, rank_drain_steps
+from elastic.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
 from elastic.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.shape import ModelShape
 from elastic.trace import Trace
 
-__all__ = ["LAYOUTS", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
+__all__ = ["LAYOUTS", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
 
 LAYOUTS = ("natural", "lengthsort", "planned")
 WEAK_ICC = 0.1

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from elastic.plan import Plan, PlanError, block_owners
-from elastic.planner import ShapeCost, make_plan, plan_epoch
+from elastic.planner import FixedCost, ShapeCost, make_plan, plan_epoch
 from elastic.release import replay
 from elastic.schedule import (
     build_stages,
@@ -117,6 +117,20 @@ def test_objective_trades_release_for_rollout_time():
     assert capacity.meta["predicted_occupied_rank_s"] <= latency.meta["predicted_occupied_rank_s"]
     with pytest.raises(PlanError, match="objective must be one of"):
         plan_epoch(trace, 3, objective="fast", **kw)
+
+
+def test_tiny_cpu_model_shrinks_under_a_fixed_cost():
+    """The runtime's CPU models: H100 figures make a 50 ms shrink dearer than a whole rollout of
+    64 tokens, so nobody leaves; a measured fixed step cost lets the plan shrink."""
+    tiny = ModelShape(name="cpu-tiny", num_experts=8, topk=2, num_layers=2, hidden_size=64,
+                      expert_ffn=32, bytes_per_param=4, kv_bytes_per_token=512, dense_bytes=0,
+                      memory_per_rank_bytes=2**30)
+    trace = generate(preset("deepscaler", prompts=8, samples=2, epochs=3, cap=64, median=12), seed=0)
+    kw = dict(ranks=4, floor=1, shape=tiny, layout="planned", tailguard=True)
+    assert len(plan_epoch(trace, 2, **kw).stages) == 1
+    plan = plan_epoch(trace, 2, cost=FixedCost(step_s=0.01, shrink_fixed_s=0.02), **kw)
+    assert len(plan.stages) >= 2 and plan.predicted_release_rank_s > 0
+    plan.check([r.key for r in trace.epoch(2)])
 
 
 def _replay(plan, batch):
