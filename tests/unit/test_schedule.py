@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from elastic.plan import Plan, PlanError, block_owners
+from elastic.plan import Assignment, Plan, PlanError, block_owners
 from elastic.planner import FixedCost, ShapeCost, make_plan, plan_epoch
 from elastic.release import replay
 from elastic.schedule import (
@@ -131,6 +131,21 @@ def test_tiny_cpu_model_shrinks_under_a_fixed_cost():
     plan = plan_epoch(trace, 2, cost=FixedCost(step_s=0.01, shrink_fixed_s=0.02), **kw)
     assert len(plan.stages) >= 2 and plan.predicted_release_rank_s > 0
     plan.check([r.key for r in trace.epoch(2)])
+
+
+@pytest.mark.parametrize("shrink, T, detached", [(0.0, 100.0, 90.0), (5.0, 105.0, 90.0)])
+def test_release_estimate_by_hand(shrink, T, detached):
+    """Two ranks, one response each (10 and 100 tokens), 1 s per step: rank 1 drains at step 10,
+    leaves after the shrink, and is detached until the end."""
+    lengths = {("short", 0): 10, ("long", 0): 100}
+    plan = Plan(2, 1, 4, "planned", False,
+                [Assignment("long", 0, 0), Assignment("short", 0, 1)],
+                build_stages([2, 1], 4))
+    est = replay(plan, lengths, 0.0, FixedCost(step_s=1.0, shrink_fixed_s=shrink))
+    assert est.rollout_s == pytest.approx(T)
+    assert est.static_s == pytest.approx(100.0)
+    assert est.detached_rank_s == pytest.approx(detached)
+    assert est.occupied_rank_s == pytest.approx(2 * T - detached)
 
 
 def _replay(plan, batch):
