@@ -32,12 +32,12 @@ from elastic.guard import TailGuard
 from elastic.kv import Demand, RankKV
 from elastic.plan import Assignment, Plan, PlanError
 from elastic.predict import LengthDist, Predictor
-from elastic.release import ShapeCost, StepCost, Timeline, rank_drain_steps
+from elastic.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
 from elastic.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.shape import ModelShape
 from elastic.trace import Trace
 
-__all__ = ["LAYOUTS", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
+__all__ = ["LAYOUTS", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
 
 LAYOUTS = ("natural", "lengthsort", "planned")
 WEAK_ICC = 0.1
@@ -180,12 +180,16 @@ class _ChainSearch:
                         self.prompt_mean, self.cost)
 
     def _budgets(self, stages) -> list[float]:
-        """KV tokens each rank may hold: the least over the stages it is a member of."""
+        """KV tokens each rank may hold: the least over the stages it is a member of. A stage
+        whose experts alone overflow a member (uneven or replicated ownership) is infeasible."""
         budget = [math.inf] * self.ranks
-        for st in stages:
+        for i, st in enumerate(stages):
             for r, h in held_counts(st.owners, st.members).items():
-                budget[r] = min(budget[r], self.shape.kv_budget_bytes(h)
-                                // self.shape.kv_bytes_per_token)
+                room = self.shape.kv_budget_bytes(h)
+                if room < 0:
+                    raise PlanError(f"stage {i}: rank {r} would hold {h} experts, more than its "
+                                    f"memory takes")
+                budget[r] = min(budget[r], room // self.shape.kv_bytes_per_token)
         return budget
 
     def price(self, sizes: tuple[int, ...]):
@@ -193,9 +197,9 @@ class _ChainSearch:
         if sizes in self.cache:
             return self.cache[sizes]
         stages = build_stages(list(sizes), self.E, self.leave_order, self.stage_memo)
-        kv = RankKV(self.demand, self._budgets(stages))
         result = None
         try:
+            kv = RankKV(self.demand, self._budgets(stages))
             if self.fixed is not None:
                 rank_of = self.fixed
                 layouts.check_kv(rank_of, kv)

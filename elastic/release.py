@@ -69,6 +69,24 @@ class ShapeCost:
         return self.shrink_fixed_s + experts_moved * self.shape.expert_bytes / self.link_bytes_per_s
 
 
+@dataclass(frozen=True)
+class FixedCost:
+    """A step cost that does not depend on the group: a measured mean decode step and shrink.
+
+    For engines whose step time is dominated by fixed overheads (the CPU engine of the tests),
+    where `ShapeCost`'s H100 figures would make every shrink look too dear to plan.
+    """
+
+    step_s: float
+    shrink_fixed_s: float = 0.0
+
+    def decode_step_s(self, batch_per_rank: int, context: int, ep_size: int) -> float:
+        return self.step_s
+
+    def shrink_s(self, experts_moved: int, ep_size: int) -> float:
+        return self.shrink_fixed_s
+
+
 def rank_drain_steps(lengths: np.ndarray, ranks_of: np.ndarray, ranks: int) -> np.ndarray:
     """(samples, responses) lengths -> (samples, ranks) step at which each rank drains."""
     out = np.zeros((lengths.shape[0], ranks))
