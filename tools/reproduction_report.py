@@ -169,9 +169,9 @@ def main(argv=None) -> int:
         "",
         *paper,
         "",
-        f"Vanilla's dummy share on the math preset by trace seed 0-5: "
+        (f"Vanilla's dummy share on the math preset by trace seed 0-5: "
         f"{', '.join(_pct(x) for x in shares)} (mean {_pct(sum(shares) / len(shares))}); the tables use "
-        f"seed {args.seed}.",
+        f"seed {args.seed}."),
         "",
         ("Decomposition of vanilla's dummy run for natural floor2 + TailGuard (paper: 29393.9 = 18693.6 "
         "shortening + 9568.6 coordinated exits + 1131.7 left):"),
