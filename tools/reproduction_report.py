@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic.costmodel import CostModel
 from elastic.shape import ModelShape
 from elastic.simreport import compare_table, run_compare
+from elastic.simtrace import Policy, simulate_trace
 from elastic.simulate import SimConfig
 from elastic.synth import generate, preset
 
