@@ -55,7 +55,7 @@ def compare_table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r['label']} | {r['rollout_time_s']:.1f} | {-r['rollout_time_reduction']:+.2%} "
+            f"| {r['label']} | {r['rollout_time_s']:.1f} | {0.0 - r['rollout_time_reduction']:+.2%} "
             f"| {r['oracle_rollout_time_s']:.1f} | {r['lower_bound_s']:.1f} | {r['dummy_share']:.2%} "
             f"| {r['dummy_reduction']:.2%} | {r['detached_rank_s']:.1f} | {r['tokens_per_occupied_rank_s']:.1f} "
             f"| {r['tokens_per_occupied_vs_vanilla']:.3f}x | {r['shrinks']} |"

@@ -103,8 +103,11 @@ class TraceResult:
         out["migrated_responses"] = sum(r.migrated for r in self.rollouts)
         out["per_rollout"] = [
             {"rollout_time_s": r.ledger.wall_s, "lower_bound_s": r.lower_bound_s,
-             "rank_seconds": r.ledger.rank_seconds(), "transitions": [list(t) for t in r.transitions]}
-            for r in self.rollouts
+             "rank_seconds": r.ledger.rank_seconds(), "transitions": [list(t) for t in r.transitions],
+             # What the planner expected of its plan, beside what the simulator found.
+             "stage_sizes": [len(st.members) for st in p.stages],
+             "planner_predicted_rollout_s": p.meta.get("predicted_rollout_s")}
+            for r, p in zip(self.rollouts, self.plans)
         ]
         return out
 
