@@ -32,12 +32,12 @@ from elastic.guard import TailGuard
 from elastic.kv import Demand, RankKV
 from elastic.plan import Assignment, Plan, PlanError
 from elastic.predict import LengthDist, Predictor
-from elastic.release import ShapeCost, StepCost, Timeline, rank_drain_steps
+from elastic.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
 from elastic.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.shape import ModelShape
 from elastic.trace import Trace
 
-__all__ = ["LAYOUTS", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
+__all__ = ["LAYOUTS", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
 
 LAYOUTS = ("natural", "lengthsort", "planned")
 WEAK_ICC = 0.1
@@ -149,6 +149,7 @@ class _ChainSearch:
         self.cands = candidate_sizes(ranks, floor, self.E) if floor < ranks else []
         self.cache: dict[tuple[int, ...], tuple | None] = {}
         self.stage_memo: dict = {}
+        self.move_memo: dict[tuple[int, ...], int] = {}
         self.feasible, self.reasons = 0, []
         self.fixed = self.timeline = None
         self.leave_order = list(range(ranks))
@@ -179,12 +180,16 @@ class _ChainSearch:
                         self.prompt_mean, self.cost)
 
     def _budgets(self, stages) -> list[float]:
-        """KV tokens each rank may hold: the least over the stages it is a member of."""
+        """KV tokens each rank may hold: the least over the stages it is a member of. A stage
+        whose experts alone overflow a member (uneven or replicated ownership) is infeasible."""
         budget = [math.inf] * self.ranks
-        for st in stages:
+        for i, st in enumerate(stages):
             for r, h in held_counts(st.owners, st.members).items():
-                budget[r] = min(budget[r], self.shape.kv_budget_bytes(h)
-                                // self.shape.kv_bytes_per_token)
+                room = self.shape.kv_budget_bytes(h)
+                if room < 0:
+                    raise PlanError(f"stage {i}: rank {r} would hold {h} experts, more than its "
+                                    f"memory takes")
+                budget[r] = min(budget[r], room // self.shape.kv_bytes_per_token)
         return budget
 
     def price(self, sizes: tuple[int, ...]):
@@ -192,9 +197,9 @@ class _ChainSearch:
         if sizes in self.cache:
             return self.cache[sizes]
         stages = build_stages(list(sizes), self.E, self.leave_order, self.stage_memo)
-        kv = RankKV(self.demand, self._budgets(stages))
         result = None
         try:
+            kv = RankKV(self.demand, self._budgets(stages))
             if self.fixed is not None:
                 rank_of = self.fixed
                 layouts.check_kv(rank_of, kv)
@@ -205,8 +210,12 @@ class _ChainSearch:
         else:
             self.feasible += 1
             chain = Plan(self.ranks, self.floor, self.E, "", False, [], stages)
-            shrink = [0.0] + [self.cost.shrink_s(len(chain.transfers(i - 1, i)), sizes[i - 1])
-                              for i in range(1, len(sizes))]
+            shrink = [0.0]
+            for i in range(1, len(sizes)):
+                # A shrink's moves depend only on the chain up to it: share them across chains.
+                if sizes[:i + 1] not in self.move_memo:
+                    self.move_memo[sizes[:i + 1]] = len(chain.transfers(i - 1, i))
+                shrink.append(self.cost.shrink_s(self.move_memo[sizes[:i + 1]], sizes[i - 1]))
             est = (self.timeline or self._timeline(rank_of)).estimate(sizes, shrink)
             result = (est, list(sizes), stages, rank_of)
         self.cache[sizes] = result

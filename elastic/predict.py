@@ -19,6 +19,7 @@ prompt: near 0, history carries no signal and the planner should not trust the r
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ def _upper_tail_mean(m: np.ndarray, s: float, c: float) -> np.ndarray:
     return np.maximum(m + s * ratio, c)
 
 
+@functools.lru_cache(maxsize=256)
 def norm_ppf(p: float) -> float:
     """Inverse standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9)."""
     if not 0 < p < 1:

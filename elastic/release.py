@@ -69,6 +69,24 @@ class ShapeCost:
         return self.shrink_fixed_s + experts_moved * self.shape.expert_bytes / self.link_bytes_per_s
 
 
+@dataclass(frozen=True)
+class FixedCost:
+    """A step cost that does not depend on the group: a measured mean decode step and shrink.
+
+    For engines whose step time is dominated by fixed overheads (the CPU engine of the tests),
+    where `ShapeCost`'s H100 figures would make every shrink look too dear to plan.
+    """
+
+    step_s: float
+    shrink_fixed_s: float = 0.0
+
+    def decode_step_s(self, batch_per_rank: int, context: int, ep_size: int) -> float:
+        return self.step_s
+
+    def shrink_s(self, experts_moved: int, ep_size: int) -> float:
+        return self.shrink_fixed_s
+
+
 def rank_drain_steps(lengths: np.ndarray, ranks_of: np.ndarray, ranks: int) -> np.ndarray:
     """(samples, responses) lengths -> (samples, ranks) step at which each rank drains."""
     out = np.zeros((lengths.shape[0], ranks))
@@ -114,10 +132,11 @@ class Timeline:
         self.seg = np.diff(self.bounds, axis=1)
         mid = (self.bounds[:, :-1] + self.bounds[:, 1:]) / 2
         # The synchronous step waits for the member with the most live requests.
-        onehot = np.zeros((lengths.shape[1], ranks), np.float32)
-        onehot[np.arange(lengths.shape[1]), rank_of] = 1.0
-        alive = (lengths[:, None, :] > mid[:, :, None]).astype(np.float32)  # (S, K, n)
-        self.batch = (alive @ onehot).max(axis=2).mean(axis=0)
+        by_rank = np.argsort(rank_of, kind="stable")
+        _, starts = np.unique(rank_of[by_rank], return_index=True)
+        alive = lengths[:, by_rank][:, None, :] > mid[:, :, None]  # (S, K, n)
+        live = np.add.reduceat(alive, starts, axis=2, dtype=np.int32)  # (S, K, ranks present)
+        self.batch = live.max(axis=2).mean(axis=0)
         self.context = prompt_mean + mid.mean(axis=0)
         self._tau: dict[tuple[int, int], float] = {}
 

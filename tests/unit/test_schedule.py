@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from elastic.plan import Plan, PlanError, block_owners
-from elastic.planner import ShapeCost, make_plan, plan_epoch
+from elastic.plan import Assignment, Plan, PlanError, block_owners
+from elastic.planner import FixedCost, ShapeCost, make_plan, plan_epoch
 from elastic.release import replay
 from elastic.schedule import (
     build_stages,
@@ -117,6 +117,35 @@ def test_objective_trades_release_for_rollout_time():
     assert capacity.meta["predicted_occupied_rank_s"] <= latency.meta["predicted_occupied_rank_s"]
     with pytest.raises(PlanError, match="objective must be one of"):
         plan_epoch(trace, 3, objective="fast", **kw)
+
+
+def test_tiny_cpu_model_shrinks_under_a_fixed_cost():
+    """The runtime's CPU models: H100 figures make a 50 ms shrink dearer than a whole rollout of
+    64 tokens, so nobody leaves; a measured fixed step cost lets the plan shrink."""
+    tiny = ModelShape(name="cpu-tiny", num_experts=8, topk=2, num_layers=2, hidden_size=64,
+                      expert_ffn=32, bytes_per_param=4, kv_bytes_per_token=512, dense_bytes=0,
+                      memory_per_rank_bytes=2**30)
+    trace = generate(preset("deepscaler", prompts=8, samples=2, epochs=3, cap=64, median=12), seed=0)
+    kw = dict(ranks=4, floor=1, shape=tiny, layout="planned", tailguard=True)
+    assert len(plan_epoch(trace, 2, **kw).stages) == 1
+    plan = plan_epoch(trace, 2, cost=FixedCost(step_s=0.01, shrink_fixed_s=0.02), **kw)
+    assert len(plan.stages) >= 2 and plan.predicted_release_rank_s > 0
+    plan.check([r.key for r in trace.epoch(2)])
+
+
+@pytest.mark.parametrize("shrink, T, detached", [(0.0, 100.0, 90.0), (5.0, 105.0, 90.0)])
+def test_release_estimate_by_hand(shrink, T, detached):
+    """Two ranks, one response each (10 and 100 tokens), 1 s per step: rank 1 drains at step 10,
+    leaves after the shrink, and is detached until the end."""
+    lengths = {("short", 0): 10, ("long", 0): 100}
+    plan = Plan(2, 1, 4, "planned", False,
+                [Assignment("long", 0, 0), Assignment("short", 0, 1)],
+                build_stages([2, 1], 4))
+    est = replay(plan, lengths, 0.0, FixedCost(step_s=1.0, shrink_fixed_s=shrink))
+    assert est.rollout_s == pytest.approx(T)
+    assert est.static_s == pytest.approx(100.0)
+    assert est.detached_rank_s == pytest.approx(detached)
+    assert est.occupied_rank_s == pytest.approx(2 * T - detached)
 
 
 def _replay(plan, batch):
