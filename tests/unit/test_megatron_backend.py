@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl.errors import FlexFloorError
@@ -72,16 +70,6 @@ def test_transformer_config_rejects_groups_megatron_cannot_split_over():
         transformer_config(MoEModelConfig(), ep_size=3, device="cpu")
     with pytest.raises(FlexFloorError, match=r"dispatcher: expected one of alltoall, flex, allgather"):
         transformer_config(MoEModelConfig(), ep_size=1, dispatcher="deepep", device="cpu")
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        yield dist.new_group([0])
-    finally:
-        dist.destroy_process_group()
 
 
 def test_megatron_layer_holds_the_torch_weights_and_gives_them_back(one_rank_group):
