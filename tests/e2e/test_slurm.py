@@ -59,17 +59,21 @@ def test_tiny_cpu_sbatch_runs_the_rollout_and_writes_its_report(slurm, tmp_path)
 
 
 FAKE_TRAIN = """#!/bin/bash
-# Stands in for `flexfloor`: records its arguments; unless resuming, runs until SIGTERM and then
-# records a last checkpoint, as a trainer would.
-echo "$RANK $*" >> "$FF_RUN_DIR/calls.txt"
-case " $* " in *" --resume "*) exit 0 ;; esac
-trap 'echo "$RANK checkpoint" >> "$FF_RUN_DIR/calls.txt"; exit 0' TERM
+# Stands in for `flexfloor train` and its contract: resume from the latest checkpoint in --out, else
+# start; run until SIGTERM and then write a last checkpoint.
+out=$(sed -n 's/.*--out \\([^ ]*\\).*/\\1/p' <<< "$*")
+if [[ -f $out/checkpoint ]]; then
+    echo "$RANK resumed from $(cat "$out/checkpoint"): $*" >> "$out/calls.txt"
+    exit 0
+fi
+echo "$RANK started: $*" >> "$out/calls.txt"
+trap 'echo step-7 > "$out/checkpoint"; echo "$RANK checkpoint" >> "$out/calls.txt"; exit 0' TERM
 sleep 120 &
 wait
 """
 
 
-def test_train_sbatch_requeues_on_usr1_and_resumes(slurm, tmp_path):
+def test_train_sbatch_requeues_on_usr1_and_resumes_from_the_checkpoint(slurm, tmp_path):
     fake = tmp_path / "fake_flexfloor"
     fake.write_text(FAKE_TRAIN)
     fake.chmod(0o755)
@@ -90,9 +94,10 @@ def test_train_sbatch_requeues_on_usr1_and_resumes(slurm, tmp_path):
     assert slurm.job_field(job, "JobState") in ("COMPLETED", ""), log
     assert slurm.job_field(job, "Restarts") in ("1", ""), log
     lines = calls.read_text().splitlines()
+    args = f"train --config cfg.yaml --out {tmp_path / 'run'} --seed 3"
     assert lines == [
-        f"0 train --config cfg.yaml --out {tmp_path / 'run'} --seed 3",
+        f"0 started: {args}",
         "0 checkpoint",  # the rank got SIGTERM and time to save, not an outright SIGKILL
-        f"0 train --config cfg.yaml --out {tmp_path / 'run'} --resume --seed 3",
+        f"0 resumed from step-7: {args}",  # the requeued job, same command, same run folder
     ], (lines, log)
-    assert "requeueing job" in log and "restart 1: resuming" in log, log
+    assert "requeueing job" in log and "restart 1: flexfloor train resumes" in log, log
