@@ -86,7 +86,7 @@ def test_train_sbatch_requeues_on_usr1_and_resumes_from_the_checkpoint(slurm, tm
     assert rc == 0 and job, slurm.logs()
     slurm.wait_until(lambda: calls.exists(), 60, "the first training attempt to start")
     # What `#SBATCH --signal=B:USR1@300` delivers five minutes before the time limit.
-    res = slurm._run(["scancel", "--signal=USR1", "--batch", job])
+    res = slurm.run(["scancel", "--signal=USR1", "--batch", job])
     assert res.returncode == 0, res.stderr
     slurm.wait_until(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", ""), 90,
                      "the requeued job to finish")
