@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import slurm_cluster
 from slurm_cluster import LocalSlurm, SlurmUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +32,16 @@ def slurm():
         yield cluster
     finally:
         cluster.stop()
+
+
+def test_slurm_that_cannot_be_installed_is_a_skip_with_the_reason(monkeypatch):
+    monkeypatch.setattr(slurm_cluster, "_which", lambda binary: None)
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(SlurmUnavailable, match=r"sbatch, slurmctld, slurmd, munged not installed and not root"):
+        slurm_cluster.ensure_installed()
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 0)
+    with pytest.raises(SlurmUnavailable, match=r"no apt-get on this machine"):
+        slurm_cluster.ensure_installed()
 
 
 def _job_env(tmp_path: Path, flexfloor: str) -> dict[str, str]:
