@@ -27,3 +27,22 @@ def write_tailed_trace(path):
 @pytest.fixture(scope="module")
 def tailed_trace(tmp_path_factory):
     return write_tailed_trace(tmp_path_factory.mktemp("trace") / "trace.jsonl")
+
+
+@pytest.fixture
+def one_rank_group(request):
+    """A one-rank torch.distributed world and a group of that rank, torn down after the test.
+
+    The backend is the test module's `DIST_BACKEND` (default gloo; nccl for GPU tests).
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    backend = getattr(request.module, "DIST_BACKEND", "gloo")
+    dist.init_process_group(backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
+                            timeout=timedelta(seconds=120))
+    try:
+        yield dist.new_group([0])
+    finally:
+        dist.destroy_process_group()

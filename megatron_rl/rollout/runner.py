@@ -201,6 +201,12 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     from megatron_rl.models.megatron_backend import require_backend
 
     require_backend(cfg.backend)
+    if cfg.backend == "megatron":
+        # Reached on a CUDA machine only. The runner's ranks are CPU gloo ranks; running the torch
+        # backend instead would hide the user's choice.
+        raise FlexFloorError(
+            "backend 'megatron': `flexfloor rollout` runs CPU gloo ranks in this release; the megatron "
+            "backend runs through MegatronElasticEngine (tools/gpu_check.sh); use `backend: torch` here")
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
