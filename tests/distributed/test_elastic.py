@@ -59,3 +59,34 @@ def test_fault_ends_run_with_clear_error_and_keeps_finished_work(fault, tmp_path
     assert streamed, "finished responses must be on disk"
     assert len({(r["prompt_id"], r["sample"]) for r in streamed}) == len(streamed)
     assert list(tmp_path.glob("ledger.rank*.json")), "the ledger so far must be on disk"
+
+
+@pytest.mark.timeout(240)
+def test_misprediction_delays_the_stage_and_never_cuts():
+    """A leaving rank that holds the longest response keeps its stage waiting, busy, to the end."""
+    from elastic.plan import Assignment, Plan, Stage, block_owners
+    from megatron_rl.parallel.launch import run_ranks
+    from megatron_rl.rollout.runner import RolloutJob, _rank_jobs, prepare
+
+    cfg = config(policy="vanilla")
+    vanilla = prepare(cfg)
+    by_len = sorted(vanilla.requests, key=lambda r: r.fixed_len)
+    longest = by_len[-1]
+    late = [r for r in by_len if r.fixed_len < longest.fixed_len][-1]
+    # The longest response on rank 0 (resident), the second longest on rank 3: a plan that predicted
+    # ranks 2 and 3 would drain first and leave at stage 1 is wrong about rank 3.
+    others = [r for r in vanilla.requests if r is not longest and r is not late]
+    assign = [Assignment(r.prompt_id, r.sample, i % 3 if r.fixed_len < late.fixed_len else 0)
+              for i, r in enumerate(others)]
+    assign += [Assignment(longest.prompt_id, longest.sample, 0), Assignment(late.prompt_id, late.sample, 3)]
+    stages = [Stage((0, 1, 2, 3), (), block_owners(8, range(4))),
+              Stage((0, 1), (2, 3), block_owners(8, (0, 1)))]
+    plan = Plan(4, 2, 8, "planned", False, assign, stages)
+    job = RolloutJob(cfg, vanilla.mcfg, others + [longest, late], plan, None)
+    (report, responses), (vreport, _) = run_ranks(_rank_jobs, 4, [job, vanilla], True, timeout_s=60.0)
+    assert report["responses_sha256"] == vreport["responses_sha256"]
+    assert report["final_stage"] == 1
+    r2, r3 = report["per_rank"][2]["steps"], report["per_rank"][3]["steps"]
+    assert r3["busy"] >= late.fixed_len  # never cut: it decoded its whole response, then left
+    assert r2["dummy"] > 0  # rank 2 waited in the group for rank 3: the stage was delayed
+    assert r3["idle"] > 0 and r2["idle"] > 0

@@ -5,11 +5,8 @@ TransformerEngine installed it checks megatron-core's SequentialMLP experts inst
 """
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 
@@ -24,22 +21,13 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
+DIST_BACKEND = "nccl"  # for the one_rank_group fixture (tests/conftest.py)
 CONFIG = MoEModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4, kv_channels=32,
                         num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=128, vocab_size=1024)
 
 
-@pytest.fixture(scope="module")
-def ep_group():
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
-                            timeout=timedelta(seconds=120))
-    try:
-        yield dist.new_group([0])
-    finally:
-        dist.destroy_process_group()
-
-
 def _models(ep_group, dispatcher):
+    torch.cuda.set_device(0)
     from megatron_rl.models.megatron_backend import (
         install_megatron_moe,
         moe_pg_collection,
@@ -58,8 +46,8 @@ def _models(ep_group, dispatcher):
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_megatron_logits_match_the_torch_backend_within_bf16_tolerance(ep_group, dispatcher):
-    reference, torch_bf16, megatron = _models(ep_group, dispatcher)
+def test_megatron_logits_match_the_torch_backend_within_bf16_tolerance(one_rank_group, dispatcher):
+    reference, torch_bf16, megatron = _models(one_rank_group, dispatcher)
     ids = torch.randint(0, CONFIG.vocab_size, (4, 48), generator=torch.Generator().manual_seed(0)).cuda()
     with torch.no_grad():
         ref = reference(ids).float()
@@ -78,9 +66,9 @@ def test_megatron_logits_match_the_torch_backend_within_bf16_tolerance(ep_group,
     assert agree >= 0.95, f"greedy tokens agree on {agree:.1%} of positions"
 
 
-def test_zero_tokens_pass_through_the_megatron_layer(ep_group):
+def test_zero_tokens_pass_through_the_megatron_layer(one_rank_group):
     # The dummy run: a rank with no live request still steps every MoE layer with zero tokens.
-    _, _, megatron = _models(ep_group, "alltoall")
+    _, _, megatron = _models(one_rank_group, "alltoall")
     with torch.no_grad():
         out = megatron.moe_layers[0](torch.zeros(0, CONFIG.hidden_size, dtype=torch.bfloat16, device="cuda"))
     assert out.shape == (0, CONFIG.hidden_size)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import slurm_cluster
 from slurm_cluster import LocalSlurm, SlurmUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +32,16 @@ def slurm():
         yield cluster
     finally:
         cluster.stop()
+
+
+def test_slurm_that_cannot_be_installed_is_a_skip_with_the_reason(monkeypatch):
+    monkeypatch.setattr(slurm_cluster, "_which", lambda binary: None)
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(SlurmUnavailable, match=r"sbatch, slurmctld, slurmd, munged not installed and not root"):
+        slurm_cluster.ensure_installed()
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 0)
+    with pytest.raises(SlurmUnavailable, match=r"no apt-get on this machine"):
+        slurm_cluster.ensure_installed()
 
 
 def _job_env(tmp_path: Path, flexfloor: str) -> dict[str, str]:
@@ -59,17 +70,21 @@ def test_tiny_cpu_sbatch_runs_the_rollout_and_writes_its_report(slurm, tmp_path)
 
 
 FAKE_TRAIN = """#!/bin/bash
-# Stands in for `flexfloor`: records its arguments; unless resuming, runs until SIGTERM and then
-# records a last checkpoint, as a trainer would.
-echo "$RANK $*" >> "$FF_RUN_DIR/calls.txt"
-case " $* " in *" --resume "*) exit 0 ;; esac
-trap 'echo "$RANK checkpoint" >> "$FF_RUN_DIR/calls.txt"; exit 0' TERM
+# Stands in for `flexfloor train` and its contract: resume from the latest checkpoint in --out, else
+# start; run until SIGTERM and then write a last checkpoint.
+out=$(sed -n 's/.*--out \\([^ ]*\\).*/\\1/p' <<< "$*")
+if [[ -f $out/checkpoint ]]; then
+    echo "$RANK resumed from $(cat "$out/checkpoint"): $*" >> "$out/calls.txt"
+    exit 0
+fi
+echo "$RANK started: $*" >> "$out/calls.txt"
+trap 'echo step-7 > "$out/checkpoint"; echo "$RANK checkpoint" >> "$out/calls.txt"; exit 0' TERM
 sleep 120 &
 wait
 """
 
 
-def test_train_sbatch_requeues_on_usr1_and_resumes(slurm, tmp_path):
+def test_train_sbatch_requeues_on_usr1_and_resumes_from_the_checkpoint(slurm, tmp_path):
     fake = tmp_path / "fake_flexfloor"
     fake.write_text(FAKE_TRAIN)
     fake.chmod(0o755)
@@ -82,7 +97,7 @@ def test_train_sbatch_requeues_on_usr1_and_resumes(slurm, tmp_path):
     assert rc == 0 and job, slurm.logs()
     slurm.wait_until(lambda: calls.exists(), 60, "the first training attempt to start")
     # What `#SBATCH --signal=B:USR1@300` delivers five minutes before the time limit.
-    res = slurm._run(["scancel", "--signal=USR1", "--batch", job])
+    res = slurm.run(["scancel", "--signal=USR1", "--batch", job])
     assert res.returncode == 0, res.stderr
     slurm.wait_until(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", ""), 90,
                      "the requeued job to finish")
@@ -90,9 +105,10 @@ def test_train_sbatch_requeues_on_usr1_and_resumes(slurm, tmp_path):
     assert slurm.job_field(job, "JobState") in ("COMPLETED", ""), log
     assert slurm.job_field(job, "Restarts") in ("1", ""), log
     lines = calls.read_text().splitlines()
+    args = f"train --config cfg.yaml --out {tmp_path / 'run'} --seed 3"
     assert lines == [
-        f"0 train --config cfg.yaml --out {tmp_path / 'run'} --seed 3",
+        f"0 started: {args}",
         "0 checkpoint",  # the rank got SIGTERM and time to save, not an outright SIGKILL
-        f"0 train --config cfg.yaml --out {tmp_path / 'run'} --resume --seed 3",
+        f"0 resumed from step-7: {args}",  # the requeued job, same command, same run folder
     ], (lines, log)
-    assert "requeueing job" in log and "restart 1: resuming" in log, log
+    assert "requeueing job" in log and "restart 1: flexfloor train resumes" in log, log

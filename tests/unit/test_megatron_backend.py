@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl.errors import FlexFloorError
@@ -51,6 +49,17 @@ def test_cli_rollout_with_megatron_backend_fails_with_one_line(tmp_path):
     assert len(lines) == 1 and "use `backend: torch`" in lines[0], res.stderr
 
 
+def test_rollout_runner_never_swaps_the_megatron_backend_for_torch(monkeypatch):
+    # As on a CUDA machine with TransformerEngine, where require_backend passes.
+    from megatron_rl.models import megatron_backend
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.runner import prepare
+
+    monkeypatch.setattr(megatron_backend, "require_backend", lambda name: None)
+    with pytest.raises(FlexFloorError, match="runs CPU gloo ranks in this release"):
+        prepare(RolloutConfig(backend="megatron"))
+
+
 def test_transformer_config_carries_the_model_fields():
     m = MoEModelConfig(num_layers=3, hidden_size=96, num_attention_heads=6, num_query_groups=3, kv_channels=32,
                        num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=48, layernorm_epsilon=1e-5)
@@ -72,16 +81,6 @@ def test_transformer_config_rejects_groups_megatron_cannot_split_over():
         transformer_config(MoEModelConfig(), ep_size=3, device="cpu")
     with pytest.raises(FlexFloorError, match=r"dispatcher: expected one of alltoall, flex, allgather"):
         transformer_config(MoEModelConfig(), ep_size=1, dispatcher="deepep", device="cpu")
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
-    try:
-        yield dist.new_group([0])
-    finally:
-        dist.destroy_process_group()
 
 
 def test_megatron_layer_holds_the_torch_weights_and_gives_them_back(one_rank_group):

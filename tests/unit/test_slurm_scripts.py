@@ -56,13 +56,14 @@ def test_multi_node_launch_is_one_torchrun_per_node_meeting_on_the_first_node(tm
                          " --policy planned")
 
 
-def test_qwen3_example_trains_its_config_and_resumes_after_a_requeue(tmp_path):
-    first = _launch_line(_dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch"))
+def test_qwen3_example_trains_its_config_into_the_same_folder_after_a_requeue(tmp_path):
+    first = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch")
     config = REPO / "examples" / "qwen3_30b_a3b_16xh100.yaml"
-    assert f"flexfloor train --config {config} --out {tmp_path}/run" in first
-    assert "--resume" not in first
-    again = _launch_line(_dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch", SLURM_RESTART_COUNT="1"))
-    assert again.endswith(f"--out {tmp_path}/run --resume")
+    assert _launch_line(first).endswith(f"flexfloor train --config {config} --out {tmp_path}/run")
+    again = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch", SLURM_RESTART_COUNT="1")
+    # `flexfloor train` resumes from the latest checkpoint of its --out folder by itself.
+    assert _launch_line(again) == _launch_line(first)
+    assert f"restart 1: flexfloor train resumes from the latest checkpoint in {tmp_path}/run" in again
 
 
 def test_sbatch_header_asks_for_the_16_gpu_allocation_and_requeue():
