@@ -69,7 +69,8 @@ def compare_table(rows: list[dict]) -> str:
     for r in rows[1:]:
         d = r["decomposition"]
         lines.append(f"| {r['label']} | {d['vanilla_dummy_rank_s']:.1f} | {d['rollout_shortening_rank_s']:.1f} "
-                     f"| {d['coordinated_exits_rank_s']:.1f} | {d['dummy_left_rank_s']:.1f} | {d['other_rank_s']:.1f} |")
+                     f"| {d['coordinated_exits_rank_s']:.1f} | {d['dummy_left_rank_s']:.1f} "
+                     f"| {d['other_rank_s']:.1f} |")
     return "\n".join(lines)
 
 
@@ -84,5 +85,6 @@ def single_report(summary: dict) -> str:
     if mig:
         lines.append(f"KV migration (up to {mig['max_responses']} stragglers per shrink): {mig['migrated_responses']} "
                      f"responses moved, rollout time {-mig['rollout_time_saved_s']:+.2f} s, "
-                     f"dummy {-mig['dummy_rank_s_saved']:+.1f} rank-s, detached {mig['detached_rank_s_gained']:+.1f} rank-s")
+                     f"dummy {-mig['dummy_rank_s_saved']:+.1f} rank-s, "
+                     f"detached {mig['detached_rank_s_gained']:+.1f} rank-s")
     return "\n".join(lines)

@@ -6,8 +6,8 @@ step times, then compare its predicted ledger with real 4-rank rollouts of the s
 1. Probe: in a world of W gloo ranks, EP groups of W, W/2, ..., 1 ranks run the real model and
    `RolloutEngine` on balanced batches of b requests at context c, with the runtime's status
    all-reduce after every step; the slowest member's mean step time is one
-   `(b, c, ep_size, seconds)` sample. `elastic.costmodel.calibrate` fits the step constants of a cost model that has the tiny
-   model's shape.
+   `(b, c, ep_size, seconds)` sample. `elastic.costmodel.calibrate` fits the step constants of a
+   cost model that has the tiny model's shape.
 2. Real runs: `flexfloor rollout --ranks W --policy P --floor F --out DIR` on the built-in tiny CPU
    example (a DeepScaleR-like trace replay, lengths scaled for CPU).
 3. Fit: the probed model's overhead, compute and all-to-all terms are scaled
@@ -34,14 +34,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.costmodel import CostModel, calibrate, fit_error
-from elastic.ledger import STATES
-from elastic.plan import Plan, block_owners
-from elastic.simcalib import fit_to_ledgers
-from elastic.simulate import SimConfig, simulate_rollout
-from elastic.trace import TraceRecord
-from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.rollout.config import RolloutConfig
+from elastic.costmodel import CostModel, calibrate, fit_error  # noqa: E402
+from elastic.ledger import STATES  # noqa: E402
+from elastic.plan import Plan, block_owners  # noqa: E402
+from elastic.simcalib import fit_to_ledgers  # noqa: E402
+from elastic.simulate import SimConfig, simulate_rollout  # noqa: E402
+from elastic.trace import TraceRecord  # noqa: E402
+from megatron_rl.models.config import MoEModelConfig  # noqa: E402
+from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
 
 TOLERANCE = 0.15
 # A state below this share of the real run's rank-time is reported but not judged: a relative error

@@ -96,8 +96,8 @@ def goals_table(figures: dict, nosignal) -> list[str]:
     return [
         "| goal (issue 7) | target | simulated | verdict |",
         "|---|---|---|---|",
-        (f"| planned + TailGuard (floor 4) dummy rank-s cut vs vanilla | ≥ 97% | {_pct(figures['planned4_tg_dummy_cut'])} "
-        f"| {met(figures['planned4_tg_dummy_cut'] >= 0.97)} |"),
+        (f"| planned + TailGuard (floor 4) dummy rank-s cut vs vanilla | ≥ 97% "
+         f"| {_pct(figures['planned4_tg_dummy_cut'])} | {met(figures['planned4_tg_dummy_cut'] >= 0.97)} |"),
         (f"| planned + TailGuard rollout-time cut vs vanilla | ≥ 25% | {_pct(figures['planned4_tg_time_cut'])} "
         f"| {met(figures['planned4_tg_time_cut'] >= 0.25)} |"),
         (f"| planned + TailGuard rollout-time cut vs lengthsort + TailGuard | ≥ 3% | "
