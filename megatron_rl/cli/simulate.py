@@ -133,6 +133,10 @@ def _run(args) -> int:
     if args.plot:
         from elastic.simplot import write_plots
 
+        try:
+            import matplotlib  # noqa: F401  (the dev extra; not a core dependency)
+        except ImportError:
+            raise FlexFloorError("--plot needs matplotlib: pip install matplotlib") from None
         for path in write_plots(results, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     return 0
