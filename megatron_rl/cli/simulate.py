@@ -65,6 +65,11 @@ def _setup(args):
         raise FlexFloorError(f"--check-every: {e}") from None
     if args.migrate < 0:
         raise FlexFloorError(f"--migrate must be >= 0, got {args.migrate}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (in the dev extra, not a core dependency)
+        except ImportError:
+            raise FlexFloorError("--plot needs matplotlib: pip install matplotlib") from None
     try:
         trace = read_trace(args.trace)
         epochs = None
@@ -133,10 +138,6 @@ def _run(args) -> int:
     if args.plot:
         from elastic.simplot import write_plots
 
-        try:
-            import matplotlib  # noqa: F401  (the dev extra; not a core dependency)
-        except ImportError:
-            raise FlexFloorError("--plot needs matplotlib: pip install matplotlib") from None
         for path in write_plots(results, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     return 0
