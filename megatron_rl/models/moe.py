@@ -30,8 +30,12 @@ class Expert(nn.Module):
         self.linear_fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        gate_TF, up_TF = self.linear_fc1(x_TD).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate_TF) * up_TF)
+        return swiglu(x_TD, self.linear_fc1.weight, self.linear_fc2.weight)
+
+
+def swiglu(x_TD: torch.Tensor, fc1_2FD: torch.Tensor, fc2_DF: torch.Tensor) -> torch.Tensor:
+    gate_TF, up_TF = F.linear(x_TD, fc1_2FD).chunk(2, dim=-1)
+    return F.linear(F.silu(gate_TF) * up_TF, fc2_DF)
 
 
 class ExpertBank(nn.Module):
@@ -67,16 +71,26 @@ class ExpertBank(nn.Module):
         """Run each token through its expert; tokens are grouped per expert in ascending order.
 
         A token's result depends only on its own row and its expert's weights (row-wise matmuls),
-        up to the BLAS kernel's blocking; see `megatron_rl/rollout/README.md` on batch invariance.
+        up to the BLAS kernel's blocking; see docs/rollout.md on batch invariance. One stable sort
+        groups the tokens (each expert's rows keep their order), so the per-expert cost on the
+        decode path is the two matmuls, not a scan of every token per expert.
         """
-        out_TD = torch.empty_like(x_TD)
         if x_TD.shape[0] == 0:
-            return out_TD
-        for e in torch.unique(expert_T).tolist():
-            idx = (expert_T == e).nonzero(as_tuple=True)[0]
+            return torch.empty_like(x_TD)
+        order_T = torch.argsort(expert_T, stable=True)
+        counts = torch.bincount(expert_T).tolist()
+        x_sorted_TD = x_TD[order_T]
+        parts, start = [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
             if str(e) not in self.local_experts:
                 raise RuntimeError(f"expert {e} routed to a rank that does not hold it (holds {self.held()})")
-            out_TD[idx] = self.get(e)(x_TD[idx])
+            ex = self.get(e)  # the functional call skips two module dispatches per expert
+            parts.append(swiglu(x_sorted_TD[start:start + n], ex.linear_fc1.weight, ex.linear_fc2.weight))
+            start += n
+        out_TD = torch.empty_like(x_TD)
+        out_TD[order_T] = torch.cat(parts) if len(parts) > 1 else parts[0]
         return out_TD
 
 

@@ -76,16 +76,20 @@ class SelfAttention(nn.Module):
         k_BGSC = apply_rope(k_BGSC, cos_BSC, sin_BSC)
         if cache is None:
             mask_BSL = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()[None].expand(B, S, S)
+            k_BGLC, v_BGLC = k_BGSC, v_BGSC
         else:
-            k_BGSC, v_BGSC, mask_BSL = cache.update(self.layer, k_BGSC, v_BGSC)
-        # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out.
-        k_BHLC = k_BGSC.repeat_interleave(hpg, dim=1)
-        v_BHLC = v_BGSC.repeat_interleave(hpg, dim=1)
-        scores = (q_BHSC @ k_BHLC.transpose(-1, -2)) * (c ** -0.5)
+            k_BGLC, v_BGLC, mask_BSL = cache.update(self.layer, k_BGSC, v_BGSC)
+        # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out. The H/G
+        # heads of a group are stacked along the query axis (Q = H/G x S) instead of copying K and V
+        # per head; every score is the same dot product either way.
+        L = k_BGLC.shape[2]
+        q_BGQC = q_BHSC.reshape(B, g, hpg * S, c)
+        scores = (q_BGQC @ k_BGLC.transpose(-1, -2)).view(B, g * hpg, S, L) * (c ** -0.5)
         scores = scores.masked_fill(~mask_BSL[:, None], float("-inf"))
         probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-        out_BHSC = probs.to(v_BHLC.dtype) @ v_BHLC
-        return self.linear_proj(out_BHSC.transpose(1, 2).reshape(B, S, -1))
+        out_BGQC = probs.to(v_BGLC.dtype).view(B, g, hpg * S, L) @ v_BGLC
+        out_BSHC = out_BGQC.view(B, g * hpg, S, c).transpose(1, 2)
+        return self.linear_proj(out_BSHC.reshape(B, S, -1))
 
 
 class DecoderLayer(nn.Module):

@@ -69,7 +69,7 @@ class RolloutEngine:
         """Requests on this rank not yet finished (what the drain check counts)."""
         return len(self.pending) + len(self.live)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> int:
         """One forward; returns the number of tokens generated."""
         if self.pending and self.cache.free:
@@ -79,7 +79,7 @@ class RolloutEngine:
         self.dummy_step()
         return 0
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def dummy_step(self) -> None:
         """Join every MoE layer's collectives with zero tokens."""
         empty = torch.zeros(0, self.model.config.hidden_size, dtype=self.model.dtype)
