@@ -22,20 +22,14 @@ from megatron_rl.models.config import MoEModelConfig
 
 
 class Expert(nn.Module):
-    """SwiGLU expert. `linear_fc1` holds [gate; up] stacked as Megatron's GLU does: [2F, D]."""
+    """A SwiGLU expert's weights: `linear_fc1` holds [gate; up] stacked as Megatron's GLU does:
+    [2F, D]; `linear_fc2` is [D, F]. `ExpertBank.compute` applies them to many experts at once."""
 
     def __init__(self, hidden: int, ffn: int, dtype: torch.dtype):
         super().__init__()
         self.linear_fc1 = nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype)
         self.linear_fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return swiglu(x_TD, self.linear_fc1.weight, self.linear_fc2.weight)
-
-
-def swiglu(x_TD: torch.Tensor, fc1_2FD: torch.Tensor, fc2_DF: torch.Tensor) -> torch.Tensor:
-    gate_TF, up_TF = F.linear(x_TD, fc1_2FD).chunk(2, dim=-1)
-    return F.linear(F.silu(gate_TF) * up_TF, fc2_DF)
 
 
 class ExpertBank(nn.Module):
@@ -68,29 +62,28 @@ class ExpertBank(nn.Module):
         del self.local_experts[str(e)]
 
     def compute(self, x_TD: torch.Tensor, expert_T: torch.Tensor) -> torch.Tensor:
-        """Run each token through its expert; tokens are grouped per expert in ascending order.
+        """Run each token through its expert (SwiGLU): out = fc2(silu(gate) * up), [gate; up] = fc1(x).
 
         A token's result depends only on its own row and its expert's weights (row-wise matmuls),
         up to the BLAS kernel's blocking; see docs/rollout.md on batch invariance. One stable sort
-        groups the tokens (each expert's rows keep their order), so the per-expert cost on the
-        decode path is the two matmuls, not a scan of every token per expert.
+        groups the tokens by expert (each expert's rows keep their order); only the two matmuls run
+        per expert, the elementwise SwiGLU runs once over all rows (the same numbers, fewer ops).
         """
         if x_TD.shape[0] == 0:
             return torch.empty_like(x_TD)
         order_T = torch.argsort(expert_T, stable=True)
-        counts = torch.bincount(expert_T).tolist()
-        x_sorted_TD = x_TD[order_T]
-        parts, start = [], 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            if str(e) not in self.local_experts:
-                raise RuntimeError(f"expert {e} routed to a rank that does not hold it (holds {self.held()})")
-            ex = self.get(e)  # the functional call skips two module dispatches per expert
-            parts.append(swiglu(x_sorted_TD[start:start + n], ex.linear_fc1.weight, ex.linear_fc2.weight))
-            start += n
+        hit = [(e, n) for e, n in enumerate(torch.bincount(expert_T).tolist()) if n]
+        missing = [e for e, _ in hit if str(e) not in self.local_experts]
+        if missing:
+            raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {self.held()})")
+        sizes = [n for _, n in hit]
+        experts = [self.get(e) for e, _ in hit]
+        x_parts = torch.split(x_TD[order_T], sizes)
+        h_T2F = torch.cat([F.linear(x, ex.linear_fc1.weight) for x, ex in zip(x_parts, experts)])
+        gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
+        a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes)
         out_TD = torch.empty_like(x_TD)
-        out_TD[order_T] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        out_TD[order_T] = torch.cat([F.linear(a, ex.linear_fc2.weight) for a, ex in zip(a_parts, experts)])
         return out_TD
 
 

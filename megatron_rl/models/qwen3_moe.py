@@ -36,9 +36,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def _widens(dtype: torch.dtype) -> bool:
+    """Norms and softmax run in at least fp32 (as HF and Megatron do); fp32/fp64 need no cast."""
+    return dtype not in (torch.float32, torch.float64)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, without the weight; the casts are skipped when they are no-ops."""
+    xf = x.float() if _widens(x.dtype) else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) if _widens(x.dtype) else xf
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
@@ -48,10 +58,11 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dt
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def apply_rope(x_BHSC: torch.Tensor, cos_BSC: torch.Tensor, sin_BSC: torch.Tensor) -> torch.Tensor:
-    half = x_BHSC.shape[-1] // 2
-    rotated = torch.cat([-x_BHSC[..., half:], x_BHSC[..., :half]], dim=-1)
-    return x_BHSC * cos_BSC[:, None] + rotated * sin_BSC[:, None]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE over the last dim; `cos`/`sin` already broadcast against `x`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 class SelfAttention(nn.Module):
@@ -68,12 +79,15 @@ class SelfAttention(nn.Module):
         cfg = self.cfg
         B, S, _ = x_BSD.shape
         c, g, hpg = cfg.kv_channels, cfg.num_query_groups, cfg.heads_per_group
-        qkv = self.linear_qkv(x_BSD).view(B, S, g, hpg + 2, c)
-        q_BHSC = self.q_layernorm(qkv[:, :, :, :hpg].reshape(B, S, g * hpg, c)).transpose(1, 2)
-        k_BGSC = self.k_layernorm(qkv[:, :, :, hpg]).transpose(1, 2)
-        v_BGSC = qkv[:, :, :, hpg + 1].transpose(1, 2)
-        q_BHSC = apply_rope(q_BHSC, cos_BSC, sin_BSC)
-        k_BGSC = apply_rope(k_BGSC, cos_BSC, sin_BSC)
+        qkv_BSGNC = self.linear_qkv(x_BSD).view(B, S, g, hpg + 2, c)
+        # Every group's H/G query heads and its key head are normalised and rotated in one pass:
+        # both are per-head, elementwise ops, so the numbers equal separate q and k passes.
+        w_NC = torch.cat([self.q_layernorm.weight.expand(hpg, c), self.k_layernorm.weight[None]])
+        qk_BSGNC = w_NC * rms_normalize(qkv_BSGNC[:, :, :, :hpg + 1], cfg.layernorm_epsilon)
+        qk_BSGNC = apply_rope(qk_BSGNC, cos_BSC[:, :, None, None], sin_BSC[:, :, None, None])
+        q_BHSC = qk_BSGNC[:, :, :, :hpg].reshape(B, S, g * hpg, c).transpose(1, 2)
+        k_BGSC = qk_BSGNC[:, :, :, hpg].transpose(1, 2)
+        v_BGSC = qkv_BSGNC[:, :, :, hpg + 1].transpose(1, 2)
         if cache is None:
             mask_BSL = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()[None].expand(B, S, S)
             k_BGLC, v_BGLC = k_BGSC, v_BGSC
@@ -86,8 +100,9 @@ class SelfAttention(nn.Module):
         q_BGQC = q_BHSC.reshape(B, g, hpg * S, c)
         scores = (q_BGQC @ k_BGLC.transpose(-1, -2)).view(B, g * hpg, S, L) * (c ** -0.5)
         scores = scores.masked_fill(~mask_BSL[:, None], float("-inf"))
-        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-        out_BGQC = probs.to(v_BGLC.dtype).view(B, g, hpg * S, L) @ v_BGLC
+        probs = torch.softmax(scores.float() if _widens(scores.dtype) else scores, dim=-1)
+        probs = probs.to(v_BGLC.dtype) if _widens(scores.dtype) else probs
+        out_BGQC = probs.view(B, g, hpg * S, L) @ v_BGLC
         out_BSHC = out_BGQC.view(B, g * hpg, S, c).transpose(1, 2)
         return self.linear_proj(out_BSHC.reshape(B, S, -1))
 
