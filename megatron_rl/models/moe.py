@@ -78,7 +78,7 @@ class ExpertBank(nn.Module):
             raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {self.held()})")
         sizes = [n for _, n in hit]
         experts = [self.get(e) for e, _ in hit]
-        x_parts = torch.split(x_TD[order_T], sizes)
+        x_parts = torch.split(x_TD.index_select(0, order_T), sizes)
         h_T2F = torch.cat([F.linear(x, ex.linear_fc1.weight) for x, ex in zip(x_parts, experts)])
         gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
         a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes)

@@ -59,6 +59,7 @@ class SlotKVCache:
     def update(self, layer: int, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor):
         self.k[layer][self._write_b_BS, :, self._write_pos_BS] = k_BGSC.transpose(1, 2)
         self.v[layer][self._write_b_BS, :, self._write_pos_BS] = v_BGSC.transpose(1, 2)
-        k_BGLC = self.k[layer][self._slots, :, :self._L]
-        v_BGLC = self.v[layer][self._slots, :, :self._L]
+        # index_select copies whole rows; advanced indexing takes a slower generic path on CPU.
+        k_BGLC = self.k[layer][:, :, :self._L].index_select(0, self._slots)
+        v_BGLC = self.v[layer][:, :, :self._L].index_select(0, self._slots)
         return k_BGLC, v_BGLC, self._mask_BSL
