@@ -16,7 +16,8 @@ POLICIES = ("vanilla", "lengthsort", "natural", "planned")
 
 def check_experts_over_ranks(experts: int, ranks: int, what: str) -> None:
     """Expert parallelism over `ranks`: every rank owns the same number (>= 1) of experts."""
-    require(ranks <= experts, f"ranks ({ranks}) exceeds {what} ({experts}); every rank must own an expert")
+    require(ranks <= experts, f"ranks ({ranks}) exceeds the model's experts ({experts}) in {what}; "
+                              "every rank must own one")
     require(experts % ranks == 0, f"{what} ({experts}) must be divisible by ranks ({ranks})")
 
 

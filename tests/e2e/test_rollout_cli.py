@@ -82,7 +82,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
         "wrong_type": (cfg("wrong_type.yaml", "model:\n  num_layers: two\n"),
                        ["wrong_type.yaml.model.num_layers", "expected an integer", "'two'"]),
         "experts_not_divisible": (["--ranks", 3], ["model.num_moe_experts (8)", "divisible by ranks (3)"]),
-        "more_ranks_than_experts": (["--ranks", 16], ["ranks (16) exceeds model.num_moe_experts (8)"]),
+        "more_ranks_than_experts": (["--ranks", 16], ["ranks (16) exceeds the model's experts (8) in model.num_moe_experts"]),
         "checkpoint_empty_dir": (cfg("c1.yaml", f"checkpoint: {empty}\n"),
                                  [f"{empty}/config.json", "cannot read checkpoint config"]),
         "checkpoint_is_a_file": (cfg("c2.yaml", f"checkpoint: {garbage}\n"),
