@@ -3,10 +3,13 @@ from __future__ import annotations
 
 
 def run(args) -> int:
+    import os
+
     from megatron_rl.cli.rollout import run as run_rollout
 
-    print("FlexFloor demo: a 2-layer, 8-expert Qwen3-MoE on 4 gloo ranks, replaying a "
-          "DeepScaleR-like length-tailed batch (vanilla: nobody leaves the EP group).")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once, not once per rank
+        print("FlexFloor demo: a 2-layer, 8-expert Qwen3-MoE on 4 gloo ranks, replaying a "
+              "DeepScaleR-like length-tailed batch (vanilla: nobody leaves the EP group).")
     return run_rollout(args)
 
 
