@@ -21,6 +21,11 @@ from torch import nn
 from megatron_rl.models.config import MoEModelConfig
 
 
+def widens(dtype: torch.dtype) -> bool:
+    """Router, norms and softmax run in at least fp32 (as HF and Megatron do); fp32/fp64 need no cast."""
+    return dtype not in (torch.float32, torch.float64)
+
+
 class Expert(nn.Module):
     """A SwiGLU expert's weights: `linear_fc1` holds [gate; up] stacked as Megatron's GLU does:
     [2F, D]; `linear_fc2` is [D, F]. `ExpertBank.compute` applies them to many experts at once."""
@@ -112,13 +117,14 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Scores in at least fp32, as HF Qwen3-MoE and Megatron's router do.
-        logits_TE = F.linear(x_TD, self.weight).to(torch.promote_types(x_TD.dtype, torch.float32))
+        logits_TE = F.linear(x_TD, self.weight)
+        logits_TE = logits_TE.float() if widens(logits_TE.dtype) else logits_TE
         if self.pre_softmax:
             probs_TK, expert_TK = torch.topk(torch.softmax(logits_TE, dim=-1), self.topk, dim=-1)
         else:
             top_TK, expert_TK = torch.topk(logits_TE, self.topk, dim=-1)
             probs_TK = torch.softmax(top_TK, dim=-1)
-        return probs_TK.to(x_TD.dtype), expert_TK
+        return (probs_TK.to(x_TD.dtype) if widens(x_TD.dtype) else probs_TK), expert_TK
 
 
 class MoELayer(nn.Module):
@@ -132,7 +138,8 @@ class MoELayer(nn.Module):
         probs_TK, expert_TK = self.router(x_TD)
         out_TKD = self.dispatcher(x_TD, expert_TK, self.experts)
         # Combine in k order: a fixed reduction order, whatever rank computed each expert.
-        y_TD = probs_TK[:, 0:1] * out_TKD[:, 0]
-        for k in range(1, probs_TK.shape[1]):
-            y_TD = y_TD + probs_TK[:, k:k + 1] * out_TKD[:, k]
+        w_TKD = probs_TK[:, :, None] * out_TKD
+        y_TD = w_TKD[:, 0]
+        for k in range(1, w_TKD.shape[1]):
+            y_TD = y_TD + w_TKD[:, k]
         return y_TD

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from typing import Iterable, Protocol
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.models.moe import MoELayer
+from megatron_rl.models.moe import MoELayer, widens
 
 
 class KVCacheLike(Protocol):
@@ -39,21 +41,21 @@ class RMSNorm(nn.Module):
         return self.weight * rms_normalize(x, self.eps)
 
 
-def _widens(dtype: torch.dtype) -> bool:
-    """Norms and softmax run in at least fp32 (as HF and Megatron do); fp32/fp64 need no cast."""
-    return dtype not in (torch.float32, torch.float64)
-
-
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, without the weight; the casts are skipped when they are no-ops."""
-    xf = x.float() if _widens(x.dtype) else x
+    xf = x.float() if widens(x.dtype) else x
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) if _widens(x.dtype) else xf
+    return xf.to(x.dtype) if widens(x.dtype) else xf
+
+
+@functools.lru_cache(maxsize=8)
+def _inv_freq(dim: int, base: float) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor, usable by autograd in training too
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    ang = positions.to(torch.float64)[..., None] * inv_freq
+    ang = positions.to(torch.float64)[..., None] * _inv_freq(dim, base)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
@@ -100,8 +102,8 @@ class SelfAttention(nn.Module):
         q_BGQC = q_BHSC.reshape(B, g, hpg * S, c)
         scores = (q_BGQC @ k_BGLC.transpose(-1, -2)).view(B, g * hpg, S, L) * (c ** -0.5)
         scores = scores.masked_fill(~mask_BSL[:, None], float("-inf"))
-        probs = torch.softmax(scores.float() if _widens(scores.dtype) else scores, dim=-1)
-        probs = probs.to(v_BGLC.dtype) if _widens(scores.dtype) else probs
+        probs = torch.softmax(scores.float() if widens(scores.dtype) else scores, dim=-1)
+        probs = probs.to(v_BGLC.dtype) if widens(scores.dtype) else probs
         out_BGQC = probs.view(B, g, hpg * S, L) @ v_BGLC
         out_BSHC = out_BGQC.view(B, g * hpg, S, c).transpose(1, 2)
         return self.linear_proj(out_BSHC.reshape(B, S, -1))

@@ -110,7 +110,7 @@ class RolloutEngine:
         ids = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long)
         pos = self.cache.lengths[torch.tensor(slots)][:, None]
         self.cache.select(slots, [1] * len(batch))
-        logits_BV = self.model(ids, pos, self.cache, None, logits_at_B=torch.zeros(len(batch), dtype=torch.long))
+        logits_BV = self.model(ids, pos, self.cache, None)[:, 0]  # one position per row: no gather
         self.cache.commit()
         return self._emit(batch, logits_BV)
 
