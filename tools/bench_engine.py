@@ -9,8 +9,8 @@ exactly `--new-tokens` new tokens per response (HF: `min_new_tokens = max_new_to
 run of each is discarded; then the two alternate for `--reps` repetitions, so machine load hits both
 alike. Decode tokens/s excludes prefill: it is `B x (N - 1)` over `t(N new tokens) - t(1 new token)`,
 each the median over the repetitions, on the wall clock and on this process's CPU clock (the
-machine may be shared; with one torch thread the CPU clock is the steadier). The greedy tokens of both are compared too: a speed-up that
-changed the tokens would be no speed-up.
+machine may be shared; with one torch thread the CPU clock is the steadier). The greedy tokens of
+both are compared too: a speed-up that changed the tokens would be no speed-up.
 """
 from __future__ import annotations
 

@@ -14,9 +14,8 @@ implements `KVCacheLike`. `token_mask` marks real (non-padding) tokens: only tho
 """
 from __future__ import annotations
 
-from typing import Iterable, Protocol
-
 import functools
+from typing import Iterable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +26,10 @@ from megatron_rl.models.moe import MoELayer, widens
 
 
 class KVCacheLike(Protocol):
-    def update(self, layer: int, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store new keys/values; return all keys, values [B, G, L, C] and a mask [B, S, L] (True = attend)."""
+    def update(self, layer: int, k_BGSC: torch.Tensor,
+               v_BGSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store new keys/values; return all keys and values [B, G, L, C], and a mask [B, S, L]
+        (True = attend)."""
 
 
 class RMSNorm(nn.Module):

@@ -28,7 +28,7 @@ def test_wrapped_user_error_is_one_line():
     with pytest.raises(RankFailed) as info:
         run_ranks(_fails_on_rank_1, 2, timeout_s=60)
     msg = str(info.value)
-    assert msg == "rank 1 failed (ConfigError): batch.trace: line 3: missing field 'response_len'"
+    assert msg == "rank 1 failed: batch.trace: line 3: missing field 'response_len'"
 
 
 def test_a_bug_keeps_its_traceback():
