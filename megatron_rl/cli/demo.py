@@ -7,6 +7,7 @@ identical responses.
 """
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -22,9 +23,10 @@ def run(args) -> int:
     elastic = {"policy": "planned", "floor": args.floor or 1, "tailguard": True}
     cfgs = [load_dataclass(RolloutConfig, args.config, {**base, "policy": "vanilla"}),
             load_dataclass(RolloutConfig, args.config, {**base, **elastic})]
-    print(f"FlexFloor demo: a {cfgs[0].model.num_layers}-layer, {cfgs[0].model.num_moe_experts}-expert "
-          f"Qwen3-MoE on {cfgs[0].ranks} gloo ranks replays a length-tailed batch twice: vanilla, then "
-          f"planned residency (floor {elastic['floor']}, TailGuard).", flush=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once, not once per rank
+        print(f"FlexFloor demo: a {cfgs[0].model.num_layers}-layer, {cfgs[0].model.num_moe_experts}-expert "
+              f"Qwen3-MoE on {cfgs[0].ranks} gloo ranks replays a length-tailed batch twice: vanilla, then "
+              f"planned residency (floor {elastic['floor']}, TailGuard).", flush=True)
     t0 = time.perf_counter()
     results = run_rollouts(cfgs, quiet=args.quiet)
     if results is None:  # a non-zero rank under torchrun

@@ -89,7 +89,7 @@ class MoEModelConfig:
             rope = hf.get("rope_parameters") or {}
             theta = rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
             if rope.get("rope_type", "default") != "default":
-                raise ConfigError(f"{where}: rope_type {rope['rope_type']!r} unsupported, expected 'default'")
+                raise ConfigError(f"rope_type {rope['rope_type']!r} unsupported, expected 'default'")
             heads = hf["num_attention_heads"]
             return cls(
                 num_layers=hf["num_hidden_layers"],
@@ -110,6 +110,10 @@ class MoEModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"{where}: missing field {e.args[0]!r}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        except (TypeError, ValueError) as e:  # e.g. a string where a number belongs
+            raise ConfigError(f"{where}: a field has the wrong type ({e})") from None
 
     def to_hf(self) -> dict:
         return {

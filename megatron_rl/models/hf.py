@@ -68,10 +68,30 @@ class _SafetensorsDir:
     def __contains__(self, key: str) -> bool:
         return key in self.where
 
-    def get(self, key: str) -> torch.Tensor:
+    def _handle(self, key: str):
         if key not in self.where:
             raise CheckpointError(f"{self.path}: tensor {key!r} is missing from the checkpoint")
-        return self.handles[self.where[key]].get_tensor(key)
+        return self.handles[self.where[key]]
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+    def shape(self, key: str) -> list[int]:
+        """The stored shape, read from the file's header (no tensor data is read)."""
+        return self._handle(key).get_slice(key).get_shape()
+
+
+class _ShapeSource:
+    """A checkpoint seen as meta tensors of the stored shapes: `hf_to_megatron` runs on it for free."""
+
+    def __init__(self, st: _SafetensorsDir):
+        self.st = st
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.st
+
+    def get(self, key: str) -> torch.Tensor:
+        return torch.empty(self.st.shape(key), device="meta")
 
 
 def hf_to_megatron(src, cfg: MoEModelConfig, experts: Iterable[int]) -> dict[str, torch.Tensor]:
@@ -137,6 +157,10 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: MoEModelConfig) -> dict[str
 
 def read_hf_config(path: str | Path) -> MoEModelConfig:
     path = Path(path)
+    if not path.is_dir():
+        found = "it is a file" if path.exists() else "it does not exist"
+        raise CheckpointError(f"{path}: expected a HuggingFace checkpoint directory "
+                              f"(config.json and *.safetensors), but {found}")
     cfg_file = path / "config.json"
     try:
         hf = json.loads(cfg_file.read_text())
@@ -154,15 +178,36 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     cfg = read_hf_config(path)
     held = list(range(cfg.num_moe_experts)) if experts is None else sorted(experts)
     model = Qwen3MoeModel(cfg, held, dtype)
-    sd = hf_to_megatron(_SafetensorsDir(path), cfg, held)
-    want = model.state_dict()
+    sd = _convert(path, _SafetensorsDir(path), cfg, held, model.state_dict())
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
+    return model
+
+
+def check_hf_checkpoint(path: str | Path) -> MoEModelConfig:
+    """Every check `load_hf_checkpoint` makes, from config.json and the safetensors headers only.
+
+    No tensor data is read, so the CLI can reject a bad checkpoint before it starts any rank.
+    """
+    path = Path(path)
+    cfg = read_hf_config(path)
+    with torch.device("meta"):
+        want = Qwen3MoeModel(cfg).state_dict()
+    _convert(path, _ShapeSource(_SafetensorsDir(path)), cfg, range(cfg.num_moe_experts), want)
+    return cfg
+
+
+def _convert(path: Path, src, cfg: MoEModelConfig, held: Iterable[int], want: dict) -> dict:
+    """`hf_to_megatron`, with every tensor's shape checked against what the config implies."""
+    try:
+        sd = hf_to_megatron(src, cfg, held)
+    except RuntimeError as e:  # a reshape or cat of tensors that do not fit config.json
+        raise CheckpointError(f"{path}: tensor shapes do not fit config.json ({e})") from None
     for k, v in sd.items():
         if tuple(v.shape) != tuple(want[k].shape):
             raise CheckpointError(
                 f"{path}: tensor for {k} has shape {tuple(v.shape)}, the config implies {tuple(want[k].shape)}"
             )
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
-    return model
+    return sd
 
 
 def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtype | None = None) -> None:

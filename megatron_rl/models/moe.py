@@ -21,17 +21,20 @@ from torch import nn
 from megatron_rl.models.config import MoEModelConfig
 
 
+def widens(dtype: torch.dtype) -> bool:
+    """Router, norms and softmax run in at least fp32 (as HF and Megatron do); fp32/fp64 need no cast."""
+    return dtype not in (torch.float32, torch.float64)
+
+
 class Expert(nn.Module):
-    """SwiGLU expert. `linear_fc1` holds [gate; up] stacked as Megatron's GLU does: [2F, D]."""
+    """A SwiGLU expert's weights: `linear_fc1` holds [gate; up] stacked as Megatron's GLU does:
+    [2F, D]; `linear_fc2` is [D, F]. `ExpertBank.compute` applies them to many experts at once."""
 
     def __init__(self, hidden: int, ffn: int, dtype: torch.dtype):
         super().__init__()
         self.linear_fc1 = nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype)
         self.linear_fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        gate_TF, up_TF = self.linear_fc1(x_TD).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate_TF) * up_TF)
 
 
 class ExpertBank(nn.Module):
@@ -64,19 +67,28 @@ class ExpertBank(nn.Module):
         del self.local_experts[str(e)]
 
     def compute(self, x_TD: torch.Tensor, expert_T: torch.Tensor) -> torch.Tensor:
-        """Run each token through its expert; tokens are grouped per expert in ascending order.
+        """Run each token through its expert (SwiGLU): out = fc2(silu(gate) * up), [gate; up] = fc1(x).
 
         A token's result depends only on its own row and its expert's weights (row-wise matmuls),
-        up to the BLAS kernel's blocking; see `megatron_rl/rollout/README.md` on batch invariance.
+        up to the BLAS kernel's blocking; see docs/rollout.md on batch invariance. One stable sort
+        groups the tokens by expert (each expert's rows keep their order); only the two matmuls run
+        per expert, the elementwise SwiGLU runs once over all rows (the same numbers, fewer ops).
         """
-        out_TD = torch.empty_like(x_TD)
         if x_TD.shape[0] == 0:
-            return out_TD
-        for e in torch.unique(expert_T).tolist():
-            idx = (expert_T == e).nonzero(as_tuple=True)[0]
-            if str(e) not in self.local_experts:
-                raise RuntimeError(f"expert {e} routed to a rank that does not hold it (holds {self.held()})")
-            out_TD[idx] = self.get(e)(x_TD[idx])
+            return torch.empty_like(x_TD)
+        order_T = torch.argsort(expert_T, stable=True)
+        hit = [(e, n) for e, n in enumerate(torch.bincount(expert_T).tolist()) if n]
+        missing = [e for e, _ in hit if str(e) not in self.local_experts]
+        if missing:
+            raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {self.held()})")
+        sizes = [n for _, n in hit]
+        experts = [self.get(e) for e, _ in hit]
+        x_parts = torch.split(x_TD.index_select(0, order_T), sizes)
+        h_T2F = torch.cat([F.linear(x, ex.linear_fc1.weight) for x, ex in zip(x_parts, experts)])
+        gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
+        a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes)
+        out_TD = torch.empty_like(x_TD)
+        out_TD[order_T] = torch.cat([F.linear(a, ex.linear_fc2.weight) for a, ex in zip(a_parts, experts)])
         return out_TD
 
 
@@ -105,13 +117,14 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Scores in at least fp32, as HF Qwen3-MoE and Megatron's router do.
-        logits_TE = F.linear(x_TD, self.weight).to(torch.promote_types(x_TD.dtype, torch.float32))
+        logits_TE = F.linear(x_TD, self.weight)
+        logits_TE = logits_TE.float() if widens(logits_TE.dtype) else logits_TE
         if self.pre_softmax:
             probs_TK, expert_TK = torch.topk(torch.softmax(logits_TE, dim=-1), self.topk, dim=-1)
         else:
             top_TK, expert_TK = torch.topk(logits_TE, self.topk, dim=-1)
             probs_TK = torch.softmax(top_TK, dim=-1)
-        return probs_TK.to(x_TD.dtype), expert_TK
+        return (probs_TK.to(x_TD.dtype) if widens(x_TD.dtype) else probs_TK), expert_TK
 
 
 class MoELayer(nn.Module):
@@ -125,7 +138,8 @@ class MoELayer(nn.Module):
         probs_TK, expert_TK = self.router(x_TD)
         out_TKD = self.dispatcher(x_TD, expert_TK, self.experts)
         # Combine in k order: a fixed reduction order, whatever rank computed each expert.
-        y_TD = probs_TK[:, 0:1] * out_TKD[:, 0]
-        for k in range(1, probs_TK.shape[1]):
-            y_TD = y_TD + probs_TK[:, k:k + 1] * out_TKD[:, k]
+        w_TKD = probs_TK[:, :, None] * out_TKD
+        y_TD = w_TKD[:, 0]
+        for k in range(1, w_TKD.shape[1]):
+            y_TD = y_TD + w_TKD[:, k]
         return y_TD

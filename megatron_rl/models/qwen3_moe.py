@@ -14,6 +14,7 @@ implements `KVCacheLike`. `token_mask` marks real (non-padding) tokens: only tho
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Protocol
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.models.moe import MoELayer
+from megatron_rl.models.moe import MoELayer, widens
 
 
 class KVCacheLike(Protocol):
@@ -38,22 +39,33 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, without the weight; the casts are skipped when they are no-ops."""
+    xf = x.float() if widens(x.dtype) else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) if widens(x.dtype) else xf
+
+
+@functools.lru_cache(maxsize=8)
+def _inv_freq(dim: int, base: float) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor, usable by autograd in training too
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    ang = positions.to(torch.float64)[..., None] * inv_freq
+    ang = positions.to(torch.float64)[..., None] * _inv_freq(dim, base)
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def apply_rope(x_BHSC: torch.Tensor, cos_BSC: torch.Tensor, sin_BSC: torch.Tensor) -> torch.Tensor:
-    half = x_BHSC.shape[-1] // 2
-    rotated = torch.cat([-x_BHSC[..., half:], x_BHSC[..., :half]], dim=-1)
-    return x_BHSC * cos_BSC[:, None] + rotated * sin_BSC[:, None]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE over the last dim; `cos`/`sin` already broadcast against `x`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 class SelfAttention(nn.Module):
@@ -70,24 +82,32 @@ class SelfAttention(nn.Module):
         cfg = self.cfg
         B, S, _ = x_BSD.shape
         c, g, hpg = cfg.kv_channels, cfg.num_query_groups, cfg.heads_per_group
-        qkv = self.linear_qkv(x_BSD).view(B, S, g, hpg + 2, c)
-        q_BHSC = self.q_layernorm(qkv[:, :, :, :hpg].reshape(B, S, g * hpg, c)).transpose(1, 2)
-        k_BGSC = self.k_layernorm(qkv[:, :, :, hpg]).transpose(1, 2)
-        v_BGSC = qkv[:, :, :, hpg + 1].transpose(1, 2)
-        q_BHSC = apply_rope(q_BHSC, cos_BSC, sin_BSC)
-        k_BGSC = apply_rope(k_BGSC, cos_BSC, sin_BSC)
+        qkv_BSGNC = self.linear_qkv(x_BSD).view(B, S, g, hpg + 2, c)
+        # Every group's H/G query heads and its key head are normalised and rotated in one pass:
+        # both are per-head, elementwise ops, so the numbers equal separate q and k passes.
+        w_NC = torch.cat([self.q_layernorm.weight.expand(hpg, c), self.k_layernorm.weight[None]])
+        qk_BSGNC = w_NC * rms_normalize(qkv_BSGNC[:, :, :, :hpg + 1], cfg.layernorm_epsilon)
+        qk_BSGNC = apply_rope(qk_BSGNC, cos_BSC[:, :, None, None], sin_BSC[:, :, None, None])
+        q_BHSC = qk_BSGNC[:, :, :, :hpg].reshape(B, S, g * hpg, c).transpose(1, 2)
+        k_BGSC = qk_BSGNC[:, :, :, hpg].transpose(1, 2)
+        v_BGSC = qkv_BSGNC[:, :, :, hpg + 1].transpose(1, 2)
         if cache is None:
             mask_BSL = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()[None].expand(B, S, S)
+            k_BGLC, v_BGLC = k_BGSC, v_BGSC
         else:
-            k_BGSC, v_BGSC, mask_BSL = cache.update(self.layer, k_BGSC, v_BGSC)
-        # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out.
-        k_BHLC = k_BGSC.repeat_interleave(hpg, dim=1)
-        v_BHLC = v_BGSC.repeat_interleave(hpg, dim=1)
-        scores = (q_BHSC @ k_BHLC.transpose(-1, -2)) * (c ** -0.5)
+            k_BGLC, v_BGLC, mask_BSL = cache.update(self.layer, k_BGSC, v_BGSC)
+        # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out. The H/G
+        # heads of a group are stacked along the query axis (Q = H/G x S) instead of copying K and V
+        # per head; every score is the same dot product either way.
+        L = k_BGLC.shape[2]
+        q_BGQC = q_BHSC.reshape(B, g, hpg * S, c)
+        scores = (q_BGQC @ k_BGLC.transpose(-1, -2)).view(B, g * hpg, S, L) * (c ** -0.5)
         scores = scores.masked_fill(~mask_BSL[:, None], float("-inf"))
-        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
-        out_BHSC = probs.to(v_BHLC.dtype) @ v_BHLC
-        return self.linear_proj(out_BHSC.transpose(1, 2).reshape(B, S, -1))
+        probs = torch.softmax(scores.float() if widens(scores.dtype) else scores, dim=-1)
+        probs = probs.to(v_BGLC.dtype) if widens(scores.dtype) else probs
+        out_BGQC = probs.view(B, g, hpg * S, L) @ v_BGLC
+        out_BSHC = out_BGQC.view(B, g * hpg, S, c).transpose(1, 2)
+        return self.linear_proj(out_BSHC.reshape(B, S, -1))
 
 
 class DecoderLayer(nn.Module):

@@ -56,6 +56,18 @@ def _init(rank: int, world: int, timeout_s: float) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
+def user_error(e: BaseException) -> FlexFloorError | None:
+    """The user's mistake behind `e`, if any: the runtime wraps what a rank raises (`ElasticFault`
+    names rank, stage and phase), so a `FlexFloorError` may sit in the cause chain."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, FlexFloorError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _worker(rank, world, port, timeout_s, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -65,9 +77,15 @@ def _worker(rank, world, port, timeout_s, fn, args, queue):
     except BaseException as e:  # report every failure to the parent, then exit non-zero
         from elastic.runtime import ElasticFault
 
-        # Expected failures travel as their one-line message; bugs keep their traceback.
-        msg = str(e) if isinstance(e, (FlexFloorError, ElasticFault)) else traceback.format_exc()
-        queue.put((rank, "error", (type(e).__name__, msg)))
+        # Expected failures travel as their one-line message (a user error as itself, even when
+        # the runtime wrapped it); bugs keep their traceback.
+        user = user_error(e)
+        if user is not None:
+            queue.put((rank, "error", (type(user).__name__, str(user))))
+        elif isinstance(e, ElasticFault):
+            queue.put((rank, "error", (type(e).__name__, str(e))))
+        else:
+            queue.put((rank, "error", (type(e).__name__, traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -96,6 +114,11 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0):
         _init(rank, size, timeout_s)
         try:
             out = fn(_make_context(timeout_s), *args)
+        except Exception as e:
+            user = user_error(e)
+            if user is None or user is e:
+                raise
+            raise RankFailed(f"rank {rank} failed: {user}") from None
         finally:
             dist.destroy_process_group()
         return out if rank == 0 else None

@@ -14,6 +14,13 @@ from megatron_rl.rollout.sampling import SamplingParams
 POLICIES = ("vanilla", "lengthsort", "natural", "planned")
 
 
+def check_experts_over_ranks(experts: int, ranks: int, what: str) -> None:
+    """Expert parallelism over `ranks`: every rank owns the same number (>= 1) of experts."""
+    require(ranks <= experts, f"ranks ({ranks}) exceeds the model's experts ({experts}) in {what}; "
+                              "every rank must own one")
+    require(experts % ranks == 0, f"{what} ({experts}) must be divisible by ranks ({ranks})")
+
+
 @dataclass
 class BatchConfig:
     """Where the batch comes from: a length trace (`trace`), or a synthetic one (`preset`)."""
@@ -61,9 +68,8 @@ class RolloutConfig:
 
     def __post_init__(self):
         require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
-        E = self.model.num_moe_experts
-        require(self.ranks <= E, f"ranks ({self.ranks}) exceeds the model's experts ({E}); every rank must own one")
-        require(E % self.ranks == 0, f"model.num_moe_experts ({E}) must be divisible by ranks ({self.ranks})")
+        if self.checkpoint is None:  # else the checkpoint's config.json decides, checked when read
+            check_experts_over_ranks(self.model.num_moe_experts, self.ranks, "model.num_moe_experts")
         require(self.max_batch_per_rank > 0, "max_batch_per_rank must be > 0")
         require(self.status_interval > 0, f"status_interval must be > 0, got {self.status_interval}")
         require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")

@@ -69,7 +69,7 @@ class RolloutEngine:
         """Requests on this rank not yet finished (what the drain check counts)."""
         return len(self.pending) + len(self.live)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> int:
         """One forward; returns the number of tokens generated."""
         if self.pending and self.cache.free:
@@ -79,7 +79,7 @@ class RolloutEngine:
         self.dummy_step()
         return 0
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def dummy_step(self) -> None:
         """Join every MoE layer's collectives with zero tokens."""
         empty = torch.zeros(0, self.model.config.hidden_size, dtype=self.model.dtype)
@@ -110,7 +110,7 @@ class RolloutEngine:
         ids = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long)
         pos = self.cache.lengths[torch.tensor(slots)][:, None]
         self.cache.select(slots, [1] * len(batch))
-        logits_BV = self.model(ids, pos, self.cache, None, logits_at_B=torch.zeros(len(batch), dtype=torch.long))
+        logits_BV = self.model(ids, pos, self.cache, None)[:, 0]  # one position per row: no gather
         self.cache.commit()
         return self._emit(batch, logits_BV)
 

@@ -32,30 +32,34 @@ class SlotKVCache:
         self.free.append(slot)
 
     def select(self, slots: list[int], new_tokens: list[int]) -> None:
-        """The next forward covers `slots`, appending `new_tokens[i]` real tokens to slot i."""
+        """The next forward covers `slots`, appending `new_tokens[i]` real tokens to slot i.
+
+        The write positions, the key length and the attention mask are the same in every layer,
+        so they are computed here once per forward rather than in each layer's `update`.
+        """
         self._slots = torch.tensor(slots, dtype=torch.long)
         self._new = torch.tensor(new_tokens, dtype=torch.long)
-        if (self.lengths[self._slots] + self._new).max().item() > self.max_len:
+        start = self.lengths[self._slots]
+        if (start + self._new).max().item() > self.max_len:
             raise RuntimeError(f"sequence longer than the KV cache's {self.max_len} positions")
+        B, S = len(slots), max(new_tokens)
+        # Query s of row b sits at absolute position start_b + s and sees keys 0..start_b + s.
+        q_pos_BS = start[:, None] + torch.arange(S)[None]
+        # Padding positions past a request's real tokens are written too, then masked and later
+        # overwritten: cheaper than a ragged scatter, and never attended to.
+        self._write_pos_BS = q_pos_BS.clamp(max=self.max_len - 1)
+        self._write_b_BS = self._slots[:, None].expand(B, S)
+        self._L = int((start + S).max().item())
+        self._mask_BSL = torch.arange(self._L)[None, None, :] <= q_pos_BS[:, :, None]
 
     def commit(self) -> None:
         """After the forward: the appended tokens become part of each sequence."""
         self.lengths[self._slots] += self._new
 
     def update(self, layer: int, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor):
-        slots, start = self._slots, self.lengths[self._slots]
-        B, _, S, _ = k_BGSC.shape
-        pos_BS = start[:, None] + torch.arange(S)[None]
-        # Padding positions past a request's real tokens are written too, then masked and later
-        # overwritten: cheaper than a ragged scatter, and never attended to.
-        pos_BS = pos_BS.clamp(max=self.max_len - 1)
-        b_idx = slots[:, None].expand(B, S)
-        self.k[layer][b_idx, :, pos_BS] = k_BGSC.transpose(1, 2)
-        self.v[layer][b_idx, :, pos_BS] = v_BGSC.transpose(1, 2)
-        L = int((start + S).max().item())
-        k_BGLC = self.k[layer][slots, :, :L]
-        v_BGLC = self.v[layer][slots, :, :L]
-        # Query s of row b sits at absolute position start_b + s and sees keys 0..start_b + s.
-        q_pos_BS = start[:, None] + torch.arange(S)[None]
-        mask_BSL = torch.arange(L)[None, None, :] <= q_pos_BS[:, :, None]
-        return k_BGLC, v_BGLC, mask_BSL
+        self.k[layer][self._write_b_BS, :, self._write_pos_BS] = k_BGSC.transpose(1, 2)
+        self.v[layer][self._write_b_BS, :, self._write_pos_BS] = v_BGSC.transpose(1, 2)
+        # index_select copies whole rows; advanced indexing takes a slower generic path on CPU.
+        k_BGLC = self.k[layer][:, :, :self._L].index_select(0, self._slots)
+        v_BGLC = self.v[layer][:, :, :self._L].index_select(0, self._slots)
+        return k_BGLC, v_BGLC, self._mask_BSL

@@ -25,7 +25,7 @@ from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
-from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fault_rank
@@ -35,11 +35,14 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def model_config(cfg: RolloutConfig) -> MoEModelConfig:
+    """The model's configuration; a checkpoint is checked here (headers only), before any rank starts."""
     if cfg.checkpoint is None:
         return cfg.model
-    from megatron_rl.models.hf import read_hf_config
+    from megatron_rl.models.hf import check_hf_checkpoint
 
-    return read_hf_config(cfg.checkpoint)
+    mcfg = check_hf_checkpoint(cfg.checkpoint)
+    check_experts_over_ranks(mcfg.num_moe_experts, cfg.ranks, f"num_experts of {cfg.checkpoint}")
+    return mcfg
 
 
 def tiny_shape(mcfg: MoEModelConfig, dtype_bytes: int) -> ModelShape:

@@ -1,0 +1,132 @@
+"""Single-rank decode speed: our RolloutEngine against HuggingFace `generate`, side by side.
+
+    python tools/bench_engine.py                  # defaults: batch 8, prompt 16, 64 new tokens
+    python tools/bench_engine.py --batch 16 --new-tokens 128 --reps 5
+
+Both run the same tiny random `transformers.Qwen3MoeForCausalLM` in float32 (ours loaded from its
+`save_pretrained` directory with `load_hf_checkpoint`), the same prompts, the same batch size, greedy,
+exactly `--new-tokens` new tokens per response (HF: `min_new_tokens = max_new_tokens`). One warm-up
+run of each is discarded; then the two alternate for `--reps` repetitions, so machine load hits both
+alike. Decode tokens/s excludes prefill: it is `B x (N - 1)` over `t(N new tokens) - t(1 new token)`,
+each the median over the repetitions, on the wall clock and on this process's CPU clock (the
+machine may be shared; with one torch thread the CPU clock is the steadier). The greedy tokens of
+both are compared too: a speed-up that changed the tokens would be no speed-up.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def tiny_hf(args):
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=args.hidden // 4, moe_intermediate_size=args.hidden // 2, num_experts=args.experts,
+        num_experts_per_tok=args.topk, norm_topk_prob=True, initializer_range=0.2,
+        max_position_embeddings=args.prompt_len + args.new_tokens + 8)
+    torch.manual_seed(args.seed)
+    return transformers.Qwen3MoeForCausalLM(cfg).eval()
+
+
+def ours_generate(model, prompts, new_tokens):
+    from megatron_rl.rollout.engine import Request, RolloutEngine
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    eng = RolloutEngine(model, SamplingParams(greedy=True), max_batch=len(prompts),
+                        max_len=len(prompts[0]) + new_tokens)
+    eng.add([Request(f"p{i}", 0, p, max_new_tokens=new_tokens, fixed_len=new_tokens)
+             for i, p in enumerate(prompts)])
+    while eng.has_work():
+        eng.step()
+    return [r.tokens for r in sorted(eng.finished, key=lambda r: int(r.prompt_id[1:]))]
+
+
+def hf_generate(model, prompts, new_tokens):
+    import torch
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def timed(fn, *a) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds): on a shared machine the CPU time is the steadier."""
+    w, c = time.perf_counter(), time.process_time()
+    fn(*a)
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (decode time is t(N) - t(1))")
+
+    import torch
+
+    from megatron_rl.models import load_hf_checkpoint
+
+    torch.set_num_threads(args.threads)
+    hf = tiny_hf(args)
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(d)
+        ours = load_hf_checkpoint(d, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(args.seed + 1)
+    prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_len), generator=g).tolist()
+    B, N = args.batch, args.new_tokens
+    print(f"config: Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-"
+          f"{args.topk}, vocab {args.vocab}, float32, {args.threads} thread(s); batch {B}, prompt "
+          f"{args.prompt_len}, {N} new tokens, greedy, {args.reps} reps after 1 warm-up; "
+          f"torch {torch.__version__}")
+
+    engines = {"ours": lambda n: ours_generate(ours, prompts, n), "hf": lambda n: hf_generate(hf, prompts, n)}
+    tokens = {name: fn(N) for name, fn in engines.items()}  # warm-up, and the tokens to compare
+    for fn in engines.values():
+        fn(1)
+    full = {name: [] for name in engines}
+    one = {name: [] for name in engines}
+    for _ in range(args.reps):
+        for name, fn in engines.items():
+            full[name].append(timed(fn, N))
+            one[name].append(timed(fn, 1))
+    rate = {}  # (engine, clock) -> decode tokens/s
+    for name in engines:
+        for i, clock in enumerate(("wall", "cpu")):
+            t_full = statistics.median(t[i] for t in full[name])
+            t_one = statistics.median(t[i] for t in one[name])
+            rate[name, clock] = B * (N - 1) / max(t_full - t_one, 1e-9)
+            print(f"{name:>4} {clock:>4}: {B * N / t_full:9.1f} tokens/s end to end, {rate[name, clock]:9.1f} "
+                  f"decode tokens/s (median {t_full * 1e3:.1f} ms for {N} tokens, {t_one * 1e3:.1f} ms for 1)")
+    same = tokens["ours"] == tokens["hf"]
+    print(f"greedy tokens identical: {same}")
+    for clock in ("wall", "cpu"):
+        print(f"decode tokens/s ratio ours / HF generate ({clock} clock): "
+              f"{rate['ours', clock] / rate['hf', clock]:.2f}x (target >= 1.5x)")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
