@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -101,7 +102,7 @@ class MetricsLogger:
 
         # The run id lives beside the metrics so a resumed run continues the same W&B run.
         id_file = self.out_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if resuming and id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if resuming and id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
         return wandb.init(
             project=cfg.project,
@@ -128,5 +129,10 @@ class MetricsLogger:
     def close(self) -> None:
         self._fh.close()
         if self._run is not None:
+            import wandb
+
             self._run.finish()
+            # finish() returns before the W&B service has written the run file; teardown waits
+            # for it, so the offline run is complete on disk when close() returns.
+            wandb.teardown()
             self._run = None

@@ -56,7 +56,7 @@ def _sympy_value(s: str | None):
     if s is None:
         return None
     s = s.strip().replace("\\frac{", "(").replace("}{", ")/(").replace("}", ")")
-    if not _SAFE.match(s):
+    if not _SAFE.match(s) or "**" in s:
         return None
     try:
         return sympy.nsimplify(parse_expr(s))
