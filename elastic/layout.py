@@ -1,13 +1,30 @@
 """Layouts: which rank runs each response of the batch.
 
-`natural` is verl's placement: the batch in data order, cut into W contiguous chunks whose sizes
-differ by at most one (as `DataProto.chunk` / `numpy.array_split` cut it).
+- `natural` is verl's placement: the batch in data order, cut into W contiguous chunks whose sizes
+  differ by at most one (as `DataProto.chunk` / `numpy.array_split` cut it).
+- `lengthsort` balances predicted work: longest first, each to the rank with the least predicted
+  work so far (LPT) that still has KV room.
+- `planned` is planned residency: ranks are filled in the reverse of their leaving order (the
+  resident ranks that stay to the floor first), longest predicted responses first, each tier of
+  ranks that leave together up to its share of the predicted work (as balanced as `lengthsort`),
+  so residents hold a few long responses, the leaving ranks many short ones, and those drain early
+  and together. Within a tier a response goes to the least-loaded rank.
+
+KV safety: every rank's KV demand over the rollout (`kv.Demand`, from each response's prompt and
+predictive or guarded length distribution) stays within `budget[r]`, the KV tokens rank r may
+hold at the tightest stage it belongs to; otherwise the layout raises `PlanError`. Responses are
+placed longest reserved length first (the TailGuard bound, or the predicted tail), so the long
+ones choose their ranks while there is room.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
-from elastic.plan import Assignment
+import numpy as np
+
+from elastic.kv import RankKV
+from elastic.plan import Assignment, PlanError
 
 
 def natural(batch: Sequence[tuple[str, int]], ranks: int) -> list[Assignment]:
@@ -20,3 +37,81 @@ def natural(batch: Sequence[tuple[str, int]], ranks: int) -> list[Assignment]:
         out.extend(Assignment(pid, s, r) for pid, s in batch[start:start + size])
         start += size
     return out
+
+
+def lengthsort(batch: Sequence[tuple[str, int]], work: Sequence[float], ranks: int,
+               reserve: Sequence[float], kv: RankKV) -> list[Assignment]:
+    rank_of = [0] * len(batch)
+    heap = [(0.0, r) for r in range(ranks)]
+    for i in _by_reserve(reserve, work):
+        r = _least_loaded(heap, i, work, kv)
+        if r is None:
+            _no_room(i, batch, kv)
+        rank_of[i] = r
+    return _assign(batch, rank_of)
+
+
+def planned(batch: Sequence[tuple[str, int]], work: Sequence[float], tiers: Sequence[Sequence[int]],
+            reserve: Sequence[float], kv: RankKV) -> list[Assignment]:
+    """`tiers` lists the ranks by leaving stage, residents first, first leavers last."""
+    share = float(np.sum(work)) / sum(len(t) for t in tiers)
+    rank_of = [0] * len(batch)
+    order = _by_reserve(reserve, work)
+    pos, carry = 0, 0.0
+    for t, tier in enumerate(tiers):
+        last = t == len(tiers) - 1
+        heap = [(0.0, r) for r in tier]
+        quota = share * len(tier) + carry
+        taken = 0.0
+        while pos < len(order) and (last or taken < quota):
+            i = order[pos]
+            r = _least_loaded(heap, i, work, kv)
+            if r is None:
+                break
+            rank_of[i] = r
+            taken += work[i]
+            pos += 1
+        carry = quota - taken
+    if pos < len(order):
+        _no_room(order[pos], batch, kv)
+    return _assign(batch, rank_of)
+
+
+def _least_loaded(heap: list[tuple[float, int]], i: int, work: Sequence[float], kv: RankKV):
+    """Place response i on the least-loaded rank of `heap` with KV room; None if there is none."""
+    full = []
+    while heap and not kv.fits(heap[0][1], i):
+        full.append(heapq.heappop(heap))
+    r = None
+    if heap:
+        load, r = heapq.heappop(heap)
+        kv.add(r, i)
+        heapq.heappush(heap, (load + work[i], r))
+    for item in full:
+        heapq.heappush(heap, item)
+    return r
+
+
+def check_kv(assignments: Sequence[Assignment], kv: RankKV) -> None:
+    """`assignments[i]` places response i; raise `PlanError` if a rank's KV demand exceeds its budget."""
+    per_rank: dict[int, list[int]] = {}
+    for i, a in enumerate(assignments):
+        per_rank.setdefault(a.rank, []).append(i)
+    for r, idx in sorted(per_rank.items()):
+        peak = kv.d.peak(idx)
+        if peak > kv.budget[r]:
+            raise PlanError(f"rank {r} would hold up to {peak:.0f} KV tokens for its responses but "
+                            f"has room for {max(kv.budget[r], 0):.0f}")
+
+
+def _by_reserve(reserve: Sequence[float], work: Sequence[float]) -> list[int]:
+    return sorted(range(len(reserve)), key=lambda i: (-reserve[i], -work[i], i))
+
+
+def _assign(batch, rank_of) -> list[Assignment]:
+    return [Assignment(pid, s, r) for (pid, s), r in zip(batch, rank_of)]
+
+
+def _no_room(i: int, batch, kv: RankKV):
+    raise PlanError(f"KV cache cannot fit: response {batch[i]} fits on no rank that may take it; "
+                    f"the most room any rank has left is {max(kv.room(), 0):.0f} tokens")

@@ -172,3 +172,8 @@ def static_plan(layout: str, assignments: list[Assignment], ranks: int, num_expe
     stage = Stage(members=tuple(range(ranks)), drained=(), owners=block_owners(num_experts, range(ranks)))
     return Plan(ranks=ranks, floor=ranks, num_experts=num_experts, layout=layout, tailguard=False,
                 assignments=assignments, stages=[stage])
+
+
+class PlanError(ValueError):
+    """The inputs admit no safe plan (the floor cannot hold every expert, the KV cannot fit, ...);
+    the message says which constraint failed and by how much."""

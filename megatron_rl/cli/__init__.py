@@ -16,6 +16,8 @@ from megatron_rl.errors import FlexFloorError
 COMMANDS = [
     "megatron_rl.cli.demo",
     "megatron_rl.cli.rollout",
+    "megatron_rl.cli.plan",
+    "megatron_rl.cli.predict",
 ]
 
 

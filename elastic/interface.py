@@ -1,0 +1,42 @@
+"""The one interface between `elastic/` and an engine: an engine whose EP group can shrink.
+
+The real engine (`megatron_rl.rollout.elastic_engine.ElasticRolloutEngine`) implements it over
+torch; the simulator needs none of it. Expert weights cross this boundary as one flat tensor per
+expert (every layer's weights of that expert, concatenated in a fixed order), so moving an expert is
+one message.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class ElasticEngine(Protocol):
+    def load(self) -> int:
+        """Local requests not yet finished; 0 means this rank has drained."""
+
+    def step(self) -> int:
+        """One synchronous EP step over the current group; returns tokens generated locally."""
+
+    def dummy_step(self) -> None:
+        """Join the step's collectives with no local tokens."""
+
+    def held_experts(self) -> list[int]:
+        """Global indices of the experts this rank holds now."""
+
+    def export_expert(self, expert: int) -> Any:
+        """The expert's weights as one flat tensor."""
+
+    def empty_expert(self) -> Any:
+        """A receive buffer for one expert."""
+
+    def import_expert(self, expert: int, flat: Any) -> None:
+        """Hold `expert` with these weights from now on."""
+
+    def drop_expert(self, expert: int) -> None:
+        """Stop holding `expert` (frees its memory)."""
+
+    def use_group(self, group: Any, owners: dict[int, int]) -> None:
+        """From the next step, route through `group`, with expert e computed on rank owners[e]."""
+
+    def checksums(self) -> dict[str, float]:
+        """Checksums of the weights this rank holds, by name (experts as `expert.<e>`)."""

@@ -1,0 +1,175 @@
+"""The planner's estimate of a quorum schedule's release area, under a caller-supplied step cost.
+
+`StepCost` is the whole interface between the planner and a cost model: the simulator passes its
+calibrated model, the runtime may pass measured step times, and `ShapeCost` is the planner's own
+default, a bandwidth-bound estimate from `ModelShape` alone.
+
+The estimate is deliberately coarse: ranks decode all their responses concurrently, one token per
+step, so a rank drains at the step of its longest response; stage i+1 fires at the step its trigger
+ranks have drained, costs `shrink_s` on its old members, and its leaving ranks are detached from
+then until the end; a step costs `decode_step_s` at the live batch and mean context of
+its segment (`Timeline`), for the busiest member. Over samples of the predicted lengths this gives the rollout time T and
+the detached rank-seconds (the release area). The planner keeps the chain with the fewest occupied
+rank-seconds `W * T - detached`, i.e. the largest release area net of any lengthening of the
+rollout: a smaller group steps more slowly (each member reads more experts), and in a synchronous
+job a longer rollout holds every rank back.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from elastic.plan import Plan
+from elastic.shape import ModelShape
+
+
+class StepCost(Protocol):
+    def decode_step_s(self, batch_per_rank: int, context: int, ep_size: int) -> float:
+        """Seconds of one synchronous decode step of an EP group of `ep_size` ranks, each with
+        `batch_per_rank` live requests of mean context `context` tokens."""
+
+    def shrink_s(self, experts_moved: int, ep_size: int) -> float:
+        """Seconds a shrink takes that moves `experts_moved` experts out of a group of `ep_size`."""
+
+
+@dataclass(frozen=True)
+class ShapeCost:
+    """Default step cost from the model shape (H100 figures; see ../shared/REFERENCES.md).
+
+    A decode step reads the dense weights, the experts its tokens activate on this rank, and the
+    live KV cache from HBM (`hbm_bytes_per_s`), plus two all-to-alls per MoE layer whose latency
+    grows with log2 of the group size (DeepEP low-latency mode: ~0.1-0.3 ms per layer at EP 8-64,
+    scaled down for Qwen3's smaller hidden size). A shrink moves every expert over one link
+    (`link_bytes_per_s`, serialised: an upper bound) after a fixed routing-table swap.
+    """
+
+    shape: ModelShape = ModelShape()
+    hbm_bytes_per_s: float = 3.35e12
+    a2a_base_s: float = 30e-6
+    a2a_per_log2_s: float = 10e-6
+    link_bytes_per_s: float = 100e9
+    shrink_fixed_s: float = 0.05
+
+    def decode_step_s(self, batch_per_rank: int, context: int, ep_size: int) -> float:
+        s = self.shape
+        tokens = max(batch_per_rank, 0) * ep_size
+        active = s.num_experts * (1.0 - (1.0 - s.topk / s.num_experts) ** tokens)
+        per_rank = active / ep_size
+        nbytes = (s.dense_bytes + per_rank * s.expert_bytes
+                  + batch_per_rank * context * s.kv_bytes_per_token)
+        a2a = 2 * s.num_layers * (self.a2a_base_s + self.a2a_per_log2_s * math.log2(ep_size)) \
+            if ep_size > 1 else 0.0
+        return nbytes / self.hbm_bytes_per_s + a2a
+
+    def shrink_s(self, experts_moved: int, ep_size: int) -> float:
+        return self.shrink_fixed_s + experts_moved * self.shape.expert_bytes / self.link_bytes_per_s
+
+
+def rank_drain_steps(lengths: np.ndarray, ranks_of: np.ndarray, ranks: int) -> np.ndarray:
+    """(samples, responses) lengths -> (samples, ranks) step at which each rank drains."""
+    out = np.zeros((lengths.shape[0], ranks))
+    for r in range(ranks):
+        cols = ranks_of == r
+        if cols.any():
+            out[:, r] = lengths[:, cols].max(axis=1)
+    return out
+
+
+@dataclass(frozen=True)
+class Estimate:
+    rollout_s: float
+    static_s: float  # the same layout with nobody leaving
+    detached_rank_s: float
+    occupied_rank_s: float
+
+
+class Timeline:
+    """One layout's sampled rollouts, cut into segments priced at their own step time.
+
+    Ranks leave in `order` (the last to leave first): a stage of size g holds order[:g] and fires
+    once order[g:] have all drained, so its fire step does not depend on the rest of the chain and
+    every chain of the layout is priced on the same segments: those between the fire steps of
+    every candidate size and `PIECES` equal slices of the rollout. A segment's step costs
+    `decode_step_s` at the live batch of the busiest rank and the mean context at its middle (mean
+    over samples), for the group size active in it.
+    """
+
+    PIECES = 16
+
+    def __init__(self, lengths: np.ndarray, rank_of: np.ndarray, order: Sequence[int],
+                 sizes: Sequence[int], prompt_mean: float, cost: StepCost):
+        S = lengths.shape[0]
+        ranks = len(order)
+        drain = rank_drain_steps(lengths, rank_of, ranks)[:, list(order)]
+        self.suffix = np.maximum.accumulate(drain[:, ::-1], axis=1)[:, ::-1]
+        self.ranks, self.cost = ranks, cost
+        self.end = self.suffix[:, 0]
+        slices = self.end[:, None] * (np.arange(self.PIECES + 1) / self.PIECES)[None, :]
+        fires = self.suffix[:, list(sizes)] if len(sizes) else np.zeros((S, 0))
+        self.bounds = np.sort(np.concatenate([slices, fires], axis=1), axis=1)
+        self.seg = np.diff(self.bounds, axis=1)
+        mid = (self.bounds[:, :-1] + self.bounds[:, 1:]) / 2
+        # The synchronous step waits for the member with the most live requests.
+        flat = rank_of[None, :] + ranks * np.arange(S)[:, None]
+        self.batch = np.array([
+            np.bincount(flat[lengths > mid[:, k:k + 1]], minlength=S * ranks)
+            .reshape(S, ranks).max(axis=1).mean()
+            for k in range(mid.shape[1])])
+        self.context = prompt_mean + mid.mean(axis=0)
+        self._tau: dict[tuple[int, int], float] = {}
+
+    def step_s(self, k: int, g: int) -> float:
+        if (k, g) not in self._tau:
+            batch = max(1, round(self.batch[k]))
+            self._tau[(k, g)] = self.cost.decode_step_s(batch, int(self.context[k]), g)
+        return self._tau[(k, g)]
+
+    def estimate(self, sizes: Sequence[int], shrink_s: Sequence[float]) -> Estimate:
+        """Mean over samples of the chain `sizes` (W first); `shrink_s[i]` is the shrink into i."""
+        S, K = self.seg.shape
+        stages = len(sizes)
+        # A stage fires at its trigger's drain step, unless the rollout ends there.
+        fire = np.column_stack([self.suffix[:, g] for g in sizes[1:]]) if stages > 1 \
+            else np.zeros((S, 0))
+        fires = fire < self.end[:, None]
+        t = np.zeros(S)
+        static = np.zeros(S)
+        count = np.zeros(S, int)
+        start = np.zeros((S, stages))
+        size_of = np.asarray(sizes)
+        for k in range(K):
+            now = np.sum(fires & (fire <= self.bounds[:, k:k + 1]), axis=1)
+            for i in range(1, stages):
+                newly = (count < i) & (now >= i)
+                t = t + np.where(newly, shrink_s[i], 0.0)
+                start[:, i] = np.where(newly, t, start[:, i])
+            count = now
+            taus = {g: self.step_s(k, g) for g in set(size_of[count].tolist())}
+            t = t + self.seg[:, k] * np.array([taus[g] for g in size_of[count]])
+            static = static + self.seg[:, k] * self.step_s(k, self.ranks)
+        detached = np.zeros(S)
+        for i in range(1, stages):
+            leavers = sizes[i - 1] - sizes[i]
+            detached += np.where(fires[:, i - 1], leavers * (t - start[:, i]), 0.0)
+        return Estimate(float(t.mean()), float(static.mean()), float(detached.mean()),
+                        float((self.ranks * t - detached).mean()))
+
+
+def replay(plan: Plan, lengths: dict[tuple[str, int], int], prompt_mean: float,
+           cost: StepCost) -> Estimate:
+    """The same estimate for a finished plan on known lengths (one sample): how the planner would
+    score `plan` had it known the truth. Used to compare plans side by side on a trace."""
+    keys = [(a.prompt_id, a.sample) for a in plan.assignments]
+    rank_of = np.array([a.rank for a in plan.assignments])
+    exact = np.array([[lengths[k] for k in keys]], float)
+    # Leaving order: the last stage's members first, the first leavers last.
+    order = list(plan.stages[-1].members)
+    for st in reversed(plan.stages[1:]):
+        order += list(st.drained)
+    sizes = [len(st.members) for st in plan.stages]
+    shrink = [0.0] + [cost.shrink_s(len(plan.transfers(i - 1, i)), sizes[i - 1])
+                      for i in range(1, len(sizes))]
+    return Timeline(exact, rank_of, order, sizes[1:], prompt_mean, cost).estimate(sizes, shrink)

@@ -1,0 +1,206 @@
+"""The elastic rollout runtime: carry a `Plan` out on an `ElasticEngine`, one rank's view.
+
+Collective order (every rank runs this same sequence, which is what keeps gloo/NCCL from hanging):
+1. setup: `new_group` for every stage of the plan, on every rank, in stage order (a shrink is then
+   a routing swap, never a rendezvous); checksums of the held weights; a world barrier starts the clock.
+2. decode loop of the active group: every `status_interval` ticks, an all-reduce of each member's
+   unfinished-request count over the current stage's group; `Plan.advance` turns the drained set
+   into the stage to be in (the same rule the simulator runs). On a stage change the whole old group
+   moves experts (`Plan.transfers`, point-to-point in one global order, so no cycle can deadlock),
+   survivors swap to the new group and owners at the same tick, and the leaving ranks detach.
+3. detached ranks serve the idle pool (leases) until the coordinator's restore message arrives.
+4. restore: the coordinator (lowest member of the last stage) messages every detached rank; the
+   whole world moves experts back to stage 0's owners, swaps back to the world group, and checks the
+   weights against the setup checksums. A mismatch is an error, never silently trained on.
+
+Ledger ticks: each decode step and each shrink or restore is one tick of the global clock; a
+detached rank accrues every tick it misses (split between `leased` and `idle` by its measured time).
+Every collective runs under the process group's timeout; a failure is re-raised as `ElasticFault`
+naming the rank, stage and phase.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from elastic.interface import ElasticEngine
+from elastic.ledger import RankLedger
+from elastic.plan import Plan
+
+TAG_EXPERT, TAG_RESTORE = 0, 1
+
+
+class ElasticFault(RuntimeError):
+    def __init__(self, rank: int, stage: int, phase: str, cause: BaseException | str):
+        super().__init__(f"rank {rank}, stage {stage}, phase {phase}: {cause}")
+        self.rank, self.stage, self.phase = rank, stage, phase
+
+
+@dataclass
+class RankOutcome:
+    ledger: RankLedger
+    total_steps: int
+    final_stage: int
+    detached_at: int | None
+    wall_s: float
+    shrink_s: dict[int, float] = field(default_factory=dict)  # stage entered -> seconds
+    restore_s: float = 0.0
+    pool_report: dict = field(default_factory=dict)
+
+
+class IdlePoolLike:
+    def serve(self, should_stop: Callable[[], bool]) -> tuple[float, dict]:
+        """Run leases until `should_stop()`; return (leased seconds, report)."""
+
+
+def _move_experts(engine: ElasticEngine, moves: list[tuple[int, int, int]], rank: int) -> None:
+    for e, src, dst in moves:
+        if rank == src:
+            dist.send(engine.export_expert(e), dst=dst, tag=TAG_EXPERT)
+        elif rank == dst:
+            buf = engine.empty_expert()
+            dist.recv(buf, src=src, tag=TAG_EXPERT)
+            engine.import_expert(e, buf)
+
+
+class ElasticRuntime:
+    def __init__(self, engine: ElasticEngine, plan: Plan, rank: int, *, status_interval: int = 1,
+                 pool: IdlePoolLike | None = None,
+                 progress: Callable[[int, int, int, int], None] | None = None,
+                 after_step: Callable[[], None] | None = None):
+        self.engine, self.plan, self.rank = engine, plan, rank
+        self.k = status_interval
+        self.pool, self.progress, self.after_step = pool, progress, after_step
+        self.world = plan.ranks
+        self.stage, self.phase = 0, "setup"
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _fault(self, e: BaseException) -> ElasticFault:
+        return e if isinstance(e, ElasticFault) else ElasticFault(self.rank, self.stage, self.phase, e)
+
+    def _owners(self, stage: int) -> dict[int, int]:
+        return {e: self.plan.stages[stage].owner_of(e) for e in range(self.plan.num_experts)}
+
+    def _group(self, stage: int):
+        return self.groups[stage]
+
+    # ---- the run --------------------------------------------------------------------------------
+    def run(self) -> RankOutcome:
+        try:
+            return self._run()
+        except BaseException as e:
+            raise self._fault(e) from e
+
+    def _run(self) -> RankOutcome:
+        plan, rank = self.plan, self.rank
+        self.groups = [dist.group.WORLD if len(st.members) == self.world else dist.new_group(list(st.members))
+                       for st in plan.stages]
+        before = self.engine.checksums()
+        self.engine.use_group(self._group(0), self._owners(0))
+        ledger = RankLedger(rank)
+        dist.barrier()
+        t0 = t_prev = time.perf_counter()
+        tick, detached_at, shrink_s = 0, None, {}
+        self.phase = "decode"
+        while True:
+            if tick % self.k == 0:
+                self.phase = "status"
+                status = torch.zeros(self.world, dtype=torch.long)
+                status[rank] = self.engine.load()
+                dist.all_reduce(status, group=self._group(self.stage))
+                live = int(status.sum())
+                if self.progress is not None and rank == min(plan.stages[self.stage].members):
+                    self.progress(tick, self.stage, len(plan.stages[self.stage].members), live)
+                if live == 0:
+                    break
+                drained = {r for r in range(self.world) if status[r] == 0}
+                nxt = plan.advance(self.stage, drained)
+                if nxt != self.stage:
+                    self.phase = "shrink"
+                    _move_experts(self.engine, plan.transfers(self.stage, nxt), rank)
+                    leaving = rank not in plan.stages[nxt].members
+                    for e in self.engine.held_experts():
+                        if leaving or rank not in plan.stages[nxt].owners[e]:
+                            self.engine.drop_expert(e)
+                    if not leaving:
+                        self.engine.use_group(self._group(nxt), self._owners(nxt))
+                    now = time.perf_counter()
+                    ledger.add("transition", now - t_prev)
+                    shrink_s[nxt] = now - t_prev
+                    t_prev, tick = now, tick + 1
+                    self.stage = nxt
+                    if leaving:
+                        detached_at = tick
+                        break
+                    continue
+            self.phase = "decode"
+            state = "busy" if self.engine.load() > 0 else "dummy"
+            if state == "busy":
+                self.engine.step()
+            else:
+                self.engine.dummy_step()
+            if self.after_step is not None:
+                self.after_step()
+            now = time.perf_counter()
+            ledger.add(state, now - t_prev)
+            t_prev, tick = now, tick + 1
+
+        pool_report: dict = {}
+        final_members = plan.stages[self.stage].members
+        if detached_at is not None:
+            self.phase = "detached"
+            msg = torch.zeros(2, dtype=torch.long)
+            work = dist.irecv(msg, tag=TAG_RESTORE)
+            leased_s = 0.0
+            if self.pool is not None:
+                leased_s, pool_report = self.pool.serve(work.is_completed)
+            work.wait()
+            total_ticks, self.stage = int(msg[0]), int(msg[1])
+            now = time.perf_counter()
+            idle_s = max(0.0, now - t_prev - leased_s)
+            missed = total_ticks - detached_at
+            leased_steps = round(missed * leased_s / (leased_s + idle_s)) if leased_s + idle_s > 0 else 0
+            ledger.add("leased", leased_s, leased_steps)
+            ledger.add("idle", idle_s, missed - leased_steps)
+            t_prev = now
+        else:
+            total_ticks = tick
+            if rank == min(final_members):
+                msg = torch.tensor([total_ticks, self.stage], dtype=torch.long)
+                for r in range(self.world):
+                    if r not in final_members:
+                        dist.send(msg, dst=r, tag=TAG_RESTORE)
+
+        restore_s = 0.0
+        if self.stage != 0:
+            self.phase = "restore"
+            _move_experts(self.engine, plan.transfers(self.stage, 0), rank)
+            for e in self.engine.held_experts():
+                if rank not in plan.stages[0].owners[e]:
+                    self.engine.drop_expert(e)
+            self.engine.use_group(self._group(0), self._owners(0))
+            self.phase = "verify"
+            bad = sorted(k for k, v in self.engine.checksums().items() if before.get(k) != v)
+            bad += sorted(set(before) - set(self.engine.checksums()))
+            flag = torch.tensor([len(bad)], dtype=torch.long)
+            dist.all_reduce(flag)
+            if bad:
+                raise ElasticFault(rank, self.stage, "verify",
+                                   f"restored weights differ from the pre-rollout checksums: {bad[:5]}")
+            if int(flag) > 0:
+                raise ElasticFault(rank, self.stage, "verify", "another rank's restored weights failed the checksum")
+            now = time.perf_counter()
+            restore_s = now - t_prev
+            ledger.add("transition", restore_s)
+            t_prev, total_ticks = now, total_ticks + 1
+        dist.barrier()
+        end = time.perf_counter()
+        # The final barrier waits for the slowest rank: that wait is part of the last state held.
+        last = "transition" if self.stage != 0 else "dummy"
+        ledger.add(last, end - t_prev, 0)
+        return RankOutcome(ledger, total_ticks, self.stage, detached_at, end - t0, shrink_s,
+                           restore_s, pool_report)

@@ -1,0 +1,115 @@
+"""Quorum schedules: the safe chains of active groups from all W ranks down to at least the floor.
+
+Conventions that make a chain cheap to carry out:
+- the ranks leave in one fixed order whatever the chain: stage i keeps the first g_i ranks of a
+  staying order (by default 0..g_i-1, which is what `planned` lays out for: the longest work on the
+  lowest ranks, and a prefix of one node stays inside one NVLink domain as the group shrinks; for
+  `natural` and `lengthsort` the planner orders the ranks by their predicted drain, latest first);
+- stage 0 is Megatron's contiguous ownership (`block_owners`) so the runtime starts from the
+  ordinary layout; a group size that does not divide the expert count gets contiguous blocks that
+  differ by one expert, or, with more ranks than experts, contiguous replicas;
+- a shrink keeps every survivor's experts where they are and moves only the experts that no survivor
+  already holds (fewest moves), each to the least-loaded survivor; a survivor above the balanced
+  share ceil(E / g) drops replicas that another survivor also holds (dropping moves nothing).
+
+Candidate group sizes are those that divide the expert count, or that the expert count divides and
+that divide W (even replicas), plus the floor itself; when there are more than
+`MAX_CANDIDATES`, a halving ladder from W is kept, so enumeration stays small at 256 ranks.
+"""
+from __future__ import annotations
+
+import math
+from itertools import combinations
+from typing import Iterator
+
+from elastic.plan import Stage, block_owners
+
+MAX_CANDIDATES = 6
+
+
+def contiguous_owners(num_experts: int, members) -> dict[int, tuple[int, ...]]:
+    """`block_owners` generalised to any group size (equal to it when |members| divides E)."""
+    members = sorted(members)
+    g = len(members)
+    if num_experts % g == 0:
+        return block_owners(num_experts, members)
+    if num_experts > g:
+        # Blocks of ceil/floor size, larger ones first, contiguous in expert index.
+        base, extra = divmod(num_experts, g)
+        owners, e = {}, 0
+        for j, r in enumerate(members):
+            for _ in range(base + (1 if j < extra else 0)):
+                owners[e] = (r,)
+                e += 1
+        return owners
+    # More ranks than experts: member j holds expert floor(j * E / g), every expert replicated.
+    owners: dict[int, list[int]] = {e: [] for e in range(num_experts)}
+    for j, r in enumerate(members):
+        owners[j * num_experts // g].append(r)
+    return {e: tuple(rs) for e, rs in owners.items()}
+
+
+def held_counts(owners: dict[int, tuple[int, ...]], members) -> dict[int, int]:
+    held = dict.fromkeys(members, 0)
+    for rs in owners.values():
+        for r in rs:
+            held[r] += 1
+    return held
+
+
+def shrink_owners(owners: dict[int, tuple[int, ...]], survivors) -> dict[int, tuple[int, ...]]:
+    """Ownership after a shrink to `survivors`: fewest expert moves, balanced (see module doc)."""
+    survivors = sorted(survivors)
+    keep = {e: [r for r in rs if r in set(survivors)] for e, rs in owners.items()}
+    held = held_counts({e: tuple(rs) for e, rs in keep.items()}, survivors)
+    target = math.ceil(len(owners) / len(survivors))
+    # Drop surplus replicas from overloaded survivors first, so orphans can land there evenly.
+    for e in sorted(keep):
+        rs = keep[e]
+        for r in sorted(rs, key=lambda r: -held[r]):
+            if len(rs) > 1 and held[r] > target:
+                rs.remove(r)
+                held[r] -= 1
+    for e in sorted(keep):
+        if not keep[e]:
+            r = min(survivors, key=lambda r: (held[r], r))
+            keep[e].append(r)
+            held[r] += 1
+    return {e: tuple(rs) for e, rs in keep.items()}
+
+
+def candidate_sizes(ranks: int, floor: int, num_experts: int) -> list[int]:
+    """Group sizes a chain may pass through below W, largest first (always includes the floor)."""
+    sizes = {g for g in range(floor, ranks)
+             if num_experts % g == 0 or (g % num_experts == 0 and ranks % g == 0)}
+    if floor < ranks:
+        sizes.add(floor)
+    out = sorted(sizes, reverse=True)
+    if len(out) > MAX_CANDIDATES:
+        ladder, g = {floor}, ranks // 2
+        while g > floor and len(ladder) < MAX_CANDIDATES:
+            ladder.add(max(s for s in out if s <= g))
+            g //= 2
+        out = sorted(ladder, reverse=True)
+    return out
+
+
+def chains(ranks: int, floor: int, num_experts: int) -> Iterator[list[int]]:
+    """Every chain of group sizes [W, g_1, ..., g_k] with W > g_1 > ... > g_k >= floor; the
+    one-stage chain [W] (nobody leaves) comes first."""
+    cands = candidate_sizes(ranks, floor, num_experts)
+    for k in range(len(cands) + 1):
+        for combo in combinations(cands, k):
+            yield [ranks, *combo]
+
+
+def build_stages(sizes: list[int], num_experts: int, order: list[int] | None = None) -> list[Stage]:
+    """Stages of the chain `sizes`; stage i holds order[:sizes[i]] (default: ranks 0..g-1)."""
+    order = list(range(sizes[0])) if order is None else list(order)
+    stages = [Stage(tuple(range(sizes[0])), (), contiguous_owners(num_experts, range(sizes[0])))]
+    for g in sizes[1:]:
+        prev = stages[-1]
+        members = tuple(sorted(order[:g]))
+        leaving = tuple(sorted(set(prev.members) - set(members)))
+        stages.append(Stage(members, leaving, shrink_owners(prev.owners, members)))
+    return stages

@@ -1,0 +1,141 @@
+"""The MoE model's configuration, named as megatron-core's `TransformerConfig` names it.
+
+Fields keep Megatron's names (num_layers, num_query_groups, kv_channels, moe_router_topk, ...) so a
+config moves to the megatron-core backend field by field (`transformer_config_kwargs`), and
+`from_hf` maps a HuggingFace Qwen3-MoE `config.json`. Router semantics: Qwen3's `norm_topk_prob=True`
+(softmax over all experts, keep top-k, renormalise) equals Megatron's `moe_router_pre_softmax=False`
+(top-k of the logits, softmax over those k); `norm_topk_prob=False` is `moe_router_pre_softmax=True`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from megatron_rl.config import require
+from megatron_rl.errors import ConfigError
+
+
+@dataclass
+class MoEModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    kv_channels: int = 16
+    num_moe_experts: int = 8
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 32
+    moe_router_pre_softmax: bool = False
+    vocab_size: int = 256
+    layernorm_epsilon: float = 1e-6
+    rotary_base: float = 1_000_000.0
+    max_position_embeddings: int = 4096
+    untie_embeddings_and_output_weights: bool = True
+    init_method_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                     "vocab_size", "max_position_embeddings"):
+            require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        require(
+            self.num_attention_heads % self.num_query_groups == 0,
+            f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+            f"num_query_groups ({self.num_query_groups})",
+        )
+        require(
+            self.moe_router_topk <= self.num_moe_experts,
+            f"moe_router_topk ({self.moe_router_topk}) exceeds num_moe_experts ({self.num_moe_experts})",
+        )
+        require(self.kv_channels % 2 == 0, f"kv_channels must be even for RoPE, got {self.kv_channels}")
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_query_groups
+
+    def transformer_config_kwargs(self) -> dict:
+        """Keyword arguments for `megatron.core.transformer.TransformerConfig` (MoE on every layer)."""
+        return dict(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels,
+            ffn_hidden_size=self.moe_ffn_hidden_size,
+            num_moe_experts=self.num_moe_experts,
+            moe_router_topk=self.moe_router_topk,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_pre_softmax=self.moe_router_pre_softmax,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="none",
+            layernorm_epsilon=self.layernorm_epsilon,
+            normalization="RMSNorm",
+            qk_layernorm=True,
+            gated_linear_unit=True,
+            add_bias_linear=False,
+            init_method_std=self.init_method_std,
+        )
+
+    # ---- HuggingFace config.json <-> this --------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict, where: str = "config.json") -> "MoEModelConfig":
+        if hf.get("model_type") not in (None, "qwen3_moe"):
+            raise ConfigError(f"{where}: model_type is {hf.get('model_type')!r}, expected 'qwen3_moe'")
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise ConfigError(
+                f"{where}: dense layers (mlp_only_layers / decoder_sparse_step != 1) are not "
+                "supported; every layer must be MoE as in Qwen3-30B-A3B"
+            )
+        try:
+            rope = hf.get("rope_parameters") or {}
+            theta = rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
+            if rope.get("rope_type", "default") != "default":
+                raise ConfigError(f"{where}: rope_type {rope['rope_type']!r} unsupported, expected 'default'")
+            heads = hf["num_attention_heads"]
+            return cls(
+                num_layers=hf["num_hidden_layers"],
+                hidden_size=hf["hidden_size"],
+                num_attention_heads=heads,
+                num_query_groups=hf.get("num_key_value_heads", heads),
+                kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+                num_moe_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
+                moe_router_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+                vocab_size=hf["vocab_size"],
+                layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+                rotary_base=float(theta),
+                max_position_embeddings=hf.get("max_position_embeddings", 32768),
+                untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+                init_method_std=hf.get("initializer_range", 0.02),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{where}: missing field {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict:
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_query_groups,
+            "head_dim": self.kv_channels,
+            "num_experts": self.num_moe_experts,
+            "num_experts_per_tok": self.moe_router_topk,
+            "moe_intermediate_size": self.moe_ffn_hidden_size,
+            "intermediate_size": self.moe_ffn_hidden_size,
+            "norm_topk_prob": not self.moe_router_pre_softmax,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.layernorm_epsilon,
+            "rope_parameters": {"rope_theta": self.rotary_base, "rope_type": "default"},
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": not self.untie_embeddings_and_output_weights,
+            "initializer_range": self.init_method_std,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,184 @@
+"""HuggingFace Qwen3-MoE checkpoints <-> our Megatron-named state dict.
+
+Reads safetensors in both expert layouts found in the wild: per-expert tensors
+(`mlp.experts.<e>.{gate,up,down}_proj.weight`, the released checkpoints and what `transformers` 5
+writes with `save_pretrained`) and the fused in-memory layout (`mlp.experts.gate_up_proj` [E, 2F, D],
+`mlp.experts.down_proj` [E, D, F]). Sharded checkpoints (`model.safetensors.index.json`) work too.
+An EP rank can load only the experts it holds.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+
+
+class CheckpointError(FlexFloorError):
+    pass
+
+
+def _qkv_to_megatron(q_HCD, k_GCD, v_GCD, cfg: MoEModelConfig) -> torch.Tensor:
+    g, hpg, c = cfg.num_query_groups, cfg.heads_per_group, cfg.kv_channels
+    D = q_HCD.shape[-1]
+    q = q_HCD.reshape(g, hpg * c, D)
+    return torch.cat([q, k_GCD.reshape(g, c, D), v_GCD.reshape(g, c, D)], dim=1).reshape(-1, D)
+
+
+def _qkv_from_megatron(qkv, cfg: MoEModelConfig):
+    g, hpg, c = cfg.num_query_groups, cfg.heads_per_group, cfg.kv_channels
+    D = qkv.shape[-1]
+    per = qkv.reshape(g, (hpg + 2) * c, D)
+    q = per[:, : hpg * c].reshape(g * hpg * c, D)
+    k = per[:, hpg * c:(hpg + 1) * c].reshape(g * c, D)
+    v = per[:, (hpg + 1) * c:].reshape(g * c, D)
+    return q, k, v
+
+
+class _SafetensorsDir:
+    """Lazy tensor access over one or many safetensors files."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors files found")
+        self.handles, self.where = {}, {}
+        for f in files:
+            try:
+                h = safe_open(str(path / f), framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"{path / f}: unreadable safetensors file ({e})") from None
+            self.handles[f] = h
+            for k in h.keys():
+                self.where[k] = f
+        self.path = path
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.where
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.where:
+            raise CheckpointError(f"{self.path}: tensor {key!r} is missing from the checkpoint")
+        return self.handles[self.where[key]].get_tensor(key)
+
+
+def hf_to_megatron(src, cfg: MoEModelConfig, experts: Iterable[int]) -> dict[str, torch.Tensor]:
+    """Build our state dict from `src` (anything with `get(key)` and `in`)."""
+    sd = {"embedding.word_embeddings.weight": src.get("model.embed_tokens.weight"),
+          "decoder.final_layernorm.weight": src.get("model.norm.weight")}
+    if cfg.untie_embeddings_and_output_weights:
+        sd["output_layer.weight"] = src.get("lm_head.weight")
+    experts = list(experts)
+    for i in range(cfg.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        sd[mg + "input_layernorm.weight"] = src.get(hf + "input_layernorm.weight")
+        sd[mg + "pre_mlp_layernorm.weight"] = src.get(hf + "post_attention_layernorm.weight")
+        sd[mg + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
+            src.get(hf + "self_attn.q_proj.weight"), src.get(hf + "self_attn.k_proj.weight"),
+            src.get(hf + "self_attn.v_proj.weight"), cfg)
+        sd[mg + "self_attention.q_layernorm.weight"] = src.get(hf + "self_attn.q_norm.weight")
+        sd[mg + "self_attention.k_layernorm.weight"] = src.get(hf + "self_attn.k_norm.weight")
+        sd[mg + "self_attention.linear_proj.weight"] = src.get(hf + "self_attn.o_proj.weight")
+        sd[mg + "mlp.router.weight"] = src.get(hf + "mlp.gate.weight")
+        fused = hf + "mlp.experts.gate_up_proj" in src
+        if fused:
+            gate_up_E2FD = src.get(hf + "mlp.experts.gate_up_proj")
+            down_EDF = src.get(hf + "mlp.experts.down_proj")
+        for e in experts:
+            pre = mg + f"mlp.experts.local_experts.{e}."
+            if fused:
+                sd[pre + "linear_fc1.weight"] = gate_up_E2FD[e]
+                sd[pre + "linear_fc2.weight"] = down_EDF[e]
+            else:
+                ex = hf + f"mlp.experts.{e}."
+                sd[pre + "linear_fc1.weight"] = torch.cat(
+                    [src.get(ex + "gate_proj.weight"), src.get(ex + "up_proj.weight")], dim=0)
+                sd[pre + "linear_fc2.weight"] = src.get(ex + "down_proj.weight")
+    return sd
+
+
+def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: MoEModelConfig) -> dict[str, torch.Tensor]:
+    """Our full state dict -> HF per-expert names (the layout of released checkpoints)."""
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    if cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = sd["output_layer.weight"]
+    F_ = cfg.moe_ffn_hidden_size
+    for i in range(cfg.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[hf + "input_layernorm.weight"] = sd[mg + "input_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = sd[mg + "pre_mlp_layernorm.weight"]
+        q, k, v = _qkv_from_megatron(sd[mg + "self_attention.linear_qkv.weight"], cfg)
+        out[hf + "self_attn.q_proj.weight"], out[hf + "self_attn.k_proj.weight"] = q, k
+        out[hf + "self_attn.v_proj.weight"] = v
+        out[hf + "self_attn.q_norm.weight"] = sd[mg + "self_attention.q_layernorm.weight"]
+        out[hf + "self_attn.k_norm.weight"] = sd[mg + "self_attention.k_layernorm.weight"]
+        out[hf + "self_attn.o_proj.weight"] = sd[mg + "self_attention.linear_proj.weight"]
+        out[hf + "mlp.gate.weight"] = sd[mg + "mlp.router.weight"]
+        for e in range(cfg.num_moe_experts):
+            fc1 = sd[mg + f"mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            out[hf + f"mlp.experts.{e}.gate_proj.weight"] = fc1[:F_]
+            out[hf + f"mlp.experts.{e}.up_proj.weight"] = fc1[F_:]
+            out[hf + f"mlp.experts.{e}.down_proj.weight"] = sd[mg + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def read_hf_config(path: str | Path) -> MoEModelConfig:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except OSError as e:
+        raise CheckpointError(f"{cfg_file}: cannot read checkpoint config ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e.msg})") from None
+    return MoEModelConfig.from_hf(hf, str(cfg_file))
+
+
+def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
+                       experts: Iterable[int] | None = None) -> Qwen3MoeModel:
+    """Load a HuggingFace Qwen3-MoE checkpoint directory; `experts` limits which experts are held."""
+    path = Path(path)
+    cfg = read_hf_config(path)
+    held = list(range(cfg.num_moe_experts)) if experts is None else sorted(experts)
+    model = Qwen3MoeModel(cfg, held, dtype)
+    sd = hf_to_megatron(_SafetensorsDir(path), cfg, held)
+    want = model.state_dict()
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise CheckpointError(
+                f"{path}: tensor for {k} has shape {tuple(v.shape)}, the config implies {tuple(want[k].shape)}"
+            )
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
+    return model
+
+
+def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Export a model holding every expert as a HuggingFace checkpoint directory."""
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    missing = set(range(cfg.num_moe_experts)) - set(model.moe_layers[0].experts.held())
+    if missing:
+        raise ValueError(f"export needs every expert on this rank; missing {sorted(missing)[:5]}...")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = megatron_to_hf({k: v.detach() for k, v in model.state_dict().items()}, cfg)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf_cfg = cfg.to_hf()
+    hf_cfg["dtype"] = str(dtype or model.dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))

@@ -1,0 +1,186 @@
+"""Qwen3-MoE in plain PyTorch, with Megatron-style parameter names and no parallelism inside.
+
+Shape suffixes: B batch, S sequence (queries), L keys, D hidden, H query heads, G query groups
+(KV heads), C head dim (kv_channels), V vocab, T flattened tokens.
+
+Architecture (HF `Qwen3MoeForCausalLM`): RMSNorm pre-norm blocks; GQA attention with RMSNorm on
+each head's q and k (Megatron `qk_layernorm`) and rotate-half RoPE; an MoE block on every layer.
+`linear_qkv` is Megatron's fused, per-group interleaved projection: for each of the G groups, the
+group's H/G query heads, then its key head, then its value head.
+
+Two ways in: `forward(input_ids)` (full causal pass, for training and oracles) and
+`forward(input_ids, positions=..., cache=..., token_mask=...)` for the rollout engine, whose KV cache
+implements `KVCacheLike`. `token_mask` marks real (non-padding) tokens: only those are routed.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.moe import MoELayer
+
+
+class KVCacheLike(Protocol):
+    def update(self, layer: int, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store new keys/values; return all keys, values [B, G, L, C] and a mask [B, S, L] (True = attend)."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ang = positions.to(torch.float64)[..., None] * inv_freq
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x_BHSC: torch.Tensor, cos_BSC: torch.Tensor, sin_BSC: torch.Tensor) -> torch.Tensor:
+    half = x_BHSC.shape[-1] // 2
+    rotated = torch.cat([-x_BHSC[..., half:], x_BHSC[..., :half]], dim=-1)
+    return x_BHSC * cos_BSC[:, None] + rotated * sin_BSC[:, None]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: MoEModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer, self.cfg = layer, config
+        c, g, hpg = config.kv_channels, config.num_query_groups, config.heads_per_group
+        self.linear_qkv = nn.Linear(config.hidden_size, g * (hpg + 2) * c, bias=False, dtype=dtype)
+        self.q_layernorm = RMSNorm(c, config.layernorm_epsilon, dtype)
+        self.k_layernorm = RMSNorm(c, config.layernorm_epsilon, dtype)
+        self.linear_proj = nn.Linear(config.num_attention_heads * c, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x_BSD, cos_BSC, sin_BSC, cache: KVCacheLike | None):
+        cfg = self.cfg
+        B, S, _ = x_BSD.shape
+        c, g, hpg = cfg.kv_channels, cfg.num_query_groups, cfg.heads_per_group
+        qkv = self.linear_qkv(x_BSD).view(B, S, g, hpg + 2, c)
+        q_BHSC = self.q_layernorm(qkv[:, :, :, :hpg].reshape(B, S, g * hpg, c)).transpose(1, 2)
+        k_BGSC = self.k_layernorm(qkv[:, :, :, hpg]).transpose(1, 2)
+        v_BGSC = qkv[:, :, :, hpg + 1].transpose(1, 2)
+        q_BHSC = apply_rope(q_BHSC, cos_BSC, sin_BSC)
+        k_BGSC = apply_rope(k_BGSC, cos_BSC, sin_BSC)
+        if cache is None:
+            mask_BSL = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()[None].expand(B, S, S)
+        else:
+            k_BGSC, v_BGSC, mask_BSL = cache.update(self.layer, k_BGSC, v_BGSC)
+        # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out.
+        k_BHLC = k_BGSC.repeat_interleave(hpg, dim=1)
+        v_BHLC = v_BGSC.repeat_interleave(hpg, dim=1)
+        scores = (q_BHSC @ k_BHLC.transpose(-1, -2)) * (c ** -0.5)
+        scores = scores.masked_fill(~mask_BSL[:, None], float("-inf"))
+        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+        out_BHSC = probs.to(v_BHLC.dtype) @ v_BHLC
+        return self.linear_proj(out_BHSC.transpose(1, 2).reshape(B, S, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MoEModelConfig, layer: int, experts: Iterable[int], dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype)
+        self.self_attention = SelfAttention(config, layer, dtype)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype)
+        self.mlp = MoELayer(config, experts, dtype)
+
+    def forward(self, x_BSD, cos, sin, cache, token_mask_BS):
+        x_BSD = x_BSD + self.self_attention(self.input_layernorm(x_BSD), cos, sin, cache)
+        h_BSD = self.pre_mlp_layernorm(x_BSD)
+        if token_mask_BS is None:
+            y_BSD = self.mlp(h_BSD.reshape(-1, h_BSD.shape[-1])).view_as(h_BSD)
+        else:
+            # Padding rows never reach the router: they would cost expert work and all-to-all bytes.
+            y_BSD = torch.zeros_like(h_BSD)
+            y_BSD[token_mask_BS] = self.mlp(h_BSD[token_mask_BS])
+        return x_BSD + y_BSD
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: MoEModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: MoEModelConfig, experts: Iterable[int], dtype: torch.dtype):
+        super().__init__()
+        experts = list(experts)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, experts, dtype) for i in range(config.num_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype)
+
+
+class Qwen3MoeModel(nn.Module):
+    """`experts`: the global expert indices this rank holds (default: all of them)."""
+
+    def __init__(self, config: MoEModelConfig, experts: Iterable[int] | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        held = range(config.num_moe_experts) if experts is None else experts
+        self.embedding = Embedding(config, dtype)
+        self.decoder = Decoder(config, held, dtype)
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        return [layer.mlp for layer in self.decoder.layers]
+
+    def set_dispatcher(self, dispatcher) -> None:
+        """Route every MoE layer through `dispatcher` (how `elastic/` swaps the EP group)."""
+        for moe in self.moe_layers:
+            moe.dispatcher = dispatcher
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`, identical for any subset of experts held."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.config.init_method_std
+        with torch.no_grad():
+            for name, p in sorted(self.named_parameters(), key=lambda kv: kv[0]):
+                if "local_experts" in name:
+                    continue
+                if name.endswith("layernorm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * std)
+            # Every expert's weights come from its own stream, so a rank holding a subset of the
+            # experts gets exactly the weights the full model has.
+            for li, moe in enumerate(self.moe_layers):
+                for e in moe.experts.held():
+                    g = torch.Generator().manual_seed(seed * 1_000_003 + li * 10_007 + e)
+                    for p in moe.experts.get(e).parameters():
+                        p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.config.untie_embeddings_and_output_weights:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None,
+                cache: KVCacheLike | None = None, token_mask_BS: torch.Tensor | None = None,
+                logits_at_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V]; with `logits_at_B`, only at those positions: [B, V]."""
+        B, S = input_ids_BS.shape
+        if positions_BS is None:
+            positions_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
+        cos, sin = rope_cos_sin(positions_BS, self.config.kv_channels, self.config.rotary_base, self.dtype)
+        x_BSD = self.embedding.word_embeddings(input_ids_BS)
+        for layer in self.decoder.layers:
+            x_BSD = layer(x_BSD, cos, sin, cache, token_mask_BS)
+        x_BSD = self.decoder.final_layernorm(x_BSD)
+        if logits_at_B is not None:
+            x_BSD = x_BSD[torch.arange(B, device=x_BSD.device), logits_at_B]
+        return F.linear(x_BSD, self.output_weight())

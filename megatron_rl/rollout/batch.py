@@ -1,0 +1,59 @@
+"""The rollout batch: one epoch of a length trace (or of a synthetic one) turned into requests.
+
+Trace replay: every response ends exactly at its traced length times `length_scale` (at least one
+token), like ignore-EOS with a fixed output length. Prompt token ids are drawn from a stream keyed by
+`(seed, prompt_id)`, so every sample of a prompt sees the same prompt on any rank.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from elastic.trace import Trace, TraceError, TraceRecord, read_trace
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.rollout.config import BatchConfig
+from megatron_rl.rollout.engine import Request
+
+
+def load_trace(cfg: BatchConfig, seed: int) -> Trace:
+    if cfg.trace is not None:
+        try:
+            return read_trace(cfg.trace)
+        except TraceError as e:
+            raise FlexFloorError(str(e)) from None
+    from elastic.synth import generate, preset
+
+    try:
+        params = preset(cfg.preset, prompts=cfg.prompts, samples=cfg.samples, epochs=cfg.epochs)
+    except ValueError as e:
+        raise FlexFloorError(f"batch.preset: {e}") from None
+    return generate(params, seed=seed)
+
+
+def select_epoch(trace: Trace, epoch: int | None) -> tuple[list[TraceRecord], Trace]:
+    """The batch (epoch `epoch`, default the last) and the history the planner may read."""
+    e = trace.epochs[-1] if epoch is None else epoch
+    if e not in trace.epochs:
+        raise FlexFloorError(f"{trace.source}: no epoch {e} in the trace (epochs: {trace.epochs})")
+    return trace.epoch(e), trace.before(e)
+
+
+def prompt_tokens(seed: int, prompt_id: str, length: int, vocab: int) -> list[int]:
+    h = int.from_bytes(hashlib.blake2b(f"{seed}\x00{prompt_id}".encode(), digest_size=8).digest(), "little")
+    g = torch.Generator().manual_seed(h & ((1 << 63) - 1))
+    return torch.randint(0, vocab, (length,), generator=g).tolist()
+
+
+def scaled_len(n: int, scale: float) -> int:
+    return max(1, round(n * scale))
+
+
+def make_requests(batch: list[TraceRecord], cfg: BatchConfig, seed: int, vocab: int) -> list[Request]:
+    out = []
+    for r in batch:
+        plen = min(cfg.max_prompt_len, scaled_len(r.prompt_len, cfg.length_scale))
+        n = scaled_len(r.response_len, cfg.length_scale)
+        out.append(Request(r.prompt_id, r.sample, prompt_tokens(seed, r.prompt_id, plen, vocab),
+                           max_new_tokens=n, fixed_len=n))
+    return out

@@ -1,0 +1,62 @@
+"""`flexfloor rollout` / `flexfloor demo` configuration. The defaults are the tiny CPU example
+(`examples/tiny_cpu.yaml` spells the same values out): a 2-layer, 8-expert Qwen3-MoE in float64 on 4
+gloo ranks, replaying a DeepScaleR-like length-tailed batch scaled down for CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config import require
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.rollout.sampling import SamplingParams
+
+POLICIES = ("vanilla", "lengthsort", "natural", "planned")
+
+
+@dataclass
+class BatchConfig:
+    """Where the batch comes from: a length trace (`trace`), or a synthetic one (`preset`)."""
+
+    trace: str | None = None
+    epoch: int | None = None  # default: the trace's last epoch
+    preset: str = "deepscaler"
+    prompts: int = 16
+    samples: int = 4
+    epochs: int = 3
+    length_scale: float = 0.02
+    max_prompt_len: int = 16
+
+    def __post_init__(self):
+        require(self.prompts > 0 and self.samples > 0, "batch.prompts and batch.samples must be > 0")
+        require(self.epochs >= 2, f"batch.epochs must be >= 2 (the planner needs history), got {self.epochs}")
+        require(0 < self.length_scale <= 1, f"batch.length_scale must be in (0, 1], got {self.length_scale}")
+        require(self.max_prompt_len > 0, f"batch.max_prompt_len must be > 0, got {self.max_prompt_len}")
+
+
+@dataclass
+class RolloutConfig:
+    model: MoEModelConfig = field(default_factory=MoEModelConfig)
+    checkpoint: str | None = None  # a HuggingFace Qwen3-MoE directory; else random init from `seed`
+    seed: int = 0
+    dtype: Literal["float32", "float64"] = "float64"
+    ranks: int = 4
+    max_batch_per_rank: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    policy: Literal["vanilla", "lengthsort", "natural", "planned"] = "vanilla"
+    floor: int | None = None
+    tailguard: bool = False
+    status_interval: int = 1
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
+        E = self.model.num_moe_experts
+        require(self.ranks <= E, f"ranks ({self.ranks}) exceeds the model's experts ({E}); every rank must own one")
+        require(E % self.ranks == 0, f"model.num_moe_experts ({E}) must be divisible by ranks ({self.ranks})")
+        require(self.max_batch_per_rank > 0, "max_batch_per_rank must be > 0")
+        require(self.status_interval > 0, f"status_interval must be > 0, got {self.status_interval}")
+        require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.floor is not None:
+            require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")

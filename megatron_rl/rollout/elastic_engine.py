@@ -1,0 +1,79 @@
+"""The rollout engine seen through `elastic.interface.ElasticEngine`: what `elastic/` may touch.
+
+Holds the model (with the experts this rank holds now) and the rank's `RolloutEngine`; moves an
+expert as one flat tensor of its weights in every layer; swaps the EP group by building a new
+`AllToAllDispatcher` over a pre-created group and handing it to the model.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from megatron_rl.models.moe import LocalDispatcher
+from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
+from megatron_rl.rollout.engine import RolloutEngine
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+class ElasticRolloutEngine:
+    def __init__(self, engine: RolloutEngine, world: int):
+        self.engine, self.model, self.world = engine, engine.model, world
+        cfg = self.model.config
+        self.fc1_numel = 2 * cfg.moe_ffn_hidden_size * cfg.hidden_size
+        self.fc2_numel = cfg.hidden_size * cfg.moe_ffn_hidden_size
+
+    def load(self) -> int:
+        return self.engine.load
+
+    def step(self) -> int:
+        return self.engine.step()
+
+    def dummy_step(self) -> None:
+        self.engine.dummy_step()
+
+    def held_experts(self) -> list[int]:
+        return self.model.moe_layers[0].experts.held()
+
+    def export_expert(self, expert: int) -> torch.Tensor:
+        parts = []
+        for moe in self.model.moe_layers:
+            ex = moe.experts.get(expert)
+            parts += [ex.linear_fc1.weight.detach().reshape(-1), ex.linear_fc2.weight.detach().reshape(-1)]
+        return torch.cat(parts)
+
+    def empty_expert(self) -> torch.Tensor:
+        n = len(self.model.moe_layers) * (self.fc1_numel + self.fc2_numel)
+        return torch.empty(n, dtype=self.model.dtype)
+
+    def import_expert(self, expert: int, flat: torch.Tensor) -> None:
+        cfg, off = self.model.config, 0
+        for moe in self.model.moe_layers:
+            fc1 = flat[off: off + self.fc1_numel].view(2 * cfg.moe_ffn_hidden_size, cfg.hidden_size)
+            off += self.fc1_numel
+            fc2 = flat[off: off + self.fc2_numel].view(cfg.hidden_size, cfg.moe_ffn_hidden_size)
+            off += self.fc2_numel
+            moe.experts.add(expert, fc1, fc2)
+
+    def drop_expert(self, expert: int) -> None:
+        for moe in self.model.moe_layers:
+            moe.experts.drop(expert)
+
+    def use_group(self, group, owners: dict[int, int]) -> None:
+        if self.world == 1:
+            self.model.set_dispatcher(LocalDispatcher())
+            return
+        self.model.set_dispatcher(AllToAllDispatcher(group, [owners[e] for e in sorted(owners)]))
+
+    def checksums(self) -> dict[str, str]:
+        out = {}
+        for name, p in self.model.named_parameters():
+            if ".local_experts." not in name:
+                out[name] = tensor_digest(p)
+        for e in self.held_experts():
+            out[f"expert.{e}"] = tensor_digest(self.export_expert(e))
+        return out

@@ -1,0 +1,175 @@
+"""Run one rollout on W ranks: build the plan, start the ranks, carry the plan out, report.
+
+The driver (the `flexfloor` process, or every rank under torchrun) builds the same batch and plan
+deterministically; each rank builds its model with the experts stage 0 gives it, runs the elastic
+runtime (vanilla is the one-stage plan), streams finished responses to `out_dir`, and rank 0 gathers
+the ledger and the responses into the report.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic.layout import natural
+from elastic.ledger import Ledger
+from elastic.plan import Plan, static_plan
+from elastic.shape import ModelShape
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.parallel.launch import ParallelContext, run_ranks
+from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
+from megatron_rl.rollout.config import RolloutConfig
+from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+from megatron_rl.rollout.engine import Request, RolloutEngine
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def model_config(cfg: RolloutConfig) -> MoEModelConfig:
+    if cfg.checkpoint is None:
+        return cfg.model
+    from megatron_rl.models.hf import read_hf_config
+
+    return read_hf_config(cfg.checkpoint)
+
+
+def tiny_shape(mcfg: MoEModelConfig, dtype_bytes: int) -> ModelShape:
+    """The planner's view of a CPU model: its real sizes, and memory that never binds."""
+    return ModelShape(
+        name="cpu-tiny", num_experts=mcfg.num_moe_experts, topk=mcfg.moe_router_topk,
+        num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size, expert_ffn=mcfg.moe_ffn_hidden_size,
+        bytes_per_param=dtype_bytes,
+        kv_bytes_per_token=mcfg.num_layers * 2 * mcfg.num_query_groups * mcfg.kv_channels * dtype_bytes,
+        dense_bytes=0, memory_per_rank_bytes=64 * 2**30, ranks_per_node=64,
+    )
+
+
+def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
+    W, E = cfg.ranks, mcfg.num_moe_experts
+    if E % W or W > E:
+        raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
+                             "(experts must be a multiple of ranks)")
+    keys = [(r.prompt_id, r.sample) for r in batch]
+    if cfg.policy == "vanilla":
+        return static_plan("natural", natural(keys, W), W, E)
+    from elastic.planner import PlanError, make_plan
+
+    layout = {"lengthsort": "lengthsort", "natural": "natural", "planned": "planned"}[cfg.policy]
+    floor = W if cfg.policy == "lengthsort" else (cfg.floor or max(1, W // 2))
+    try:
+        return make_plan(batch, history, ranks=W, floor=floor,
+                         shape=tiny_shape(mcfg, 8 if cfg.dtype == "float64" else 4),
+                         layout=layout, tailguard=cfg.tailguard)
+    except PlanError as e:
+        raise FlexFloorError(f"planner: {e}") from None
+
+
+def responses_sha256(responses: list[dict]) -> str:
+    h = hashlib.sha256()
+    for r in sorted(responses, key=lambda r: (r["prompt_id"], r["sample"])):
+        h.update(json.dumps([r["prompt_id"], r["sample"], r["tokens"]]).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _progress(start: float):
+    last = [0.0]
+
+    def report(tick: int, stage: int, members: int, live: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= 2.0 or live == 0:
+            last[0] = now
+            print(f"[rollout] {now - start:6.1f}s tick {tick:5d} stage {stage} ({members} ranks) "
+                  f"unfinished {live}", file=sys.stderr, flush=True)
+    return report
+
+
+def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
+               plan: Plan, out_dir: str | None, quiet: bool):
+    from elastic.runtime import ElasticRuntime
+
+    rank, dtype = ctx.rank, DTYPES[cfg.dtype]
+    held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]
+    if cfg.checkpoint is not None:
+        from megatron_rl.models.hf import load_hf_checkpoint
+
+        model = load_hf_checkpoint(cfg.checkpoint, dtype, experts=held)
+    else:
+        from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+
+        model = Qwen3MoeModel(mcfg, held, dtype)
+        model.init_weights(cfg.seed)
+    model.eval()
+    mine = [r for r, a in zip(requests, plan.assignments) if a.rank == rank]
+    max_len = max([len(r.prompt) + r.max_new_tokens for r in requests] + [1])
+    engine = RolloutEngine(model, cfg.sampling, cfg.max_batch_per_rank, max_len)
+    engine.add(mine)
+    sink = None
+    if out_dir is not None:
+        sink = open(Path(out_dir) / f"responses.rank{rank}.jsonl", "w", encoding="utf-8")
+    written = [0]
+
+    def flush_finished():
+        if sink is not None and len(engine.finished) > written[0]:
+            for r in engine.finished[written[0]:]:
+                sink.write(json.dumps({"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens}) + "\n")
+            sink.flush()
+            written[0] = len(engine.finished)
+
+    runtime = ElasticRuntime(ElasticRolloutEngine(engine, ctx.world), plan, rank,
+                             status_interval=cfg.status_interval,
+                             progress=None if quiet else _progress(time.perf_counter()),
+                             after_step=flush_finished)
+    try:
+        outcome = runtime.run()
+    finally:
+        flush_finished()
+        if sink is not None:
+            sink.close()
+    responses = [{"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens} for r in engine.finished]
+    gathered = [None] * ctx.world if rank == 0 else None
+    dist.gather_object((outcome, responses), gathered, dst=0)
+    if rank != 0:
+        return None
+    outcomes = [g[0] for g in gathered]
+    all_responses = [r for g in gathered for r in g[1]]
+    ledger = Ledger([o.ledger for o in outcomes], wall_s=outcomes[0].wall_s,
+                    total_steps=outcomes[0].total_steps)
+    ledger.check()
+    shrink = {}
+    for o in outcomes:
+        for st, s in o.shrink_s.items():
+            shrink[st] = max(shrink.get(st, 0.0), s)
+    report = ledger.summary(sum(len(r["tokens"]) for r in all_responses))
+    report.update(
+        policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
+        stages=[list(s.members) for s in plan.stages], final_stage=max(o.final_stage for o in outcomes),
+        shrink_latency_s={str(k): v for k, v in sorted(shrink.items())},
+        restore_s=max(o.restore_s for o in outcomes),
+        responses=len(all_responses), responses_sha256=responses_sha256(all_responses),
+        per_rank=[o.ledger.to_dict() for o in outcomes],
+        pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
+    )
+    return report, all_responses
+
+
+def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
+    """Returns (report, responses) on the driver; None on non-zero torchrun ranks."""
+    mcfg = model_config(cfg)
+    trace = load_trace(cfg.batch, cfg.seed)
+    batch, history = select_epoch(trace, cfg.batch.epoch)
+    plan = build_plan(cfg, mcfg, batch, history)
+    requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size)
+    order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
+    requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "plan.json").write_text(plan.to_json())
+    return run_ranks(_rank_main, cfg.ranks, cfg, mcfg, requests, plan, out_dir, quiet,
+                     timeout_s=cfg.timeout_s)
