@@ -18,6 +18,7 @@ COMMANDS = [
     "megatron_rl.cli.rollout",
     "megatron_rl.cli.plan",
     "megatron_rl.cli.predict",
+    "megatron_rl.cli.train",
 ]
 
 

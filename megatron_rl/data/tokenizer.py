@@ -24,6 +24,9 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_response(self, text: str) -> list[int]:
+        """Ids of `text` as a complete response: no BOS, ending with EOS (SFT targets)."""
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -61,6 +64,9 @@ class CharTokenizer:
                 f"{self.alphabet!r} (set tokenizer.alphabet)"
             ) from None
 
+    def encode_response(self, text: str) -> list[int]:
+        return self.encode(text)[1:] + [self.eos_id]
+
     def decode(self, ids: list[int]) -> str:
         """Text of `ids` up to the first <eos>; other special tokens are dropped."""
         out = []
@@ -94,6 +100,9 @@ class HFTokenizer:
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
             )
         return self._tok.encode(text)
+
+    def encode_response(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False) + [self.eos_id]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
