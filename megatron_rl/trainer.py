@@ -184,23 +184,25 @@ class Trainer:
                     save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
                                     self.trainer_state(), self.history, self.rank)
             if cfg.checkpoint.export_hf:
-                self.export_hf(self.out_dir / "hf")
+                export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world)
         finally:
             if self.logger is not None:
                 self.logger.close()
         return {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,
                 "wall_s": time.perf_counter() - t0}
 
-    def export_hf(self, path: Path) -> None:
-        from megatron_rl.models.hf import save_hf_checkpoint
-        from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 
-        full = gather_full_state(self.model, self.rank, self.world)
-        if self.rank == 0:
-            model = Qwen3MoeModel(self.cfg.model, None, self.model.dtype)
-            model.load_state_dict(full, strict=True)
-            save_hf_checkpoint(model, path)
-        dist.barrier()
+def export_hf(model, model_cfg, path: str | Path, rank: int, world: int) -> None:
+    """Write the whole model (every rank's experts) as a HuggingFace checkpoint from rank 0."""
+    from megatron_rl.models.hf import save_hf_checkpoint
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+
+    full = gather_full_state(model, rank, world)
+    if rank == 0:
+        whole = Qwen3MoeModel(model_cfg, None, model.dtype)
+        whole.load_state_dict(full, strict=True)
+        save_hf_checkpoint(whole, path)
+    dist.barrier()
 
 
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):

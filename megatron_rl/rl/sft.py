@@ -61,3 +61,22 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
             print(f"[warmstart] step {step}/{ws.sft_steps} loss {float(total):.4f} "
                   f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
     return losses
+
+
+def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
+    from megatron_rl.data.tokenizer import build_tokenizer
+    from megatron_rl.trainer import build_model, export_hf
+
+    model = build_model(cfg, ctx.rank, ctx.world)
+    losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), data, ctx.rank, ctx.world)
+    export_hf(model, cfg.model, out_dir, ctx.rank, ctx.world)
+    return losses
+
+
+def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
+    """SFT-only run on `cfg.ranks` ranks; writes a HuggingFace checkpoint usable as `init:`."""
+    from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.parallel.launch import run_ranks
+
+    data = load_prompts(cfg.data)
+    return run_ranks(_sft_rank, cfg.ranks, cfg, data, out_dir, timeout_s=cfg.timeout_s)
