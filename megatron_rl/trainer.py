@@ -14,7 +14,6 @@ canonical order, so the rollout policy (vanilla or planned) changes nothing trai
 """
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from dataclasses import asdict
@@ -40,7 +39,7 @@ from megatron_rl.rl.checkpoint import (
 from megatron_rl.rl.grpo import group_advantages
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_warmstart
-from megatron_rl.rl.train_step import check_replicas, make_optimizer
+from megatron_rl.rl.train_step import check_replicas, frozen_copy, make_optimizer
 from megatron_rl.rl.update import PolicyUpdate
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -83,7 +82,7 @@ class Trainer:
         self.start_step = 0
         if resume is None and cfg.warmstart.sft_steps:
             sft_warmstart(cfg, self.model, self.tok, data, rank, world)
-        self.ref_model = copy.deepcopy(self.model) if cfg.grpo.kl_coef > 0 else None
+        self.ref_model = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
         o = cfg.optim
         self.optimizer = make_optimizer(self.model, o.lr, o.betas, o.eps, o.weight_decay)
         if resume is not None:

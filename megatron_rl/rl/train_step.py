@@ -129,3 +129,14 @@ def check_replicas(model: torch.nn.Module, world: int) -> None:
     bad = sorted(n for n in mine if any(d[n] != every[0][n] for d in every))
     if bad:
         raise RuntimeError(f"replicated weights diverged across ranks after the update: {bad[:5]}")
+
+
+def frozen_copy(model):
+    """A copy of this rank's shard (same experts, same dispatcher) with gradients off: the KL
+    reference. Built, not deep-copied: the dispatcher holds a process group, which cannot be copied."""
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+
+    copy = Qwen3MoeModel(model.config, model.moe_layers[0].experts.held(), model.dtype)
+    copy.load_state_dict(model.state_dict())
+    copy.set_dispatcher(model.moe_layers[0].dispatcher)
+    return copy.requires_grad_(False)
