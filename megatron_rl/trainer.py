@@ -136,6 +136,8 @@ class Trainer:
             **length_stats(lengths, [r.truncated for r in rollout.responses]),
             **rollout.ledger,
             "stages": rollout.stages,
+            "layout": rollout.layout,
+            "placement": rollout.placement,
             "phase_s": times,
             "tokens_per_s": sum(lengths) / max(times["rollout"], 1e-9),
             **stats,

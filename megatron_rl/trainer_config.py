@@ -71,9 +71,14 @@ class ElasticConfig:
     floor: int | None = None  # default for natural/planned: ranks // 2
     tailguard: bool = False
     status_interval: int = 1
+    # The planner's fixed cost of one shrink (s). Default: the H100 cost model's 0.05 s, which a
+    # sub-second CPU rollout never recovers, so tiny CPU runs set it to what a shrink costs here.
+    shrink_cost_s: float | None = None
 
     def __post_init__(self):
         require(self.status_interval > 0, "elastic.status_interval: expected > 0")
+        require(self.shrink_cost_s is None or self.shrink_cost_s >= 0,
+                f"elastic.shrink_cost_s: expected >= 0, got {self.shrink_cost_s}")
 
 
 @dataclass

@@ -14,6 +14,8 @@ checksum-verified weights) so the optimizer keeps training the same parameter ob
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -49,6 +51,8 @@ class RolloutResult:
     responses: list[Response]
     ledger: dict  # `Ledger.summary`: rank_seconds, rank_steps, dummy_share, ...
     stages: list[list[int]] = field(default_factory=list)
+    layout: str = "natural"  # the layout the planner actually used (it may fall back)
+    placement: str = ""  # digest of which rank generated each response, in canonical order
     wall_s: float = 0.0
 
 
@@ -90,7 +94,8 @@ class RolloutPhase:
         plan = plan_rollout(items, history, policy=cfg.elastic.policy, ranks=self.world,
                             floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
                             dtype_bytes=self.model.embedding.word_embeddings.weight.element_size(),
-                            max_response_len=cfg.generation.max_response_len)
+                            max_response_len=cfg.generation.max_response_len,
+                            shrink_cost_s=cfg.elastic.shrink_cost_s)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
         assert dict(plan.stages[0].owners) == block_owners(cfg.model.num_moe_experts, range(self.world))
         return plan
@@ -132,7 +137,12 @@ class RolloutPhase:
         # which on a sub-second CPU rollout is more than the runtime's default 1%.
         ledger.check(seconds_tolerance=max(0.01, 0.05 / max(ledger.wall_s, 1e-3)))
         summary = ledger.summary(sum(len(r.tokens) for r in responses))
+        ranks = [0] * len(items)
+        for a in plan.assignments:
+            ranks[index[(a.prompt_id, a.sample)]] = a.rank
         return RolloutResult(responses, summary, [list(s.members) for s in plan.stages],
+                             plan.meta.get("effective_layout", plan.layout),
+                             hashlib.sha256(json.dumps(ranks).encode()).hexdigest()[:16],
                              time.perf_counter() - t0)
 
     def _reinstall(self, originals: list[dict]) -> None:
