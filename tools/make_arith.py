@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_rl.data.arith import make_problems, write_jsonl  # noqa: E402
+from megatron_rl.data.arith import make_problems, write_jsonl
 
 
 def main() -> None:

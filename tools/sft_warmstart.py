@@ -13,10 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_rl.config import load_dataclass  # noqa: E402
-from megatron_rl.errors import FlexFloorError  # noqa: E402
-from megatron_rl.rl.sft import run_warmstart  # noqa: E402
-from megatron_rl.trainer_config import TrainerConfig  # noqa: E402
+from megatron_rl.config import load_dataclass
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.rl.sft import run_warmstart
+from megatron_rl.trainer_config import TrainerConfig
 
 
 def main() -> int:

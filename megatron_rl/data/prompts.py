@@ -13,9 +13,10 @@ must be unique: they key the length history the planner reads and the sampling s
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from megatron_rl.config import require
 from megatron_rl.errors import FlexFloorError
@@ -101,7 +102,7 @@ def _hf_rows(path: Path, split: str) -> Iterable[tuple[str, Any]]:
             ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except DatasetError:
         raise
-    except Exception as e:  # datasets raises many types for an unreadable file
+    except Exception as e:  # datasets raises many types for an unreadable file  # noqa: BLE001
         raise DatasetError(f"{path}: cannot load with `datasets` ({type(e).__name__}: {e})") from None
     for i, row in enumerate(ds):
         yield f"{path} row {i}", row

@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_rl.config import require
-from megatron_rl.rewards.math_answer import CORRECT, NO_REFERENCE, UNPARSABLE, WRONG, verify_math
+from megatron_rl.rewards.math_answer import (
+    CORRECT,
+    NO_REFERENCE,
+    UNPARSABLE,
+    WRONG,
+    verify_math,
+)
 
 OUTCOMES = (CORRECT, WRONG, UNPARSABLE, NO_REFERENCE)
 
@@ -65,4 +71,4 @@ class Scorer:
         return counts
 
 
-__all__ = ["RewardConfig", "Scorer", "exact_match", "verify_math", "OUTCOMES"]
+__all__ = ["OUTCOMES", "RewardConfig", "Scorer", "exact_match", "verify_math"]

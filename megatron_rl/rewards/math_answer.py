@@ -60,7 +60,7 @@ def _sympy_value(s: str | None):
         return None
     try:
         return sympy.nsimplify(parse_expr(s))
-    except Exception:  # sympy's parser raises SyntaxError, TokenError, TypeError, ...
+    except Exception:  # sympy's parser raises SyntaxError, TokenError, TypeError, ...  # noqa: BLE001
         return None
 
 

@@ -96,7 +96,7 @@ def load_checkpoint(path: Path, model, optimizer, ref_model) -> None:
     state = _state(model, optimizer, ref_model)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP wraps per-rank failures in its own exception types
+    except Exception as e:  # DCP wraps per-rank failures in its own exception types  # noqa: BLE001
         raise CheckpointError(f"{path}: cannot load the checkpoint shards ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import wandb_history
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -50,7 +49,7 @@ def _setup(tmp_path, **changes):
 
 def _train(config, out, *extra, expect=0):
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(config),
-                           "--out", str(out), *extra], cwd=ROOT, capture_output=True, text=True,
+                           "--out", str(out), *extra], cwd=ROOT, capture_output=True, text=True, check=False,
                           timeout=500, env={**__import__("os").environ, "WANDB_MODE": "offline"})
     assert proc.returncode == expect, proc.stderr[-3000:]
     return proc
@@ -143,7 +142,7 @@ def _small_data(tmp_path):
 
 
 def test_bad_inputs_fail_clearly(straight, tmp_path):
-    tmp, out = straight
+    _, out = straight
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
     proc = _train(_setup(tmp_path, **{"data.path": str(bad)}), tmp_path / "o1", expect=2)

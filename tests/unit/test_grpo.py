@@ -3,7 +3,13 @@ import math
 import pytest
 import torch
 
-from megatron_rl.rl import finalize_stats, group_advantages, kl_k3, policy_loss, token_logprobs
+from megatron_rl.rl import (
+    finalize_stats,
+    group_advantages,
+    kl_k3,
+    policy_loss,
+    token_logprobs,
+)
 
 L = math.log
 

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from conftest import wandb_history
 
 from megatron_rl.metrics import LoggingConfig, MetricsLogger, flatten, length_stats

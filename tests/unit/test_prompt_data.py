@@ -46,7 +46,7 @@ def test_hf_parquet_and_save_to_disk(tmp_path):
     ds = datasets.Dataset.from_list([{"problem": "1+1", "solution": "2"}, {"problem": None, "solution": "3"}])
     ds.to_parquet(str(tmp_path / "d.parquet"))
     datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "saved"))
-    cfg = dict(prompt_field="problem", answer_field="solution")
+    cfg = {"prompt_field": "problem", "answer_field": "solution"}
     with pytest.raises(DatasetError, match=r"d\.parquet row 1: missing prompt field 'problem'"):
         load_prompts(DataConfig(str(tmp_path / "d.parquet"), **cfg))
     got = load_prompts(DataConfig(str(tmp_path / "saved"), split="test", on_bad_row="skip", **cfg))
