@@ -46,6 +46,18 @@ from megatron_rl.trainer_config import TrainerConfig
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+def check_init(cfg: TrainerConfig) -> None:
+    """`init` must be a HuggingFace checkpoint of exactly the configured model shape."""
+    if cfg.init is None:
+        return
+    from megatron_rl.models.hf import read_hf_config
+
+    have, want = read_hf_config(cfg.init).to_dict(), cfg.model.to_dict()
+    diff = [f"{k}: checkpoint {have[k]!r}, config {want[k]!r}" for k in want if have[k] != want[k]]
+    if diff:
+        raise CheckpointError(f"{cfg.init}: checkpoint is for another model shape ({'; '.join(diff[:4])})")
+
+
 def build_model(cfg: TrainerConfig, rank: int, world: int):
     """This rank's model: dense weights and the experts Megatron's contiguous blocks give it."""
     from megatron_rl.models.moe import LocalDispatcher
@@ -56,11 +68,8 @@ def build_model(cfg: TrainerConfig, rank: int, world: int):
     held = [e for e, rs in owners.items() if rank in rs]
     dtype = DTYPES[cfg.dtype]
     if cfg.init is not None:
-        from megatron_rl.models.hf import load_hf_checkpoint, read_hf_config
+        from megatron_rl.models.hf import load_hf_checkpoint
 
-        if read_hf_config(cfg.init) != cfg.model:
-            raise CheckpointError(f"{cfg.init}: the checkpoint's config.json is another model shape "
-                                  "than the config's `model` section")
         model = load_hf_checkpoint(cfg.init, dtype, experts=held)
     else:
         model = Qwen3MoeModel(cfg.model, held, dtype)
@@ -220,6 +229,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.rl.checkpoint import latest_checkpoint
 
+    check_init(cfg)
     data = load_prompts(cfg.data)
     if data.skipped:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "

@@ -77,6 +77,8 @@ def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
     """SFT-only run on `cfg.ranks` ranks; writes a HuggingFace checkpoint usable as `init:`."""
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.parallel.launch import run_ranks
+    from megatron_rl.trainer import check_init
 
+    check_init(cfg)
     data = load_prompts(cfg.data)
     return run_ranks(_sft_rank, cfg.ranks, cfg, data, out_dir, timeout_s=cfg.timeout_s)

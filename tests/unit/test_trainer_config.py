@@ -33,3 +33,18 @@ def test_qwen3_30b_example_validates_through_the_same_dataclasses():
 def test_mistakes_name_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load_dataclass(TrainerConfig, EXAMPLES / "tiny_cpu_grpo.yaml", override)
+
+
+def test_init_checkpoint_of_another_shape_is_refused(tmp_path):
+    from megatron_rl.errors import FlexFloorError
+    from megatron_rl.models import Qwen3MoeModel, save_hf_checkpoint
+    from megatron_rl.trainer import check_init
+
+    cfg = load_dataclass(TrainerConfig, EXAMPLES / "tiny_cpu_grpo.yaml")
+    model = Qwen3MoeModel(cfg.model)
+    save_hf_checkpoint(model, tmp_path / "same")
+    check_init(load_dataclass(TrainerConfig, EXAMPLES / "tiny_cpu_grpo.yaml", {"init": str(tmp_path / "same")}))
+    other = load_dataclass(TrainerConfig, EXAMPLES / "tiny_cpu_grpo.yaml",
+                           {"init": str(tmp_path / "same"), "model.hidden_size": 32})
+    with pytest.raises(FlexFloorError, match="another model shape.*hidden_size: checkpoint 64, config 32"):
+        check_init(other)
