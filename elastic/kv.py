@@ -15,13 +15,14 @@ magnitude more than any rollout uses and reject every realistic batch. With exac
 oracle, or an empty history where every response is taken to run to the cap) S is 0/1 and D is an
 exact upper bound.
 
-The grid is geometric from 16 tokens to the longest possible response; the `+ t_j+1` keeps the bound
-conservative between grid points.
+The grid is 0, then geometric from 1 token to the longest possible response; the `+ t_j+1` keeps
+the bound conservative between grid points (a response alive at t in [t_j, t_j+1) has L_i > t_j and
+holds at most prompt_i + t_j+1 tokens).
 """
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class Demand:
         sd = np.array([d.sd for d in dists], float)
         cap = np.array([d.cap or math.inf for d in dists], float)
         top = float(np.max(np.where(np.isfinite(cap), cap, np.expm1(mu + 8 * sd)))) if len(mu) else 1.0
-        edges = np.geomspace(16.0, max(top, 17.0), GRID + 1)
+        edges = np.concatenate([[0.0], np.geomspace(1.0, max(top, 2.0), GRID)])
         t, t_next = edges[:-1], edges[1:]
         with np.errstate(divide="ignore", invalid="ignore"):
             zs = (np.log1p(t)[None, :] - mu[:, None]) / sd[:, None]
@@ -72,10 +73,12 @@ class RankKV:
 
     def __init__(self, demand: Demand, budget: Sequence[float]):
         self.d = demand
-        self.budget = np.asarray(budget, float)
-        self.own = np.max(demand.mean + demand.z * np.sqrt(demand.var), axis=1) \
+        own = np.max(demand.mean + demand.z * np.sqrt(demand.var), axis=1) \
             if len(demand.mean) else np.zeros(0)
-        self.upper = np.zeros(len(budget))
+        # Plain lists: the placing loops index them once per response.
+        self.own = own.tolist()
+        self.upper = [0.0] * len(budget)
+        self.budget = [float(b) for b in budget]
         self.members: list[list[int]] = [[] for _ in budget]
 
     def fits(self, r: int, i: int) -> bool:

@@ -19,7 +19,7 @@ ones choose their ranks while there is room.
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,24 +39,30 @@ def natural(batch: Sequence[tuple[str, int]], ranks: int) -> list[Assignment]:
     return out
 
 
-def lengthsort(batch: Sequence[tuple[str, int]], work: Sequence[float], ranks: int,
-               reserve: Sequence[float], kv: RankKV) -> list[Assignment]:
-    rank_of = [0] * len(batch)
+def placement_order(reserve: Sequence[float], work: Sequence[float]) -> list[int]:
+    """Response indices, longest reserved length first (ties: more work, then data order)."""
+    return sorted(range(len(reserve)), key=lambda i: (-reserve[i], -work[i], i))
+
+
+def lengthsort(order: Sequence[int], work: Sequence[float], ranks: int, kv: RankKV,
+               keys: Sequence[tuple[str, int]]) -> list[int]:
+    """Rank of each response (by index); `order` from `placement_order`."""
+    rank_of = [0] * len(order)
     heap = [(0.0, r) for r in range(ranks)]
-    for i in _by_reserve(reserve, work):
+    for i in order:
         r = _least_loaded(heap, i, work, kv)
         if r is None:
-            _no_room(i, batch, kv)
+            _no_room(keys[i], kv)
         rank_of[i] = r
-    return _assign(batch, rank_of)
+    return rank_of
 
 
-def planned(batch: Sequence[tuple[str, int]], work: Sequence[float], tiers: Sequence[Sequence[int]],
-            reserve: Sequence[float], kv: RankKV) -> list[Assignment]:
-    """`tiers` lists the ranks by leaving stage, residents first, first leavers last."""
+def planned(order: Sequence[int], work: Sequence[float], tiers: Sequence[Sequence[int]],
+            kv: RankKV, keys: Sequence[tuple[str, int]]) -> list[int]:
+    """Rank of each response (by index); `tiers` lists the ranks by leaving stage, residents
+    first, first leavers last."""
     share = float(np.sum(work)) / sum(len(t) for t in tiers)
-    rank_of = [0] * len(batch)
-    order = _by_reserve(reserve, work)
+    rank_of = [0] * len(order)
     pos, carry = 0, 0.0
     for t, tier in enumerate(tiers):
         last = t == len(tiers) - 1
@@ -73,45 +79,42 @@ def planned(batch: Sequence[tuple[str, int]], work: Sequence[float], tiers: Sequ
             pos += 1
         carry = quota - taken
     if pos < len(order):
-        _no_room(order[pos], batch, kv)
-    return _assign(batch, rank_of)
+        _no_room(keys[order[pos]], kv)
+    return rank_of
 
 
 def _least_loaded(heap: list[tuple[float, int]], i: int, work: Sequence[float], kv: RankKV):
     """Place response i on the least-loaded rank of `heap` with KV room; None if there is none."""
-    full = []
+    load, r = heap[0]
+    if kv.fits(r, i):
+        heapq.heapreplace(heap, (load + work[i], r))
+        kv.add(r, i)
+        return r
+    full = [heapq.heappop(heap)]
     while heap and not kv.fits(heap[0][1], i):
         full.append(heapq.heappop(heap))
-    r = None
+    found = None
     if heap:
-        load, r = heapq.heappop(heap)
-        kv.add(r, i)
-        heapq.heappush(heap, (load + work[i], r))
+        load, found = heapq.heappop(heap)
+        kv.add(found, i)
+        heapq.heappush(heap, (load + work[i], found))
     for item in full:
         heapq.heappush(heap, item)
-    return r
+    return found
 
 
-def check_kv(assignments: Sequence[Assignment], kv: RankKV) -> None:
-    """`assignments[i]` places response i; raise `PlanError` if a rank's KV demand exceeds its budget."""
+def check_kv(rank_of: Sequence[int], kv: RankKV) -> None:
+    """Raise `PlanError` if a rank's KV demand under `rank_of` (by response index) exceeds its budget."""
     per_rank: dict[int, list[int]] = {}
-    for i, a in enumerate(assignments):
-        per_rank.setdefault(a.rank, []).append(i)
+    for i, r in enumerate(rank_of):
+        per_rank.setdefault(r, []).append(i)
     for r, idx in sorted(per_rank.items()):
         peak = kv.d.peak(idx)
         if peak > kv.budget[r]:
-            raise PlanError(f"rank {r} would hold up to {peak:.0f} KV tokens for its responses but "
-                            f"has room for {max(kv.budget[r], 0):.0f}")
+            raise PlanError(f"KV cache cannot fit: rank {r} would hold up to {peak:.0f} KV tokens "
+                            f"for its responses but has room for {max(kv.budget[r], 0):.0f}")
 
 
-def _by_reserve(reserve: Sequence[float], work: Sequence[float]) -> list[int]:
-    return sorted(range(len(reserve)), key=lambda i: (-reserve[i], -work[i], i))
-
-
-def _assign(batch, rank_of) -> list[Assignment]:
-    return [Assignment(pid, s, r) for (pid, s), r in zip(batch, rank_of)]
-
-
-def _no_room(i: int, batch, kv: RankKV):
-    raise PlanError(f"KV cache cannot fit: response {batch[i]} fits on no rank that may take it; "
+def _no_room(key: tuple[str, int], kv: RankKV):
+    raise PlanError(f"KV cache cannot fit: response {key} fits on no rank that may take it; "
                     f"the most room any rank has left is {max(kv.room(), 0):.0f} tokens")

@@ -11,7 +11,8 @@ Order of decisions (each step documented in its own module):
    the per-rank KV budgets at the tightest stage each rank belongs to, and the layout under those
    budgets (`natural` and `lengthsort` place once and only check); drop chains whose layout cannot
    fit; price the rest over samples of the predictive distribution (`release.Timeline`) and keep
-   the one with the fewest occupied rank-seconds (the largest release area net of lengthening);
+   the one with the fewest occupied rank-seconds (the largest release area net of lengthening;
+   `objective="rollout"` keeps the shortest predicted rollout instead);
 5. with a weak predictor (the prompt explains under `WEAK_ICC` of the length variance), `planned`
    places like `lengthsort`: residency built on noise would only concentrate random long responses.
 
@@ -21,25 +22,28 @@ Order of decisions (each step documented in its own module):
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from elastic import layout as layouts
 from elastic.guard import TailGuard
 from elastic.kv import Demand, RankKV
-from elastic.plan import Plan, PlanError
+from elastic.plan import Assignment, Plan, PlanError
 from elastic.predict import LengthDist, Predictor
-from elastic.release import ShapeCost, StepCost, Timeline, rank_drain_steps
-from elastic.schedule import build_stages, chains, held_counts
+from elastic.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
+from elastic.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.shape import ModelShape
 from elastic.trace import Trace
 
-__all__ = ["make_plan", "plan_epoch", "PlanError", "StepCost", "ShapeCost", "LAYOUTS"]
+__all__ = ["LAYOUTS", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
 
 LAYOUTS = ("natural", "lengthsort", "planned")
 WEAK_ICC = 0.1
-SAMPLES = 64
+# Length samples the release estimate averages over: 32 for a 1,024-response batch, fewer for
+# larger batches, whose many ranks average out on their own.
+SAMPLES = (8, 32)
 
 
 class BatchItem(Protocol):
@@ -52,14 +56,15 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
               shape: ModelShape, layout: str, tailguard: bool, alpha: float = 0.05,
               cost: StepCost | None = None,
               true_lengths: dict[tuple[str, int], int] | None = None,
-              max_response_len: int | None = None, seed: int = 0) -> Plan:
+              max_response_len: int | None = None, seed: int = 0,
+              objective: str = "occupied") -> Plan:
     """Plan one rollout of `batch` (data order) on `ranks` ranks; see the module docstring.
 
     Only `prompt_id`, `sample` and `prompt_len` of the batch are read. `max_response_len` is the
     generation cap; it is inferred from truncated history records when omitted, and is required
     when the history is empty (nothing else bounds a response's KV then).
     """
-    _validate(batch, ranks, floor, shape, layout, alpha)
+    _validate(batch, ranks, floor, shape, layout, alpha, objective)
     cost = cost or ShapeCost(shape)
     keys = [(b.prompt_id, b.sample) for b in batch]
     prompt_len = np.array([b.prompt_len for b in batch], float)
@@ -94,7 +99,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
         meta = {"predictor": {"icc": round(pred.icc, 4), "weak": weak, "cap": pred.cap,
                               "history_records": len(history)}}
         if guard is not None:
-            meta["tailguard"] = {"alpha": alpha, "margin": guard.margin,
+            meta["tailguard"] = {"alpha": alpha, "margin": guard.margin_or_none,
                                  "calibrated_on": guard.calibrated_on}
 
     held_floor = math.ceil(E / floor)
@@ -105,72 +110,150 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
             f"{shape.dense_bytes / 1e9:.2f} GB of dense weights, over the "
             f"{shape.usable_bytes / 1e9:.2f} GB usable per rank")
 
-    demand = Demand(kv_dists, prompt_len, alpha, tail_floor)
-    samples = _samples(dists, true_lengths is not None, seed)
     effective = "lengthsort" if layout == "planned" and weak else layout
     if effective != layout:
         meta["fallback"] = (f"planned placed as lengthsort: the prompt explains "
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
-    all_chains = list(chains(ranks, floor, E)) if floor < ranks else [[ranks]]
-    sizes_grid = sorted({g for c in all_chains for g in c[1:]}, reverse=True)
-    pmean = float(prompt_len.mean())
-
-    def timeline(assignment, order):
-        rank_of = np.array([a.rank for a in assignment])
-        return Timeline(samples, rank_of, order, sizes_grid, pmean, cost)
-
-    if effective == "planned":
-        order, fixed, tl = list(range(ranks)), None, None
-    else:
-        # The baselines place once, under the full world's budgets; the chain only decides who
-        # stays, in the order the ranks are predicted to drain (latest stays longest).
-        kv = RankKV(demand, _budgets(build_stages([ranks], E), ranks, shape))
-        try:
-            fixed = (layouts.natural(keys, ranks) if effective == "natural" else
-                     layouts.lengthsort(keys, work, ranks, reserve, kv))
-            if effective == "natural":
-                layouts.check_kv(fixed, kv)
-        except PlanError as e:
-            raise PlanError(f"{ranks} ranks cannot hold the batch: {e}") from None
-        drain = rank_drain_steps(samples, np.array([a.rank for a in fixed]), ranks).mean(axis=0)
-        order = sorted(range(ranks), key=lambda r: (-drain[r], r))
-        tl = timeline(fixed, order)
-
-    best, considered, reasons = None, 0, []
-    for sizes in all_chains:
-        stages = build_stages(sizes, E, order)
-        kv = RankKV(demand, _budgets(stages, ranks, shape))
-        try:
-            if fixed is not None:
-                assignment = fixed
-                layouts.check_kv(assignment, kv)
-            else:
-                assignment = layouts.planned(keys, work, _tiers(sizes), reserve, kv)
-        except PlanError as e:
-            reasons.append(f"chain {sizes}: {e}")
-            continue
-        considered += 1
-        chain = Plan(ranks, floor, E, layout, tailguard, [], stages)
-        shrink = [0.0] + [cost.shrink_s(len(chain.transfers(i - 1, i)), sizes[i - 1])
-                          for i in range(1, len(sizes))]
-        est = (tl or timeline(assignment, order)).estimate(sizes, shrink)
-        if best is None or (est.occupied_rank_s, -est.detached_rank_s) < \
-                (best[0].occupied_rank_s - 1e-9, -best[0].detached_rank_s):
-            best = (est, sizes, stages, assignment)
-    if best is None:
-        raise PlanError(f"no quorum schedule from {ranks} ranks down to floor {floor} fits the KV "
-                        f"cache; {reasons[0]}")
-    est, sizes, stages, assignment = best
+    search = _ChainSearch(keys, work, reserve, Demand(kv_dists, prompt_len, alpha, tail_floor),
+                          _samples(dists, true_lengths is not None, seed), float(prompt_len.mean()),
+                          ranks, floor, shape, effective, cost, objective)
+    est, sizes, stages, rank_of = search.best()
     meta.update({
-        "chain": sizes, "chains_feasible": considered, "effective_layout": effective,
-        "predicted_rollout_s": est.rollout_s, "predicted_static_rollout_s": est.static_s,
+        "chain": sizes, "chains_feasible": search.feasible, "chains_priced": len(search.cache),
+        "effective_layout": effective, "predicted_rollout_s": est.rollout_s,
+        "predicted_static_rollout_s": est.static_s,
         "predicted_occupied_rank_s": est.occupied_rank_s,
     })
     plan = Plan(ranks=ranks, floor=floor, num_experts=E, layout=layout, tailguard=tailguard,
-                assignments=assignment, stages=stages,
-                predicted_release_rank_s=est.detached_rank_s, meta=meta)
+                assignments=[Assignment(pid, s, r) for (pid, s), r in zip(keys, rank_of)],
+                stages=stages, predicted_release_rank_s=est.detached_rank_s, meta=meta)
     plan.check(keys)
     return plan
+
+
+class _ChainSearch:
+    """Prices quorum chains for one batch and finds the one with the fewest occupied rank-seconds:
+    every chain when there are at most `EXHAUSTIVE`, else the one-stage chain against a hill climb
+    (toggling one candidate size at a time while that helps) from the deepest chain."""
+
+    EXHAUSTIVE = 16
+
+    def __init__(self, keys, work, reserve, demand, samples, prompt_mean, ranks, floor, shape,
+                 layout, cost, objective):
+        self.keys, self.work, self.demand, self.samples = keys, work, demand, samples
+        self.prompt_mean, self.ranks, self.floor, self.shape, self.cost = (
+            prompt_mean, ranks, floor, shape, cost)
+        self.E = shape.num_experts
+        self.key = OBJECTIVES[objective]
+        self.order = layouts.placement_order(reserve, work)
+        self.cands = candidate_sizes(ranks, floor, self.E) if floor < ranks else []
+        self.cache: dict[tuple[int, ...], tuple | None] = {}
+        self.stage_memo: dict = {}
+        self.move_memo: dict[tuple[int, ...], int] = {}
+        self.feasible, self.reasons = 0, []
+        self.fixed = self.timeline = None
+        self.leave_order = list(range(ranks))
+        if layout != "planned":
+            self._place_baseline(layout)
+
+    def _place_baseline(self, layout: str) -> None:
+        # The baselines place once, under the full world's budgets; the chain only decides who
+        # stays, in the order the ranks are predicted to drain (latest stays longest).
+        kv = RankKV(self.demand, self._budgets(build_stages([self.ranks], self.E)))
+        try:
+            if layout == "natural":
+                index = {k: i for i, k in enumerate(self.keys)}
+                self.fixed = [0] * len(self.keys)
+                for a in layouts.natural(self.keys, self.ranks):
+                    self.fixed[index[(a.prompt_id, a.sample)]] = a.rank
+                layouts.check_kv(self.fixed, kv)
+            else:
+                self.fixed = layouts.lengthsort(self.order, self.work, self.ranks, kv, self.keys)
+        except PlanError as e:
+            raise PlanError(f"{e} (on all {self.ranks} ranks, before any shrink)") from None
+        drain = rank_drain_steps(self.samples, np.array(self.fixed), self.ranks).mean(axis=0)
+        self.leave_order = sorted(range(self.ranks), key=lambda r: (-drain[r], r))
+        self.timeline = self._timeline(self.fixed)
+
+    def _timeline(self, rank_of) -> Timeline:
+        return Timeline(self.samples, np.array(rank_of), self.leave_order, self.cands,
+                        self.prompt_mean, self.cost)
+
+    def _budgets(self, stages) -> list[float]:
+        """KV tokens each rank may hold: the least over the stages it is a member of. A stage
+        whose experts alone overflow a member (uneven or replicated ownership) is infeasible."""
+        budget = [math.inf] * self.ranks
+        for i, st in enumerate(stages):
+            for r, h in held_counts(st.owners, st.members).items():
+                room = self.shape.kv_budget_bytes(h)
+                if room < 0:
+                    raise PlanError(f"stage {i}: rank {r} would hold {h} experts, more than its "
+                                    f"memory takes")
+                budget[r] = min(budget[r], room // self.shape.kv_bytes_per_token)
+        return budget
+
+    def price(self, sizes: tuple[int, ...]):
+        """(estimate, sizes, stages, rank_of) of a chain, or None if its layout cannot fit."""
+        if sizes in self.cache:
+            return self.cache[sizes]
+        stages = build_stages(list(sizes), self.E, self.leave_order, self.stage_memo)
+        result = None
+        try:
+            kv = RankKV(self.demand, self._budgets(stages))
+            if self.fixed is not None:
+                rank_of = self.fixed
+                layouts.check_kv(rank_of, kv)
+            else:
+                rank_of = layouts.planned(self.order, self.work, _tiers(list(sizes)), kv, self.keys)
+        except PlanError as e:
+            self.reasons.append(f"chain {list(sizes)}: {e}")
+        else:
+            self.feasible += 1
+            chain = Plan(self.ranks, self.floor, self.E, "", False, [], stages)
+            shrink = [0.0]
+            for i in range(1, len(sizes)):
+                # A shrink's moves depend only on the chain up to it: share them across chains.
+                if sizes[:i + 1] not in self.move_memo:
+                    self.move_memo[sizes[:i + 1]] = len(chain.transfers(i - 1, i))
+                shrink.append(self.cost.shrink_s(self.move_memo[sizes[:i + 1]], sizes[i - 1]))
+            est = (self.timeline or self._timeline(rank_of)).estimate(sizes, shrink)
+            result = (est, list(sizes), stages, rank_of)
+        self.cache[sizes] = result
+        return result
+
+    def best(self):
+        if 2 ** len(self.cands) <= self.EXHAUSTIVE:
+            found = [self.price(tuple(c)) for c in chains(self.ranks, self.floor, self.E)]
+        else:
+            found = [self._score(frozenset()), self._climb(frozenset(self.cands))]
+        found = [f for f in found if f is not None]
+        if not found:
+            raise PlanError(f"no quorum schedule from {self.ranks} ranks down to floor "
+                            f"{self.floor} fits the KV cache; {self.reasons[0]}")
+        return min(found, key=self.key)
+
+    def _score(self, subset: frozenset):
+        return self.price((self.ranks, *sorted(subset, reverse=True)))
+
+    def _climb(self, start: frozenset):
+        current, here = start, self._score(start)
+        improved = True
+        while improved:
+            improved = False
+            for c in self.cands:
+                there = self._score(current ^ {c})
+                if there is not None and (here is None or self.key(there) < self.key(here)):
+                    current, here, improved = current ^ {c}, there, True
+        return here
+
+
+# How chains are compared (smaller first). `occupied`: fewest occupied rank-seconds, the largest
+# release area net of lengthening (capacity-oriented); `rollout`: shortest rollout, then the
+# largest release area (latency-oriented). Ties go to the larger release area.
+OBJECTIVES = {
+    "occupied": lambda r: (round(r[0].occupied_rank_s, 6), -r[0].detached_rank_s),
+    "rollout": lambda r: (round(r[0].rollout_s, 6), -r[0].detached_rank_s),
+}
 
 
 def plan_epoch(trace: Trace, epoch: int, **kw) -> Plan:
@@ -181,7 +264,7 @@ def plan_epoch(trace: Trace, epoch: int, **kw) -> Plan:
     return make_plan(batch, trace.before(epoch), **kw)
 
 
-def _validate(batch, ranks, floor, shape, layout, alpha):
+def _validate(batch, ranks, floor, shape, layout, alpha, objective):
     if not 1 <= ranks:
         raise PlanError(f"ranks must be >= 1, got {ranks}")
     if not 1 <= floor <= ranks:
@@ -190,20 +273,13 @@ def _validate(batch, ranks, floor, shape, layout, alpha):
         raise PlanError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if not 0 < alpha < 1:
         raise PlanError(f"alpha must be in (0, 1), got {alpha}")
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if not batch:
         raise PlanError("the batch is empty")
     keys = [(b.prompt_id, b.sample) for b in batch]
     if len(set(keys)) != len(keys):
         raise PlanError("the batch holds a (prompt_id, sample) twice")
-
-
-def _budgets(stages, ranks: int, shape: ModelShape) -> list[float]:
-    """KV tokens each rank may hold: the least over the stages it is a member of."""
-    budget = [math.inf] * ranks
-    for st in stages:
-        for r, h in held_counts(st.owners, st.members).items():
-            budget[r] = min(budget[r], shape.kv_budget_bytes(h) // shape.kv_bytes_per_token)
-    return budget
 
 
 def _tiers(sizes: list[int]) -> list[list[int]]:
@@ -221,5 +297,6 @@ def _samples(dists: Sequence[LengthDist], exact: bool, seed: int) -> np.ndarray:
         return np.expm1(mu)[None, :]
     sd = np.array([d.sd for d in dists])
     cap = np.array([d.cap or math.inf for d in dists])
-    z = np.random.default_rng(seed).standard_normal((SAMPLES, len(dists)))
+    count = int(np.clip(2**15 // max(len(dists), 1), *SAMPLES))
+    z = np.random.default_rng(seed).standard_normal((count, len(dists)))
     return np.minimum(np.maximum(np.expm1(mu + sd * z), 1.0), cap)

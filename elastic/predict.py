@@ -19,10 +19,10 @@ prompt: near 0, history carries no signal and the planner should not trust the r
 """
 from __future__ import annotations
 
+import functools
 import math
-from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -65,7 +65,7 @@ class Predictor:
         self._fit(records)
 
     @classmethod
-    def for_epoch(cls, trace: Trace, epoch: int, **kw) -> "Predictor":
+    def for_epoch(cls, trace: Trace, epoch: int, **kw) -> Predictor:
         return cls(trace.before(epoch), **kw)
 
     @property
@@ -146,6 +146,7 @@ def _upper_tail_mean(m: np.ndarray, s: float, c: float) -> np.ndarray:
     return np.maximum(m + s * ratio, c)
 
 
+@functools.lru_cache(maxsize=256)
 def norm_ppf(p: float) -> float:
     """Inverse standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9)."""
     if not 0 < p < 1:

@@ -7,18 +7,19 @@ default, a bandwidth-bound estimate from `ModelShape` alone.
 The estimate is deliberately coarse: ranks decode all their responses concurrently, one token per
 step, so a rank drains at the step of its longest response; stage i+1 fires at the step its trigger
 ranks have drained, costs `shrink_s` on its old members, and its leaving ranks are detached from
-then until the end; a step costs `decode_step_s` at the live batch and mean context of
-its segment (`Timeline`), for the busiest member. Over samples of the predicted lengths this gives the rollout time T and
-the detached rank-seconds (the release area). The planner keeps the chain with the fewest occupied
-rank-seconds `W * T - detached`, i.e. the largest release area net of any lengthening of the
-rollout: a smaller group steps more slowly (each member reads more experts), and in a synchronous
-job a longer rollout holds every rank back.
+then until the end; a step costs `decode_step_s` at the busiest member's live batch and the mean
+context of its segment (`Timeline`). Over samples of the predicted lengths this gives the rollout
+time T and the detached rank-seconds (the release area). By default the planner keeps the chain
+with the fewest occupied rank-seconds `W * T - detached`, i.e. the largest release area net of any
+lengthening of the rollout: a smaller group may step more slowly (each member reads more experts),
+and in a synchronous job a longer rollout holds every rank back.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class ShapeCost:
     (`link_bytes_per_s`, serialised: an upper bound) after a fixed routing-table swap.
     """
 
-    shape: ModelShape = ModelShape()
+    shape: ModelShape = field(default_factory=ModelShape)
     hbm_bytes_per_s: float = 3.35e12
     a2a_base_s: float = 30e-6
     a2a_per_log2_s: float = 10e-6
@@ -68,13 +69,31 @@ class ShapeCost:
         return self.shrink_fixed_s + experts_moved * self.shape.expert_bytes / self.link_bytes_per_s
 
 
+@dataclass(frozen=True)
+class FixedCost:
+    """A step cost that does not depend on the group: a measured mean decode step and shrink.
+
+    For engines whose step time is dominated by fixed overheads (the CPU engine of the tests),
+    where `ShapeCost`'s H100 figures would make every shrink look too dear to plan.
+    """
+
+    step_s: float
+    shrink_fixed_s: float = 0.0
+
+    def decode_step_s(self, batch_per_rank: int, context: int, ep_size: int) -> float:
+        return self.step_s
+
+    def shrink_s(self, experts_moved: int, ep_size: int) -> float:
+        return self.shrink_fixed_s
+
+
 def rank_drain_steps(lengths: np.ndarray, ranks_of: np.ndarray, ranks: int) -> np.ndarray:
     """(samples, responses) lengths -> (samples, ranks) step at which each rank drains."""
     out = np.zeros((lengths.shape[0], ranks))
-    for r in range(ranks):
-        cols = ranks_of == r
-        if cols.any():
-            out[:, r] = lengths[:, cols].max(axis=1)
+    order = np.argsort(ranks_of, kind="stable")
+    present, starts = np.unique(ranks_of[order], return_index=True)
+    if len(present):
+        out[:, present] = np.maximum.reduceat(lengths[:, order], starts, axis=1)
     return out
 
 
@@ -113,11 +132,11 @@ class Timeline:
         self.seg = np.diff(self.bounds, axis=1)
         mid = (self.bounds[:, :-1] + self.bounds[:, 1:]) / 2
         # The synchronous step waits for the member with the most live requests.
-        flat = rank_of[None, :] + ranks * np.arange(S)[:, None]
-        self.batch = np.array([
-            np.bincount(flat[lengths > mid[:, k:k + 1]], minlength=S * ranks)
-            .reshape(S, ranks).max(axis=1).mean()
-            for k in range(mid.shape[1])])
+        by_rank = np.argsort(rank_of, kind="stable")
+        _, starts = np.unique(rank_of[by_rank], return_index=True)
+        alive = lengths[:, by_rank][:, None, :] > mid[:, :, None]  # (S, K, n)
+        live = np.add.reduceat(alive, starts, axis=2, dtype=np.int32)  # (S, K, ranks present)
+        self.batch = live.max(axis=2).mean(axis=0)
         self.context = prompt_mean + mid.mean(axis=0)
         self._tau: dict[tuple[int, int], float] = {}
 
@@ -130,32 +149,26 @@ class Timeline:
     def estimate(self, sizes: Sequence[int], shrink_s: Sequence[float]) -> Estimate:
         """Mean over samples of the chain `sizes` (W first); `shrink_s[i]` is the shrink into i."""
         S, K = self.seg.shape
-        stages = len(sizes)
-        # A stage fires at its trigger's drain step, unless the rollout ends there.
-        fire = np.column_stack([self.suffix[:, g] for g in sizes[1:]]) if stages > 1 \
+        # Stage i fires at its trigger's drain step, unless the rollout ends there; fire steps
+        # grow with i (each trigger includes the previous ones' ranks).
+        fire = np.column_stack([self.suffix[:, g] for g in sizes[1:]]) if len(sizes) > 1 \
             else np.zeros((S, 0))
-        fires = fire < self.end[:, None]
-        t = np.zeros(S)
-        static = np.zeros(S)
-        count = np.zeros(S, int)
-        start = np.zeros((S, stages))
-        size_of = np.asarray(sizes)
-        for k in range(K):
-            now = np.sum(fires & (fire <= self.bounds[:, k:k + 1]), axis=1)
-            for i in range(1, stages):
-                newly = (count < i) & (now >= i)
-                t = t + np.where(newly, shrink_s[i], 0.0)
-                start[:, i] = np.where(newly, t, start[:, i])
-            count = now
-            taus = {g: self.step_s(k, g) for g in set(size_of[count].tolist())}
-            t = t + self.seg[:, k] * np.array([taus[g] for g in size_of[count]])
-            static = static + self.seg[:, k] * self.step_s(k, self.ranks)
-        detached = np.zeros(S)
-        for i in range(1, stages):
-            leavers = sizes[i - 1] - sizes[i]
-            detached += np.where(fires[:, i - 1], leavers * (t - start[:, i]), 0.0)
-        return Estimate(float(t.mean()), float(static.mean()), float(detached.mean()),
-                        float((self.ranks * t - detached).mean()))
+        fired = fire < self.end[:, None]
+        # Stages active in each segment: those fired at or before the segment's start.
+        active = np.sum(fired[:, None, :] & (fire[:, None, :] <= self.bounds[:, :K, None]), axis=2)
+        tau = np.array([[self.step_s(k, g) for g in sizes] for k in range(K)])  # (K, stages)
+        step_time = self.seg * tau[np.arange(K)[None, :], active]
+        static = float((self.seg * tau[:, 0][None, :]).sum(axis=1).mean())  # sizes[0] is W
+        shrink = np.asarray(shrink_s[1:], float)[None, :] * fired  # (S, stages - 1)
+        T = step_time.sum(axis=1) + shrink.sum(axis=1)
+        # Time at each fire step, plus every shrink up to and including this one.
+        cum = np.concatenate([np.zeros((S, 1)), np.cumsum(step_time, axis=1)], axis=1)
+        at = np.sum(self.bounds[:, :, None] < fire[:, None, :], axis=1)  # bound index of fire
+        start = np.take_along_axis(cum, at, axis=1) + np.cumsum(shrink, axis=1)
+        leavers = -np.diff(np.asarray(sizes, float))[None, :]
+        detached = np.sum(np.where(fired, leavers * (T[:, None] - start), 0.0), axis=1)
+        return Estimate(float(T.mean()), static, float(detached.mean()),
+                        float((self.ranks * T - detached).mean()))
 
 
 def replay(plan: Plan, lengths: dict[tuple[str, int], int], prompt_mean: float,

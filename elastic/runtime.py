@@ -9,7 +9,10 @@ Collective order (every rank runs this same sequence, which is what keeps gloo/N
    moves experts (`Plan.transfers`, point-to-point in one global order, so no cycle can deadlock),
    survivors swap to the new group and owners at the same tick, and the leaving ranks detach.
 3. detached ranks serve the idle pool (leases) until the coordinator's restore message arrives.
-4. restore: the coordinator (lowest member of the last stage) messages every detached rank; the
+   That message goes through the job's key-value store (the TCPStore every torch.distributed job
+   has), not a point-to-point receive: gloo cannot poll a pending receive without blocking, and a
+   detached rank must keep its main thread free to supervise leases.
+4. restore: the coordinator (lowest member of the last stage) posts the restore message; the
    whole world moves experts back to stage 0's owners, swaps back to the world group, and checks the
    weights against the setup checksums. A mismatch is an error, never silently trained on.
 
@@ -20,6 +23,8 @@ naming the rank, stage and phase.
 """
 from __future__ import annotations
 
+import itertools
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,12 +36,20 @@ from elastic.interface import ElasticEngine
 from elastic.ledger import RankLedger
 from elastic.plan import Plan
 
-TAG_EXPERT, TAG_RESTORE = 0, 1
+TAG_EXPERT = 0
+_rollout_ids = itertools.count()  # every rank builds its runtimes in the same order
+
+
+def _short(cause: BaseException | str) -> str:
+    """gloo's errors carry a source path and advice; keep the sentence that says what happened."""
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". This is typically")[0]
 
 
 class ElasticFault(RuntimeError):
     def __init__(self, rank: int, stage: int, phase: str, cause: BaseException | str):
-        super().__init__(f"rank {rank}, stage {stage}, phase {phase}: {cause}")
+        super().__init__(f"rank {rank}, stage {stage}, phase {phase}: {_short(cause)}")
         self.rank, self.stage, self.phase = rank, stage, phase
 
 
@@ -68,15 +81,17 @@ def _move_experts(engine: ElasticEngine, moves: list[tuple[int, int, int]], rank
 
 
 class ElasticRuntime:
-    def __init__(self, engine: ElasticEngine, plan: Plan, rank: int, *, status_interval: int = 1,
+    def __init__(self, engine: ElasticEngine, plan: Plan, rank: int, store, *, status_interval: int = 1,
                  pool: IdlePoolLike | None = None,
                  progress: Callable[[int, int, int, int], None] | None = None,
                  after_step: Callable[[], None] | None = None):
-        self.engine, self.plan, self.rank = engine, plan, rank
+        self.engine, self.plan, self.rank, self.store = engine, plan, rank, store
+        self.restore_key = f"flexfloor/rollout{next(_rollout_ids)}/restore"
         self.k = status_interval
         self.pool, self.progress, self.after_step = pool, progress, after_step
         self.world = plan.ranks
         self.stage, self.phase = 0, "setup"
+        self.ledger: RankLedger | None = None
 
     # ---- helpers ------------------------------------------------------------------------------
     def _fault(self, e: BaseException) -> ElasticFault:
@@ -88,6 +103,14 @@ class ElasticRuntime:
     def _group(self, stage: int):
         return self.groups[stage]
 
+    def _use_stage(self, stage: int) -> None:
+        """Route through stage `stage`; refuse an ownership that leaves an expert without a member."""
+        owners, members = self._owners(stage), set(self.plan.stages[stage].members)
+        orphans = sorted(e for e, r in owners.items() if r not in members)
+        if len(owners) != self.plan.num_experts or orphans:
+            raise ElasticFault(self.rank, stage, self.phase, f"experts {orphans} have no owner in the group")
+        self.engine.use_group(self._group(stage), owners)
+
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
         try:
@@ -97,11 +120,12 @@ class ElasticRuntime:
 
     def _run(self) -> RankOutcome:
         plan, rank = self.plan, self.rank
+        plan.check()
         self.groups = [dist.group.WORLD if len(st.members) == self.world else dist.new_group(list(st.members))
                        for st in plan.stages]
         before = self.engine.checksums()
-        self.engine.use_group(self._group(0), self._owners(0))
-        ledger = RankLedger(rank)
+        self._use_stage(0)
+        ledger = self.ledger = RankLedger(rank)
         dist.barrier()
         t0 = t_prev = time.perf_counter()
         tick, detached_at, shrink_s = 0, None, {}
@@ -123,11 +147,14 @@ class ElasticRuntime:
                     self.phase = "shrink"
                     _move_experts(self.engine, plan.transfers(self.stage, nxt), rank)
                     leaving = rank not in plan.stages[nxt].members
+                    if leaving and self.engine.load() != 0:
+                        raise ElasticFault(rank, self.stage, self.phase,
+                                           f"would leave with {self.engine.load()} live requests")
                     for e in self.engine.held_experts():
                         if leaving or rank not in plan.stages[nxt].owners[e]:
                             self.engine.drop_expert(e)
                     if not leaving:
-                        self.engine.use_group(self._group(nxt), self._owners(nxt))
+                        self._use_stage(nxt)
                     now = time.perf_counter()
                     ledger.add("transition", now - t_prev)
                     shrink_s[nxt] = now - t_prev
@@ -153,13 +180,15 @@ class ElasticRuntime:
         final_members = plan.stages[self.stage].members
         if detached_at is not None:
             self.phase = "detached"
-            msg = torch.zeros(2, dtype=torch.long)
-            work = dist.irecv(msg, tag=TAG_RESTORE)
+            def restored() -> bool:
+                return self.store.check([self.restore_key])
+
             leased_s = 0.0
             if self.pool is not None:
-                leased_s, pool_report = self.pool.serve(work.is_completed)
-            work.wait()
-            total_ticks, self.stage = int(msg[0]), int(msg[1])
+                leased_s, pool_report = self.pool.serve(restored)
+            while not restored():
+                time.sleep(0.005)
+            total_ticks, self.stage = map(int, self.store.get(self.restore_key).decode().split(","))
             now = time.perf_counter()
             idle_s = max(0.0, now - t_prev - leased_s)
             missed = total_ticks - detached_at
@@ -169,11 +198,9 @@ class ElasticRuntime:
             t_prev = now
         else:
             total_ticks = tick
+            self.phase = "restore"
             if rank == min(final_members):
-                msg = torch.tensor([total_ticks, self.stage], dtype=torch.long)
-                for r in range(self.world):
-                    if r not in final_members:
-                        dist.send(msg, dst=r, tag=TAG_RESTORE)
+                self.store.set(self.restore_key, f"{total_ticks},{self.stage}")
 
         restore_s = 0.0
         if self.stage != 0:
@@ -182,7 +209,7 @@ class ElasticRuntime:
             for e in self.engine.held_experts():
                 if rank not in plan.stages[0].owners[e]:
                     self.engine.drop_expert(e)
-            self.engine.use_group(self._group(0), self._owners(0))
+            self._use_stage(0)
             self.phase = "verify"
             bad = sorted(k for k, v in self.engine.checksums().items() if before.get(k) != v)
             bad += sorted(set(before) - set(self.engine.checksums()))

@@ -12,19 +12,22 @@ Conventions that make a chain cheap to carry out:
   already holds (fewest moves), each to the least-loaded survivor; a survivor above the balanced
   share ceil(E / g) drops replicas that another survivor also holds (dropping moves nothing).
 
-Candidate group sizes are those that divide the expert count, or that the expert count divides and
-that divide W (even replicas), plus the floor itself; when there are more than
-`MAX_CANDIDATES`, a halving ladder from W is kept, so enumeration stays small at 256 ranks.
+Candidate group sizes: every size from W - 1 down to the floor when there are at most `FINE_SPAN`
+of them (ranks may leave one by one; sizes that do not divide the expert count get blocks that
+differ by one expert); beyond that, the sizes that divide the expert count, or that the expert
+count divides and that divide W (even replicas), plus the floor, thinned to a halving ladder from W
+when there are more than `MAX_CANDIDATES`, so the search stays small at 256 ranks.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from itertools import combinations
-from typing import Iterator
 
 from elastic.plan import Stage, block_owners
 
 MAX_CANDIDATES = 6
+FINE_SPAN = 16
 
 
 def contiguous_owners(num_experts: int, members) -> dict[int, tuple[int, ...]]:
@@ -60,7 +63,8 @@ def held_counts(owners: dict[int, tuple[int, ...]], members) -> dict[int, int]:
 def shrink_owners(owners: dict[int, tuple[int, ...]], survivors) -> dict[int, tuple[int, ...]]:
     """Ownership after a shrink to `survivors`: fewest expert moves, balanced (see module doc)."""
     survivors = sorted(survivors)
-    keep = {e: [r for r in rs if r in set(survivors)] for e, rs in owners.items()}
+    alive = set(survivors)
+    keep = {e: [r for r in rs if r in alive] for e, rs in owners.items()}
     held = held_counts({e: tuple(rs) for e, rs in keep.items()}, survivors)
     target = math.ceil(len(owners) / len(survivors))
     # Drop surplus replicas from overloaded survivors first, so orphans can land there evenly.
@@ -80,6 +84,8 @@ def shrink_owners(owners: dict[int, tuple[int, ...]], survivors) -> dict[int, tu
 
 def candidate_sizes(ranks: int, floor: int, num_experts: int) -> list[int]:
     """Group sizes a chain may pass through below W, largest first (always includes the floor)."""
+    if ranks - floor <= FINE_SPAN:
+        return list(range(ranks - 1, floor - 1, -1))
     sizes = {g for g in range(floor, ranks)
              if num_experts % g == 0 or (g % num_experts == 0 and ranks % g == 0)}
     if floor < ranks:
@@ -103,13 +109,23 @@ def chains(ranks: int, floor: int, num_experts: int) -> Iterator[list[int]]:
             yield [ranks, *combo]
 
 
-def build_stages(sizes: list[int], num_experts: int, order: list[int] | None = None) -> list[Stage]:
-    """Stages of the chain `sizes`; stage i holds order[:sizes[i]] (default: ranks 0..g-1)."""
+def build_stages(sizes: list[int], num_experts: int, order: list[int] | None = None,
+                 memo: dict | None = None) -> list[Stage]:
+    """Stages of the chain `sizes`; stage i holds order[:sizes[i]] (default: ranks 0..g-1).
+
+    `memo` (one per `order`) shares the stages of common chain prefixes between calls."""
     order = list(range(sizes[0])) if order is None else list(order)
-    stages = [Stage(tuple(range(sizes[0])), (), contiguous_owners(num_experts, range(sizes[0])))]
+    memo = {} if memo is None else memo
+    key = (sizes[0],)
+    if key not in memo:
+        memo[key] = Stage(tuple(range(sizes[0])), (), contiguous_owners(num_experts, range(sizes[0])))
+    stages = [memo[key]]
     for g in sizes[1:]:
         prev = stages[-1]
-        members = tuple(sorted(order[:g]))
-        leaving = tuple(sorted(set(prev.members) - set(members)))
-        stages.append(Stage(members, leaving, shrink_owners(prev.owners, members)))
+        key = (*key, g)
+        if key not in memo:
+            members = tuple(sorted(order[:g]))
+            leaving = tuple(sorted(set(prev.members) - set(members)))
+            memo[key] = Stage(members, leaving, shrink_owners(prev.owners, members))
+        stages.append(memo[key])
     return stages

@@ -80,9 +80,11 @@ def build_model(cfg: TrainerConfig, rank: int, world: int):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, data: PromptDataset, rank: int, world: int,
-                 out_dir: str | Path, resume: Path | None):
-        self.cfg, self.data, self.rank, self.world = cfg, data, rank, world
+    def __init__(self, cfg: TrainerConfig, data: PromptDataset, ctx, out_dir: str | Path,
+                 resume: Path | None):
+        """`ctx`: this rank's `megatron_rl.parallel.launch.ParallelContext`."""
+        self.cfg, self.data, self.rank, self.world = cfg, data, ctx.rank, ctx.world
+        rank, world = ctx.rank, ctx.world
         self.out_dir = Path(out_dir)
         self.tok = build_tokenizer(cfg.tokenizer)
         self.model = build_model(cfg, rank, world)
@@ -100,7 +102,7 @@ class Trainer:
             self.iterator.load_state_dict(state["data"])
             self.start_step = state["step"]
         self.scorer = Scorer(cfg.reward)
-        self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world)
+        self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store)
         self.update = PolicyUpdate(cfg, self.model, self.optimizer, self.ref_model, self.tok.pad_id,
                                    rank, world)
         self.logger = None
@@ -216,7 +218,7 @@ def export_hf(model, model_cfg, path: str | Path, rank: int, world: int) -> None
 
 
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):
-    return Trainer(cfg, data, ctx.rank, ctx.world, out_dir, resume).run()
+    return Trainer(cfg, data, ctx, out_dir, resume).run()
 
 
 def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:

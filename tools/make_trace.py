@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.synth import PRESETS, generate, preset  # noqa: E402
-from elastic.trace import write_trace  # noqa: E402
+from elastic.synth import PRESETS, generate, preset
+from elastic.trace import write_trace
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("--alpha", type=float, default=0.05,
                    help="TailGuard's target miss rate and the KV risk level (default: 0.05)")
     p.add_argument("--oracle", action="store_true", help="plan with the true lengths (the bound)")
+    p.add_argument("--objective", choices=("occupied", "rollout"), default="occupied",
+                   help="pick the chain with the fewest occupied rank-seconds (default) or the "
+                        "shortest predicted rollout")
     p.add_argument("--model", choices=sorted(SHAPES), default=QWEN3_30B_A3B_H100.name,
                    help="model and hardware shape (default: %(default)s)")
     p.add_argument("--max-response-len", type=int, default=None,
@@ -53,7 +56,8 @@ def run(args) -> int:
                           floor=args.ranks if args.floor is None else args.floor,
                           shape=SHAPES[args.model], layout=args.layout, tailguard=args.tailguard,
                           alpha=args.alpha, oracle=args.oracle,
-                          max_response_len=args.max_response_len, seed=args.seed)
+                          max_response_len=args.max_response_len, seed=args.seed,
+                          objective=args.objective)
     except (TraceError, PlanError) as e:
         raise FlexFloorError(str(e)) from None
     if args.json:

@@ -49,7 +49,8 @@ def run(args) -> int:
         tg = r["tailguard"]
         print(f"{r['epoch']:>5} {r['responses']:>6} {r['spearman']:>8.3f} {r['mae']:>7.0f} "
               f"{r['calibration']['0.5']:>6.3f} {r['calibration']['0.9']:>6.3f} {r['icc']:>5.2f} "
-              f"{tg['margin']:>6.2f} {tg['miss_rate']:>6.3f}")
+              f"{'cap' if tg['margin'] is None else format(tg['margin'], '.2f'):>6} "
+              f"{tg['miss_rate']:>6.3f}")
     print(f"TailGuard target miss rate {args.alpha:.3f}; mean achieved "
           f"{sum(r['tailguard']['miss_rate'] for r in rows) / len(rows):.3f}")
     return 0

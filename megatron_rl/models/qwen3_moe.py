@@ -25,8 +25,10 @@ from megatron_rl.models.moe import MoELayer
 
 
 class KVCacheLike(Protocol):
-    def update(self, layer: int, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store new keys/values; return all keys, values [B, G, L, C] and a mask [B, S, L] (True = attend)."""
+    def update(self, layer: int, k_BGSC: torch.Tensor,
+               v_BGSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store new keys/values; return all keys and values [B, G, L, C], and a mask [B, S, L]
+        (True = attend)."""
 
 
 class RMSNorm(nn.Module):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +33,7 @@ class ParallelContext:
     world: int
     pgs: ProcessGroups
     timeout_s: float
+    store: object  # the job's key-value store (control messages that must not block a rank)
 
 
 def _free_port() -> int:
@@ -43,7 +45,10 @@ def _free_port() -> int:
 def _make_context(timeout_s: float) -> ParallelContext:
     world_group = dist.group.WORLD
     pgs = ProcessGroups(world=world_group, ep=world_group, dp=world_group)
-    return ParallelContext(dist.get_rank(), dist.get_world_size(), pgs, timeout_s)
+    # The default group's store: torch keeps it private, but every launcher (spawn, torchrun,
+    # Slurm) creates one, and it is the only channel a rank can poll without blocking.
+    store = dist.distributed_c10d._get_default_store()
+    return ParallelContext(dist.get_rank(), dist.get_world_size(), pgs, timeout_s, store)
 
 
 def _init(rank: int, world: int, timeout_s: float) -> None:
@@ -58,12 +63,27 @@ def _worker(rank, world, port, timeout_s, fn, args, queue):
         out = fn(_make_context(timeout_s), *args)
         queue.put((rank, "ok", out if rank == 0 else None))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
-        msg = str(e) if isinstance(e, FlexFloorError) else traceback.format_exc()
+        from elastic.runtime import ElasticFault
+
+        # Expected failures travel as their one-line message; bugs keep their traceback.
+        msg = str(e) if isinstance(e, (FlexFloorError, ElasticFault)) else traceback.format_exc()
         queue.put((rank, "error", (type(e).__name__, msg)))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _describe(errors: list[tuple[int, str, str]]) -> str:
+    """One message: the root cause first (a death, else the first error), then the best context."""
+    deaths = [e for e in errors if e[1] == "died"]
+    first = deaths[0] if deaths else errors[0]
+    rank, kind, msg = first
+    text = f"rank {rank} died ({msg})" if kind == "died" else f"rank {rank} failed: {msg.strip()}"
+    context = [e for e in errors if e is not first and e[1] != "died"]
+    if context:
+        text += f"; rank {context[0][0]} reported: {context[0][2].strip().splitlines()[-1]}"
+    return text
 
 
 def under_torchrun() -> bool:
@@ -87,33 +107,35 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0):
     for p in procs:
         p.start()
     result, errors, reported = None, [], set()
+    first_error_at = None
     try:
         while len(reported) < world:
+            # After the first failure, wait a moment for the others' reports: a survivor's error
+            # usually says which stage and phase the run was in when a rank was lost.
+            if first_error_at is not None and time.monotonic() - first_error_at > 5.0:
+                break
             try:
-                rank, status, payload = queue.get(timeout=1.0)
+                rank, status, payload = queue.get(timeout=0.5)
             except Exception:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in reported]
-                if dead:
-                    # A rank that died without reporting (killed, segfault): the others will time
-                    # out on their next collective; report the first death, not the echoes.
-                    errors.append((dead[0], "died", f"exit code {procs[dead[0]].exitcode}"))
-                    break
+                for r, p in enumerate(procs):
+                    if not p.is_alive() and r not in reported and p.exitcode not in (0, None):
+                        reported.add(r)
+                        errors.append((r, "died", f"exit code {p.exitcode}"))
+                        first_error_at = first_error_at or time.monotonic()
                 continue
             reported.add(rank)
             if status == "ok":
                 result = payload if rank == 0 else result
             else:
                 errors.append((rank, *payload))
-                break
+                first_error_at = first_error_at or time.monotonic()
     finally:
-        deadline_s = timeout_s if errors else 30.0
         for p in procs:
-            p.join(timeout=deadline_s if not errors else 5.0)
+            p.join(timeout=5.0 if errors else timeout_s)
         for p in procs:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
     if errors:
-        rank, kind, msg = errors[0]
-        raise RankFailed(f"rank {rank} failed ({kind}): {msg}".rstrip())
+        raise RankFailed(_describe(errors))
     return result

@@ -86,8 +86,10 @@ def step_seed(seed: int, step: int) -> int:
 
 
 class RolloutPhase:
-    def __init__(self, cfg: TrainerConfig, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int, world: int):
+    def __init__(self, cfg: TrainerConfig, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int,
+                 world: int, store):
         self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
+        self.store = store  # the job's key-value store: the runtime's restore message goes through it
 
     def plan(self, items: list[_Item], history: Trace):
         cfg = self.cfg
@@ -120,7 +122,7 @@ class RolloutPhase:
                                  temperature=cfg.generation.temperature)
         engine.add(mine)
         originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
-        outcome = ElasticRuntime(ElasticRolloutEngine(engine, self.world), plan, self.rank,
+        outcome = ElasticRuntime(ElasticRolloutEngine(engine, self.world), plan, self.rank, self.store,
                                  status_interval=cfg.elastic.status_interval).run()
         self._reinstall(originals)
         local = [Response(index[r.key], r.prompt_id, r.sample, r.prompt, r.tokens,

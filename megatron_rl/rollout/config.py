@@ -38,6 +38,9 @@ class BatchConfig:
 class RolloutConfig:
     model: MoEModelConfig = field(default_factory=MoEModelConfig)
     checkpoint: str | None = None  # a HuggingFace Qwen3-MoE directory; else random init from `seed`
+    # MoE implementation: `torch` (plain PyTorch, CPU or GPU) or `megatron` (megatron-core's
+    # MoELayer with TransformerEngine kernels; GPUs only, see megatron_rl/models/megatron_backend.py).
+    backend: Literal["torch", "megatron"] = "torch"
     seed: int = 0
     dtype: Literal["float32", "float64"] = "float64"
     ranks: int = 4
@@ -49,6 +52,12 @@ class RolloutConfig:
     tailguard: bool = False
     status_interval: int = 1
     timeout_s: float = 300.0
+    # Side work for detached ranks (elastic policies): "rewards" and/or "sidecar".
+    leases: list[str] = field(default_factory=list)
+    lease_s: float = 60.0
+    lease_grace_s: float = 5.0
+    sidecar_queries: int = 256
+    fault: Literal["kill-leased-rank", "fail-transfer", "stuck-lease"] | None = None
 
     def __post_init__(self):
         require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
@@ -58,5 +67,9 @@ class RolloutConfig:
         require(self.max_batch_per_rank > 0, "max_batch_per_rank must be > 0")
         require(self.status_interval > 0, f"status_interval must be > 0, got {self.status_interval}")
         require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        bad = sorted(set(self.leases) - {"rewards", "sidecar"})
+        require(not bad, f"leases: unknown job {bad[0] if bad else ''!r}; jobs are 'rewards', 'sidecar'")
+        require(self.lease_s > 0 and self.lease_grace_s > 0, "lease_s and lease_grace_s must be > 0")
+        require(self.sidecar_queries >= 0, f"sidecar_queries must be >= 0, got {self.sidecar_queries}")
         if self.floor is not None:
             require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")

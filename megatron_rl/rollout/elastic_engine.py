@@ -11,13 +11,12 @@ import hashlib
 import torch
 
 from megatron_rl.models.moe import LocalDispatcher
-from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import RolloutEngine
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
 
 
 class ElasticRolloutEngine:
@@ -39,24 +38,28 @@ class ElasticRolloutEngine:
     def held_experts(self) -> list[int]:
         return self.model.moe_layers[0].experts.held()
 
+    def expert_layers(self, expert: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(fc1, fc2) of `expert` in every MoE layer, in layer order."""
+        return [(moe.experts.get(expert).linear_fc1.weight, moe.experts.get(expert).linear_fc2.weight)
+                for moe in self.model.moe_layers]
+
     def export_expert(self, expert: int) -> torch.Tensor:
-        parts = []
-        for moe in self.model.moe_layers:
-            ex = moe.experts.get(expert)
-            parts += [ex.linear_fc1.weight.detach().reshape(-1), ex.linear_fc2.weight.detach().reshape(-1)]
-        return torch.cat(parts)
+        return torch.cat([w.detach().reshape(-1) for pair in self.expert_layers(expert) for w in pair])
 
     def empty_expert(self) -> torch.Tensor:
         n = len(self.model.moe_layers) * (self.fc1_numel + self.fc2_numel)
         return torch.empty(n, dtype=self.model.dtype)
 
+    def split_expert(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The inverse of `export_expert`: (fc1, fc2) views per layer."""
+        cfg = self.model.config
+        chunks = flat.split([self.fc1_numel, self.fc2_numel] * len(self.model.moe_layers))
+        return [(chunks[2 * i].view(2 * cfg.moe_ffn_hidden_size, cfg.hidden_size),
+                 chunks[2 * i + 1].view(cfg.hidden_size, cfg.moe_ffn_hidden_size))
+                for i in range(len(self.model.moe_layers))]
+
     def import_expert(self, expert: int, flat: torch.Tensor) -> None:
-        cfg, off = self.model.config, 0
-        for moe in self.model.moe_layers:
-            fc1 = flat[off: off + self.fc1_numel].view(2 * cfg.moe_ffn_hidden_size, cfg.hidden_size)
-            off += self.fc1_numel
-            fc2 = flat[off: off + self.fc2_numel].view(cfg.hidden_size, cfg.moe_ffn_hidden_size)
-            off += self.fc2_numel
+        for moe, (fc1, fc2) in zip(self.model.moe_layers, self.split_expert(flat)):
             moe.experts.add(expert, fc1, fc2)
 
     def drop_expert(self, expert: int) -> None:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fault_rank
+from megatron_rl.rollout.lease_jobs import RewardScoringJob, SidecarJob, distinct_ngram_reward
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -101,8 +104,18 @@ def _progress(start: float):
     return report
 
 
+def lease_jobs(cfg: RolloutConfig, engine: RolloutEngine, rank: int) -> list:
+    jobs = []
+    if "rewards" in cfg.leases:
+        jobs.append(RewardScoringJob(engine.finished, distinct_ngram_reward))
+    if "sidecar" in cfg.leases and cfg.sidecar_queries > 0:
+        jobs.append(SidecarJob(cfg.sidecar_queries, seed=cfg.seed * 7919 + rank))
+    return jobs
+
+
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
                plan: Plan, out_dir: str | None, quiet: bool):
+    from elastic.pool import IdlePool
     from elastic.runtime import ElasticRuntime
 
     rank, dtype = ctx.rank, DTYPES[cfg.dtype]
@@ -117,7 +130,9 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         model = Qwen3MoeModel(mcfg, held, dtype)
         model.init_weights(cfg.seed)
     model.eval()
-    mine = [r for r, a in zip(requests, plan.assignments) if a.rank == rank]
+    # Fresh Request objects: the engine appends tokens to them, and the caller's may be shared
+    # between rollouts of one world.
+    mine = [replace(r, tokens=[]) for r, a in zip(requests, plan.assignments) if a.rank == rank]
     max_len = max([len(r.prompt) + r.max_new_tokens for r in requests] + [1])
     engine = RolloutEngine(model, cfg.sampling, cfg.max_batch_per_rank, max_len)
     engine.add(mine)
@@ -133,12 +148,24 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
             sink.flush()
             written[0] = len(engine.finished)
 
-    runtime = ElasticRuntime(ElasticRolloutEngine(engine, ctx.world), plan, rank,
-                             status_interval=cfg.status_interval,
+    elastic_engine = ElasticRolloutEngine(engine, ctx.world)
+    jobs = lease_jobs(cfg, engine, rank)
+    hit = cfg.fault is not None and rank == fault_rank(plan)
+    if hit and cfg.fault == "fail-transfer":
+        elastic_engine = FailingExport(elastic_engine)
+    if hit and cfg.fault in ("kill-leased-rank", "stuck-lease"):
+        jobs.insert(0, KillSelfJob() if cfg.fault == "kill-leased-rank" else StuckJob())
+    pool = IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.lease_grace_s)
+    runtime = ElasticRuntime(elastic_engine, plan, rank, ctx.store, status_interval=cfg.status_interval, pool=pool,
                              progress=None if quiet else _progress(time.perf_counter()),
                              after_step=flush_finished)
     try:
         outcome = runtime.run()
+    except BaseException:
+        # Nothing lost on failure: what finished is already streamed; add the ledger so far.
+        if out_dir is not None and runtime.ledger is not None:
+            (Path(out_dir) / f"ledger.rank{rank}.json").write_text(json.dumps(runtime.ledger.to_dict()))
+        raise
     finally:
         flush_finished()
         if sink is not None:
@@ -170,8 +197,27 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     return report, all_responses
 
 
-def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
-    """Returns (report, responses) on the driver; None on non-zero torchrun ranks."""
+@dataclass
+class RolloutJob:
+    """Everything a rank needs for one rollout, built identically on the driver or every rank."""
+
+    cfg: RolloutConfig
+    mcfg: MoEModelConfig
+    requests: list[Request]  # in plan.assignments order
+    plan: Plan
+    out_dir: str | None
+
+
+def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
+    from megatron_rl.models.megatron_backend import require_backend
+
+    require_backend(cfg.backend)
+    if cfg.backend == "megatron":
+        # Reached on a CUDA machine only. The runner's ranks are CPU gloo ranks; running the torch
+        # backend instead would hide the user's choice.
+        raise FlexFloorError(
+            "backend 'megatron': `flexfloor rollout` runs CPU gloo ranks in this release; the megatron "
+            "backend runs through MegatronElasticEngine (tools/gpu_check.sh); use `backend: torch` here")
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
@@ -182,5 +228,27 @@ def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = Fa
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "plan.json").write_text(plan.to_json())
-    return run_ranks(_rank_main, cfg.ranks, cfg, mcfg, requests, plan, out_dir, quiet,
-                     timeout_s=cfg.timeout_s)
+    return RolloutJob(cfg, mcfg, requests, plan, out_dir)
+
+
+def _rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
+    return [_rank_main(ctx, j.cfg, j.mcfg, j.requests, j.plan, j.out_dir, quiet) for j in jobs]
+
+
+def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = None,
+                 quiet: bool = False):
+    """Several rollouts, one after another, in one world of ranks (side-by-side benchmarks and
+    tests pay the start-up once). Returns a list of (report, responses); None on torchrun ranks != 0.
+    """
+    out_dirs = out_dirs or [None] * len(cfgs)
+    jobs = [prepare(c, d) for c, d in zip(cfgs, out_dirs)]
+    ranks = {c.ranks for c in cfgs}
+    if len(ranks) != 1:
+        raise FlexFloorError(f"rollouts in one world must share the rank count, got {sorted(ranks)}")
+    return run_ranks(_rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs))
+
+
+def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
+    """Returns (report, responses) on the driver; None on non-zero torchrun ranks."""
+    out = run_rollouts([cfg], [out_dir], quiet)
+    return None if out is None else out[0]

@@ -19,6 +19,11 @@ def config(trace, ranks, greedy=True, **extra):
     return load_dataclass(RolloutConfig, None, o)
 
 
+@pytest.fixture(scope="module")
+def reference(tailed_trace):
+    return single_process_greedy(config(tailed_trace, 1))
+
+
 def by_key(responses):
     return {(r["prompt_id"], r["sample"]): r["tokens"] for r in responses}
 
@@ -40,11 +45,10 @@ def single_process_greedy(cfg):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_ep_greedy_equals_single_process_model(tailed_trace, ranks):
-    cfg = config(tailed_trace, ranks)
-    report, responses = run_rollout(cfg, quiet=True)
+def test_ep_greedy_equals_single_process_model(tailed_trace, reference, ranks):
+    report, responses = run_rollout(config(tailed_trace, ranks), quiet=True)
     assert report["ranks"] == ranks and report["responses"] == 32
-    assert by_key(responses) == single_process_greedy(cfg)
+    assert by_key(responses) == reference
     assert report["rank_steps"]["dummy"] > 0  # a length-tailed batch leaves ranks stepping empty
 
 

@@ -12,8 +12,9 @@ def model(dtype=torch.float64):
 
 
 def requests(n=6, new=12):
-    return [Request(f"p{i}", i % 2, torch.randint(0, 256, (2 + i,), generator=torch.Generator().manual_seed(i)).tolist(),
-                    max_new_tokens=new) for i in range(n)]
+    prompts = [torch.randint(0, 256, (2 + i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(n)]
+    return [Request(f"p{i}", i % 2, prompts[i], max_new_tokens=new) for i in range(n)]
 
 
 def run(m, reqs, max_batch, params):

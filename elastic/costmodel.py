@@ -1,0 +1,293 @@
+"""Cost model: how long a decode step, an all-to-all, a prefill and a shrink take, in place of GPUs.
+
+The simulator and the planner both price a plan with this model. Defaults describe Qwen3-30B-A3B
+in bf16 on H100-80GB SXM nodes of 8 GPUs (the setup arXiv 2611.06984 measured). Each constant says
+where it comes from; the ones marked *assumption* have no public measurement we could find and are
+the first to recalibrate (`calibrate`, or a YAML file of field overrides: `flexfloor simulate --cost`).
+
+One rank's decode step (its own compute and memory traffic, phases added, not overlapped):
+    bytes  = [batch > 0] * dense weights + KV bytes of its live context + activated expert weights
+    flops  = 2 * batch * dense params + routed tokens * 2 * expert params + attention over KV
+    time   = bytes / hbm_bytes_per_s + flops / flops_per_s
+A synchronous EP step lasts `step_overhead_s + max over members(time) + all-to-all(group)` (the
+first two times a contention factor when ranks share a CPU host, see `host_cores`); the
+all-to-all is a per-layer latency plus bytes over a bandwidth, both larger once the group spans
+nodes (RDMA) than inside one NVLink domain. Adding rather than overlapping phases and using the mean
+expert activation are the two simplifications; both keep step time monotone in batch, context and
+group tokens, which the analytical lower bound relies on.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Iterable, Sequence
+
+import numpy as np
+
+# DeepEP v1 low-latency kernels (docs/legacy.md of deepseek-ai/DeepEP, H800 + CX7 400 Gb/s, 128
+# tokens per rank, hidden 7168, top-8, FP8 dispatch + BF16 combine): dispatch + combine latency per
+# MoE layer at EP 16/32/64/128/256 = 118+195, 155+273, 173+314, 192+369, 194+360 microseconds.
+_DEEPEP_LL_US = ((16, 313.0), (32, 428.0), (64, 487.0), (128, 561.0), (256, 554.0))
+# Half of each figure is taken as fixed latency (assumption: DeepEP publishes no small-batch sweep);
+# the other half is bandwidth-bound traffic, which scales with tokens x hidden.
+_LATENCY_SHARE = 0.5
+
+
+_MAY_BE_ZERO = ("step_overhead_s", "a2a_intra_per_peer_s", "host_cores")
+
+
+def _require(cond: bool, message: str) -> None:
+    # elastic/ does not import megatron_rl: a ValueError here becomes a ConfigError naming the YAML
+    # file when the CLI loads the model with megatron_rl.config.load_dataclass.
+    if not cond:
+        raise ValueError(f"cost model: {message}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    name: str = "qwen3-30b-a3b@h100-80g"
+    # ---- model (Qwen3-30B-A3B HF config.json) ---------------------------------------------------
+    num_layers: int = 48
+    hidden_size: int = 2048
+    num_experts: int = 128
+    topk: int = 8
+    # gate + up + down of one expert in one layer: 3 x 2048 x 768.
+    expert_params_per_layer: int = 3 * 2048 * 768
+    # Weights read by every decode step of a rank that has tokens: attention per layer (q 2048x4096,
+    # k and v 2048x512, o 4096x2048) + router (2048x128), times 48 layers, + the 151936x2048 LM head.
+    dense_params: int = 48 * (2 * 2048 * 4096 + 2 * 2048 * 512 + 2048 * 128) + 151936 * 2048
+    bytes_per_param: int = 2
+    # 48 layers x (K, V) x 4 KV heads x 128 head dim x 2 bytes = 96 KiB.
+    kv_bytes_per_token: int = 48 * 2 * 4 * 128 * 2
+    # QK^T and PV over one cached token: 2 x 2 flops x 32 q heads x 128 head dim x 48 layers.
+    attn_flops_per_kv_token: int = 4 * 32 * 128 * 48
+    # ---- hardware (H100 SXM5 80GB, nodes of 8) ----------------------------------------------------
+    ranks_per_node: int = 8
+    # 70% of the 3.35 TB/s HBM3 peak (NVIDIA H100 datasheet); 70% is an assumption for decode kernels.
+    hbm_bytes_per_s: float = 0.70 * 3.35e12
+    # 40% of the 989 TFLOP/s dense BF16 peak (datasheet); assumption for small-batch GEMMs.
+    flops_per_s: float = 0.40 * 989e12
+    # Scheduler, sampling and kernel launches per step (assumption; calibrate from a GPU run).
+    step_overhead_s: float = 2.0e-3
+    # All-to-all inside one NVLink node, per MoE layer, dispatch + combine. Latency: assumption
+    # (about a quarter of DeepEP's RDMA EP8 figure of 191 us). Bandwidth: DeepEP normal kernels,
+    # intranode EP8 on H800, 153 GB/s (H100's NVLink is faster, so this is conservative).
+    a2a_intra_latency_s: float = 48e-6
+    # Extra latency per peer beyond the first (pairwise exchanges, e.g. gloo over TCP on a CPU
+    # host). NVLink kernels write to every peer at once, so 0 on H100 (assumption).
+    a2a_intra_per_peer_s: float = 0.0
+    a2a_intra_bytes_per_s: float = 153e9
+    # Across nodes (RDMA): latency per EP size from the DeepEP table above (log-interpolated),
+    # bandwidth chosen so latency + reference traffic / bandwidth reproduces DeepEP's EP16 figure.
+    a2a_inter_latency_s: tuple[tuple[float, float], ...] = tuple(
+        (ep, _LATENCY_SHARE * us * 1e-6) for ep, us in _DEEPEP_LL_US)
+    a2a_inter_bytes_per_s: float = (128 * 8 * 7168 * 3) / ((1 - _LATENCY_SHARE) * 313e-6)
+    # Expert moves of a shrink/restore: NVLink point-to-point at about 2/3 of the 450 GB/s per
+    # direction (assumption), and one 400 Gb/s NIC per GPU (50 GB/s) at 90% across nodes.
+    transfer_intra_bytes_per_s: float = 300e9
+    transfer_inter_bytes_per_s: float = 45e9
+    # Routing-table swap + group switch + barrier per shrink/restore (assumption; the communicators
+    # are created before the rollout, so this is no rendezvous).
+    shrink_fixed_s: float = 0.05
+    # 0: every rank has its own accelerator. N > 0: all ranks share one host's N cores (the CPU
+    # engine), so a step's per-rank work runs max(1, busy ranks / N) times slower.
+    host_cores: int = 0
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in _MAY_BE_ZERO:
+                _require(v > 0, f"{f.name} must be > 0, got {v}")
+        for name in _MAY_BE_ZERO:
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        _require(self.topk <= self.num_experts, f"topk {self.topk} exceeds num_experts {self.num_experts}")
+        pts = [tuple(p) for p in self.a2a_inter_latency_s]
+        _require(len(pts) >= 1 and all(len(p) == 2 and p[0] > 0 and p[1] >= 0 for p in pts),
+                 "a2a_inter_latency_s must be a list of [ep_size, seconds] pairs")
+        _require([p[0] for p in pts] == sorted({p[0] for p in pts}),
+                 "a2a_inter_latency_s ep sizes must be strictly increasing")
+        object.__setattr__(self, "a2a_inter_latency_s", tuple((int(e), float(s)) for e, s in pts))
+
+    # ---- derived sizes ----------------------------------------------------------------------------
+    @property
+    def expert_bytes(self) -> int:
+        """One expert across all layers (what a shrink moves per expert)."""
+        return self.expert_params_per_layer * self.bytes_per_param * self.num_layers
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.dense_params * self.bytes_per_param
+
+    # ---- per-rank compute and memory ----------------------------------------------------------------
+    def rank_compute_s(self, batch, kv_tokens, experts_owned, group_tokens):
+        """Seconds one rank spends on its own step (arrays broadcast). `kv_tokens` is the summed
+        context of its live requests; `group_tokens` the tokens of the whole EP group this step."""
+        n = np.asarray(batch, dtype=np.float64)
+        kv = np.asarray(kv_tokens, dtype=np.float64)
+        own = np.asarray(experts_owned, dtype=np.float64)
+        big_n = np.asarray(group_tokens, dtype=np.float64)
+        # An expert is read if at least one of the group's tokens picks it (uniform routing).
+        hit = 1.0 - np.power(1.0 - self.topk / self.num_experts, big_n)
+        expert_read = own * hit * self.expert_params_per_layer * self.num_layers * self.bytes_per_param
+        routed = big_n * self.topk * own / self.num_experts
+        mem = (n > 0) * self.dense_bytes + kv * self.kv_bytes_per_token + expert_read
+        flops = (2.0 * n * self.dense_params
+                 + 2.0 * routed * self.expert_params_per_layer * self.num_layers
+                 + kv * self.attn_flops_per_kv_token)
+        return mem / self.hbm_bytes_per_s + flops / self.flops_per_s
+
+    def a2a_s(self, ep_size, tokens_per_rank):
+        """Dispatch + combine over all layers for one step of an EP group (0 for a group of one)."""
+        g = np.asarray(ep_size, dtype=np.float64)
+        traffic = np.asarray(tokens_per_rank, dtype=np.float64) * self.topk * self.hidden_size * 3.0
+        eps = np.array([p[0] for p in self.a2a_inter_latency_s], dtype=np.float64)
+        lats = np.array([p[1] for p in self.a2a_inter_latency_s], dtype=np.float64)
+        inter = np.interp(np.log2(np.maximum(g, 1.0)), np.log2(eps), lats) + traffic / self.a2a_inter_bytes_per_s
+        intra = self.a2a_intra_latency_s + self.a2a_intra_per_peer_s * np.maximum(g - 2, 0) \
+            + traffic / self.a2a_intra_bytes_per_s
+        per_layer = np.where(g > self.ranks_per_node, inter, intra)
+        return np.where(g > 1, per_layer * self.num_layers, 0.0)
+
+    def contention(self, busy_ranks):
+        """Slow-down of per-rank work when `busy_ranks` ranks compute at once (1 with accelerators)."""
+        if not self.host_cores:
+            return np.ones_like(np.asarray(busy_ranks, dtype=np.float64))
+        return np.maximum(1.0, np.asarray(busy_ranks, dtype=np.float64) / self.host_cores)
+
+    # ---- the protocol the planner prices plans with ------------------------------------------------
+    def decode_step_s(self, batch_per_rank, context, ep_size) -> float:
+        """One step of a balanced group: every member holds `batch_per_rank` requests of mean
+        context `context` and E/ep_size experts."""
+        g = np.asarray(ep_size, dtype=np.float64)
+        n = np.asarray(batch_per_rank, dtype=np.float64)
+        t = self.rank_compute_s(n, n * context, self.num_experts / g, n * g)
+        out = self.contention(g) * (self.step_overhead_s + t) + self.a2a_s(g, n)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def prefill_s(self, prompt_tokens, ep_size) -> float:
+        """Prefill of `prompt_tokens` on one rank of a balanced group: every prompt token is one
+        token of the batch and writes its KV once (attention's quadratic term is left out: prompts
+        are hundreds of tokens, responses thousands)."""
+        p = float(prompt_tokens)
+        g = float(ep_size)
+        t = self.rank_compute_s(p, p, self.num_experts / g, p * g)
+        return float(self.contention(g) * (self.step_overhead_s + t) + self.a2a_s(g, p))
+
+    def shrink_s(self, experts_moved: int, ep_size: int) -> float:
+        """The planner's estimate of a shrink that moves `experts_moved` experts out of a group of
+        `ep_size`: with balanced ownership the survivors are `ep_size * (1 - moved / E)`, each
+        receiving an equal share over the slower link the group uses."""
+        if experts_moved <= 0:
+            return 0.0
+        survivors = max(1, round(ep_size * (1 - experts_moved / self.num_experts)))
+        per_receiver = -(-experts_moved // survivors)
+        bw = self.transfer_intra_bytes_per_s if ep_size <= self.ranks_per_node else self.transfer_inter_bytes_per_s
+        return self.shrink_fixed_s + per_receiver * self.expert_bytes / bw
+
+    def transfer_s(self, moves: Iterable[tuple[int, int, int]]) -> float:
+        """Wall time of the expert moves `(expert, from_rank, to_rank)` of one shrink or restore:
+        every rank sends and receives concurrently; the busiest sender or receiver sets the time."""
+        load: dict[tuple[int, str], float] = {}
+        any_move = False
+        for _e, src, dst in moves:
+            any_move = True
+            same_node = src // self.ranks_per_node == dst // self.ranks_per_node
+            bw = self.transfer_intra_bytes_per_s if same_node else self.transfer_inter_bytes_per_s
+            secs = self.expert_bytes / bw
+            for key in ((src, "tx"), (dst, "rx")):
+                load[key] = load.get(key, 0.0) + secs
+        return self.shrink_fixed_s + max(load.values()) if any_move else 0.0
+
+    def min_decode_step_s(self, context, ep_size):
+        """A step can cost no less than this when one request of `context` tokens is live in a
+        group of `ep_size`: one token's dense and KV work plus the group's smallest all-to-all (the
+        rank owning the most experts only adds to the max)."""
+        return self.step_overhead_s + self.rank_compute_s(1.0, context, 0.0, 0.0) + self.a2a_s(ep_size, 1.0)
+
+    def scaled(self, factor: float) -> "CostModel":
+        """Every duration times `factor` (rates divided by it): the same shape of costs on a machine
+        that is uniformly `factor` times slower, e.g. to match one measured rollout's wall time."""
+        if factor <= 0:
+            raise ValueError(f"scale factor must be > 0, got {factor}")
+        rates = {f: getattr(self, f) / factor for f in (
+            "hbm_bytes_per_s", "flops_per_s", "a2a_intra_bytes_per_s", "a2a_inter_bytes_per_s",
+            "transfer_intra_bytes_per_s", "transfer_inter_bytes_per_s")}
+        times = {f: getattr(self, f) * factor for f in (
+            "step_overhead_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s", "shrink_fixed_s")}
+        return replace(self, a2a_inter_latency_s=tuple((e, s * factor) for e, s in self.a2a_inter_latency_s),
+                       **rates, **times)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["a2a_inter_latency_s"] = [list(p) for p in self.a2a_inter_latency_s]
+        return d
+
+
+DEFAULT_COST = CostModel()
+
+
+# ---- calibration from measured step times ---------------------------------------------------------
+# Fitted fields, in feature order: each is a feature's coefficient or its inverse (a rate).
+_FITTED = ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s")
+_RATES = ("hbm_bytes_per_s", "flops_per_s")
+
+
+def _features(base: CostModel, batch: float, context: float, ep_size: int) -> list[float]:
+    """A balanced group's step time is linear in these five, with coefficients [overhead, 1/hbm,
+    1/flops, intra all-to-all latency per layer, and per extra peer], plus `_unfitted_s`."""
+    g, n = float(ep_size), float(batch)
+    kv, own, big_n = n * context, base.num_experts / g, n * g
+    hit = 1.0 - (1.0 - base.topk / base.num_experts) ** big_n
+    mem = (n > 0) * base.dense_bytes + kv * base.kv_bytes_per_token \
+        + own * hit * base.expert_params_per_layer * base.num_layers * base.bytes_per_param
+    flops = 2.0 * n * base.dense_params + kv * base.attn_flops_per_kv_token \
+        + 2.0 * big_n * base.topk * own / base.num_experts * base.expert_params_per_layer * base.num_layers
+    intra_layers = float(base.num_layers) if 1 < g <= base.ranks_per_node else 0.0
+    c = float(base.contention(g))
+    return [c, c * mem, c * flops, intra_layers, intra_layers * max(g - 2.0, 0.0)]
+
+
+def _unfitted_s(base: CostModel, batch: float, ep_size: int) -> float:
+    """The all-to-all terms `calibrate` keeps at `base`: traffic, and the inter-node latency."""
+    f = _features(base, batch, 0.0, ep_size)
+    return float(base.a2a_s(ep_size, batch)) - f[3] * base.a2a_intra_latency_s - f[4] * base.a2a_intra_per_peer_s
+
+
+def calibrate(samples: Sequence[tuple[float, float, int, float]], base: CostModel = DEFAULT_COST) -> CostModel:
+    """Fit the step-time constants to measured `(batch_per_rank, mean_context, ep_size, seconds)`.
+
+    The shape fields (layers, experts, bytes per parameter and per KV token) stay those of `base`, so
+    pass a `base` that describes the measured model (e.g. the tiny CPU model with `ranks_per_node`
+    set to the ranks of the machine). Least squares with every coefficient kept non-negative (a
+    negative one is dropped and the rest refitted). A feature absent from the samples (e.g. no
+    multi-rank group) keeps its `base` value; one fitted to zero becomes negligible.
+    """
+    if len(samples) < 2:
+        raise ValueError(f"calibrate needs at least 2 step-time samples, got {len(samples)}")
+    x = np.array([_features(base, b, c, g) for b, c, g, _ in samples], dtype=np.float64)
+    y = np.array([s - _unfitted_s(base, b, g) for b, _c, g, s in samples], dtype=np.float64)
+    present = [j for j in range(x.shape[1]) if x[:, j].max() > 0]
+    scale = x.max(axis=0)
+    active = list(present)
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol / scale[active]
+            break
+        active = [j for j, c in zip(active, sol) if c >= 0]
+    fitted = {}
+    for j, name in enumerate(_FITTED):
+        if j not in present:
+            continue
+        if name in _RATES:
+            # A zero coefficient means the term does not show in the samples: a huge rate, not inf.
+            fitted[name] = 1.0 / float(coef[j]) if coef[j] > 0 else 1e30
+        else:
+            fitted[name] = float(coef[j])
+    return replace(base, name=f"{base.name}+calibrated", **fitted)
+
+
+def fit_error(model: CostModel, samples: Sequence[tuple[float, float, int, float]]) -> float:
+    """Mean relative error of `model.decode_step_s` on the samples (how good a calibration is)."""
+    errs = [abs(model.decode_step_s(b, c, g) - s) / s for b, c, g, s in samples if s > 0]
+    return float(np.mean(errs)) if errs else 0.0

@@ -1,0 +1,149 @@
+"""Simulate policies over a whole length trace: the plans come from the planner, the rollouts from
+`elastic.simulate`, and the figures are summed over rollouts.
+
+By default every epoch of the trace that has an earlier epoch is one rollout (its history is every
+earlier epoch, `Trace.before`). `vanilla` is verl's placement with nobody leaving and needs no
+planner; every other policy is `elastic.planner.make_plan` with the layout it names, and `oracle` is
+the planned layout given the true lengths (the bound a predictor could reach).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic.costmodel import CostModel
+from elastic.layout import natural
+from elastic.ledger import STATES, Ledger, RankLedger
+from elastic.plan import Plan
+from elastic.planner import make_plan
+from elastic.schedule import build_stages
+from elastic.shape import ModelShape
+from elastic.simulate import RolloutResult, SimConfig, simulate_rollout
+from elastic.trace import Trace, TraceError, TraceRecord
+
+POLICIES = ("vanilla", "lengthsort", "natural", "planned", "oracle")
+# The layout each policy asks the planner for.
+_LAYOUT = {"lengthsort": "lengthsort", "natural": "natural", "planned": "planned", "oracle": "planned"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    floor: int
+    tailguard: bool = False
+    # The same planner given the true lengths (what `--compare` puts beside every policy).
+    oracle: bool = False
+
+    def __post_init__(self):
+        if self.name not in POLICIES:
+            raise ValueError(f"unknown policy {self.name!r}; policies are {', '.join(POLICIES)}")
+
+    @property
+    def label(self) -> str:
+        if self.name == "vanilla":
+            return "vanilla"
+        if self.name == "lengthsort":
+            base = "lengthsort"
+        else:
+            base = f"{self.name} floor{self.floor}"
+        return base + (" +TailGuard" if self.tailguard else "")
+
+
+def rollout_epochs(trace: Trace) -> list[int]:
+    """Every epoch with an earlier one (so the planner has history); a one-epoch trace is an error."""
+    epochs = trace.epochs
+    if len(epochs) < 2:
+        raise TraceError(f"{trace.source}: simulating needs at least 2 epochs (history + rollout), "
+                         f"found {len(epochs)}")
+    return epochs[1:]
+
+
+def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *, ranks: int,
+                     shape: ModelShape, cost: CostModel) -> Plan:
+    keys = [r.key for r in batch]
+    if policy.name == "vanilla":
+        # One stage, nobody leaves; contiguous ownership also covers W > E (replicas).
+        return Plan(ranks=ranks, floor=ranks, num_experts=shape.num_experts, layout="natural", tailguard=False,
+                    assignments=natural(keys, ranks), stages=build_stages([ranks], shape.num_experts))
+
+    oracle = policy.oracle or policy.name == "oracle"
+    # lengthsort balances predicted work and keeps every rank to the end (DESIGN.md).
+    floor = ranks if policy.name == "lengthsort" else policy.floor
+    return make_plan(batch, history, ranks=ranks, floor=floor, shape=shape, layout=_LAYOUT[policy.name],
+                     tailguard=policy.tailguard, cost=cost,
+                     true_lengths={r.key: r.response_len for r in batch} if oracle else None)
+
+
+@dataclass
+class TraceResult:
+    policy: Policy
+    ranks: int
+    rollouts: list[RolloutResult] = field(default_factory=list)
+    plans: list[Plan] = field(default_factory=list)
+
+    def ledger(self) -> Ledger:
+        """The rollouts' ledgers end to end: one ledger over the summed wall time."""
+        w = self.ranks
+        merged = [RankLedger(r) for r in range(w)]
+        for res in self.rollouts:
+            for r, rl in enumerate(res.ledger.ranks):
+                for s in STATES:
+                    merged[r].add(s, rl.seconds[s], rl.steps[s])
+        return Ledger(merged, sum(r.ledger.wall_s for r in self.rollouts),
+                      sum(r.ledger.total_steps for r in self.rollouts))
+
+    def summary(self) -> dict:
+        ledger = self.ledger()
+        ledger.check()
+        floor = self.plans[0].floor if self.plans else self.policy.floor
+        out = {"policy": self.policy.name, "label": self.policy.label, "floor": floor,
+               "tailguard": self.policy.tailguard, "rollouts": len(self.rollouts)}
+        out.update(ledger.summary(sum(r.response_tokens for r in self.rollouts)))
+        out["lower_bound_s"] = sum(r.lower_bound_s for r in self.rollouts)
+        out["shrinks"] = sum(1 for r in self.rollouts for t in r.transitions if t[2] != 0)
+        out["migrated_responses"] = sum(r.migrated for r in self.rollouts)
+        out["per_rollout"] = [
+            {"rollout_time_s": r.ledger.wall_s, "lower_bound_s": r.lower_bound_s,
+             "rank_seconds": r.ledger.rank_seconds(), "transitions": [list(t) for t in r.transitions]}
+            for r in self.rollouts
+        ]
+        return out
+
+
+def simulate_trace(trace: Trace, policy: Policy, *, ranks: int, cost: CostModel, shape: ModelShape,
+                   config: SimConfig | None = None, epochs: list[int] | None = None) -> TraceResult:
+    if shape.num_experts != cost.num_experts:
+        raise ValueError(f"model shape {shape.name!r} has {shape.num_experts} experts, "
+                         f"cost model {cost.name!r} {cost.num_experts}")
+    result = TraceResult(policy, ranks)
+    for e in epochs if epochs is not None else rollout_epochs(trace):
+        batch = trace.epoch(e)
+        plan = make_policy_plan(policy, batch, trace.before(e), ranks=ranks, shape=shape, cost=cost)
+        result.plans.append(plan)
+        result.rollouts.append(simulate_rollout(plan, batch, cost, shape, config))
+    return result
+
+
+def compare_policies(floors: tuple[int, ...] = (2, 4, 8)) -> list[Policy]:
+    """The side-by-side set of `--compare`: vanilla, lengthsort, natural and planned at every floor,
+    each with and without TailGuard."""
+    out = [Policy("vanilla", 0)]
+    for tg in (False, True):
+        out.append(Policy("lengthsort", 0, tg))
+    for name in ("natural", "planned"):
+        for f in floors:
+            for tg in (False, True):
+                out.append(Policy(name, f, tg))
+    return out
+
+
+def decomposition(base: dict, other: dict) -> dict:
+    """DESIGN.md's split of the dummy run `other` removed against `base` (both summaries):
+    vanilla dummy = rollout shortening W x (T_base - T) + coordinated exits (detached rank-s)
+                    + dummy left + the rest (change of busy and transition rank-s)."""
+    w = base["ranks"]
+    shortening = w * (base["rollout_time_s"] - other["rollout_time_s"])
+    exits = other["detached_rank_s"]
+    left = other["rank_seconds"]["dummy"]
+    return {"vanilla_dummy_rank_s": base["rank_seconds"]["dummy"], "rollout_shortening_rank_s": shortening,
+            "coordinated_exits_rank_s": exits, "dummy_left_rank_s": left,
+            "other_rank_s": base["rank_seconds"]["dummy"] - shortening - exits - left}

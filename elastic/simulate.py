@@ -1,0 +1,302 @@
+"""Cluster simulator: carry out a `Plan` on a cost model instead of GPUs, one decode step at a time.
+
+Semantics (DESIGN.md, issue 7), the same the runtime follows:
+- Tick 0 is the prefill of every rank's batch (it emits each response's first token); then one
+  tick per synchronous decode step of the active EP group, so a response of L tokens is live for
+  L - 1 decode steps. A step lasts `step_overhead + max over members(own compute) + all-to-all(group)`.
+  A member with a live request accrues `busy`, one without accrues `dummy`.
+- Every `check_every` steps the ranks compare drain status (the runtime's status all-reduce) and the
+  stage is `Plan.advance(current, drained)`: a leaving rank that outlives its prediction holds its
+  stage, it is never cut. A shrink is one tick of `transition` for the old group, priced by
+  `CostModel.transfer_s(Plan.transfers(...))`; the leaving ranks are then detached and accrue
+  `idle`, or `leased` once a lease has started (`lease_start_s` after detaching) when leases are on.
+- After the last token, full-world restoration (experts back to stage 0's owners) is one
+  `transition` tick for all W ranks.
+- Optional KV migration (`migrate_max > 0`): when the ranks a stage waits for hold at most that many
+  live responses in all (stragglers), those move with their KV to resident ranks that have room, and
+  the stage starts.
+
+A request's progress is counted in steps, so which rank is live at step t does not depend on step
+durations; the simulator uses that to price whole stretches between checks with numpy at once. The
+ledger is kept in ticks as well as seconds, so `Ledger.check` is exact.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from elastic.costmodel import CostModel
+from elastic.ledger import STATES, Ledger, RankLedger
+from elastic.plan import Plan
+from elastic.shape import ModelShape
+from elastic.trace import TraceRecord
+
+_BUSY, _DUMMY, _TRANS, _LEASED, _IDLE = (STATES.index(s) for s in ("busy", "dummy", "transition", "leased", "idle"))
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    # Steps between drain-status checks (the runtime's status all-reduce interval).
+    check_every: int = 16
+    # Detached ranks run side work under leases; a lease starts this long after detaching (job
+    # placement and warm-up; assumption) and is pre-empted by the restoration.
+    lease: bool = False
+    lease_start_s: float = 1.0
+    # When the ranks a stage waits for hold at most this many live responses in all, move those with
+    # their KV to residents and start the stage (0: never migrate).
+    migrate_max: int = 0
+
+    def __post_init__(self):
+        if self.check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {self.check_every}")
+        if self.lease_start_s < 0:
+            raise ValueError(f"lease_start_s must be >= 0, got {self.lease_start_s}")
+        if self.migrate_max < 0:
+            raise ValueError(f"migrate_max must be >= 0, got {self.migrate_max}")
+
+
+@dataclass
+class RolloutResult:
+    ledger: Ledger
+    response_tokens: int
+    lower_bound_s: float
+    # (time_s, active ranks) at the start and after every change of the active group.
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    # (decode step, from stage, to stage, seconds) of every shrink, then the restore.
+    transitions: list[tuple[int, int, int, float]] = field(default_factory=list)
+    migrated: int = 0
+    migrated_kv_bytes: int = 0
+
+
+def lower_bound_s(prompt_lens, response_lens, cost: CostModel, floor: int, ranks: int) -> float:
+    """No policy can finish sooner: the longest response alone, prefilled and decoded at the cheapest
+    step any group of `floor..ranks` members allows (`CostModel.min_decode_step_s`)."""
+    prompt_lens, response_lens = np.asarray(prompt_lens), np.asarray(response_lens)
+    longest = int(response_lens.max())
+    prompt = float(prompt_lens[response_lens == longest].min())
+    sizes = np.arange(max(1, min(floor, ranks)), ranks + 1)
+    prefill = cost.step_overhead_s + float(cost.rank_compute_s(prompt, prompt, 0.0, 0.0)) \
+        + float(np.min(cost.a2a_s(sizes, prompt)))
+    decode = max(longest - 1, 0)  # the prefill emits the first token
+    ctx = prompt + np.arange(1, decode + 1, dtype=np.float64)
+    steps = cost.min_decode_step_s(ctx, 1) - float(cost.a2a_s(1, 1.0))
+    return prefill + float(np.sum(steps)) + decode * float(np.min(cost.a2a_s(sizes, 1.0)))
+
+
+class _Rollout:
+    """The state of one simulated rollout; `run` drives it from prefill to restoration."""
+
+    def __init__(self, plan: Plan, batch: Sequence[TraceRecord], cost: CostModel, shape: ModelShape,
+                 config: SimConfig):
+        if plan.num_experts != cost.num_experts:
+            raise ValueError(f"plan has {plan.num_experts} experts, cost model {cost.name!r} has {cost.num_experts}")
+        rank_of = plan.rank_of()
+        missing = [r.key for r in batch if r.key not in rank_of]
+        if missing:
+            raise ValueError(f"plan assigns no rank to {len(missing)} responses, e.g. {missing[0]}")
+        self.plan, self.cost, self.shape, self.cfg = plan, cost, shape, config
+        w = plan.ranks
+        self.rank = np.array([rank_of[r.key] for r in batch], dtype=np.int64)
+        self.tokens = np.array([r.response_len for r in batch], dtype=np.int64)
+        # Decode steps per response: the prefill emits the first token, as real engines do.
+        self.length = np.maximum(self.tokens - 1, 0)
+        self.prompt = np.array([r.prompt_len for r in batch], dtype=np.int64)
+        self.steps_total = int(self.length.max()) if len(batch) else 0
+        cols = self.steps_total + 2
+        # live[r, t]: requests of rank r still decoding at decode step t (decode length >= t), whose
+        # KV then holds prompt + t tokens; psum: their prompts.
+        ends = np.zeros((w, cols), dtype=np.int64)
+        pends = np.zeros((w, cols), dtype=np.int64)
+        np.add.at(ends, (self.rank, self.length), 1)
+        np.add.at(pends, (self.rank, self.length), self.prompt)
+        self.live = np.cumsum(ends[:, ::-1], axis=1)[:, ::-1].copy()
+        self.psum = np.cumsum(pends[:, ::-1], axis=1)[:, ::-1].copy()
+        self.drain = np.zeros(w, dtype=np.int64)
+        np.maximum.at(self.drain, self.rank, self.length)
+        self.sec = np.zeros((w, len(STATES)))
+        self.ticks = np.zeros((w, len(STATES)), dtype=np.int64)
+        self.now = 0.0
+        self.detached_at = np.full(w, np.inf)
+        self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
+        self.result = RolloutResult(ledger=None, response_tokens=int(self.tokens.sum()),  # type: ignore[arg-type]
+                                    lower_bound_s=0.0)
+
+    # ---- ledger helpers ---------------------------------------------------------------------------
+    def _account_detached(self, members: np.ndarray, starts: np.ndarray, durations: np.ndarray) -> None:
+        """Ticks starting at `starts` (absolute seconds): every rank outside `members` is detached."""
+        out = np.setdiff1d(np.arange(self.plan.ranks), members)
+        total_s, total_n = float(durations.sum()), len(durations)
+        for when in np.unique(self.detached_at[out]):
+            group = out[self.detached_at[out] == when]
+            if self.cfg.lease:
+                first = int(np.searchsorted(starts, when + self.cfg.lease_start_s, side="left"))
+                leased_s, leased_n = float(durations[first:].sum()), total_n - first
+            else:
+                leased_s, leased_n = 0.0, 0
+            self.sec[group, _LEASED] += leased_s
+            self.ticks[group, _LEASED] += leased_n
+            self.sec[group, _IDLE] += total_s - leased_s
+            self.ticks[group, _IDLE] += total_n - leased_n
+
+    def _transition(self, members: np.ndarray, seconds: float) -> None:
+        self._account_detached(members, np.array([self.now]), np.array([seconds]))
+        self.sec[members, _TRANS] += seconds
+        self.ticks[members, _TRANS] += 1
+        self.now += seconds
+
+    def _owned(self, stage: int) -> np.ndarray:
+        counts = Counter(self.plan.stages[stage].owner_of(e) for e in range(self.plan.num_experts))
+        return np.array([counts.get(r, 0) for r in range(self.plan.ranks)], dtype=np.float64)
+
+    # ---- phases -----------------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        w, cost = self.plan.ranks, self.cost
+        members = np.arange(w)
+        tokens = np.bincount(self.rank, weights=self.prompt, minlength=w)
+        per_rank = cost.rank_compute_s(tokens, tokens, self._owned(0), tokens.sum())
+        has = np.bincount(self.rank, minlength=w) > 0
+        dt = float(cost.contention(has.sum())) * (cost.step_overhead_s + float(per_rank.max())) \
+            + float(cost.a2a_s(w, tokens.max()))
+        self.sec[members, np.where(has, _BUSY, _DUMMY)] += dt
+        self.ticks[members, np.where(has, _BUSY, _DUMMY)] += 1
+        self.now += dt
+
+    def _decode(self, stage: int, first: int, last: int) -> None:
+        """Price decode steps first..last (inclusive) in `stage` and book them."""
+        if last < first:
+            return
+        cost = self.cost
+        members = np.array(self.plan.stages[stage].members, dtype=np.int64)
+        steps = np.arange(first, last + 1)
+        live = self.live[np.ix_(members, steps)]
+        kv = self.psum[np.ix_(members, steps)] + live * steps[None, :]
+        group_tokens = live.sum(axis=0)
+        own = self._owned(stage)[members][:, None]
+        compute = cost.rank_compute_s(live, kv, own, group_tokens[None, :])
+        durations = cost.contention((live > 0).sum(axis=0)) * (cost.step_overhead_s + compute.max(axis=0)) \
+            + cost.a2a_s(len(members), live.max(axis=0))
+        starts = self.now + np.concatenate(([0.0], np.cumsum(durations)[:-1]))
+        busy = live > 0
+        self.sec[members, _BUSY] += (busy * durations[None, :]).sum(axis=1)
+        self.sec[members, _DUMMY] += (~busy * durations[None, :]).sum(axis=1)
+        self.ticks[members, _BUSY] += busy.sum(axis=1)
+        self.ticks[members, _DUMMY] += (~busy).sum(axis=1)
+        self._account_detached(members, starts, durations)
+        self.now += float(durations.sum())
+
+    def _next_check(self, stage: int, after: int) -> tuple[int, bool]:
+        """The first check step > `after` at which the next stage can start, and whether it starts
+        by migrating stragglers rather than by its ranks draining on their own."""
+        k = self.cfg.check_every
+        trigger = list(self.plan.stages[stage + 1].drained)
+        ready = max((int(self.drain[r]) for r in trigger), default=0)
+        when = max(k * math.ceil(ready / k), k * (after // k + 1))
+        if self.cfg.migrate_max > 0 and trigger and stage not in self.no_migration:
+            # The trigger ranks are down to migrate_max live responses in all once the
+            # (migrate_max+1)-th longest of their responses has ended.
+            lens = np.sort(self.length[np.isin(self.rank, trigger)])
+            few = int(lens[-(self.cfg.migrate_max + 1)]) if len(lens) > self.cfg.migrate_max else 0
+            alt = max(k * math.ceil(few / k), k * (after // k + 1))
+            if alt < when:
+                return alt, True
+        return when, False
+
+    def _migrate(self, stage: int, step: int) -> float | None:
+        """Move the live responses of the ranks stage+1 waits for onto residents; seconds, or None
+        if some response has nowhere to go without breaking a KV budget."""
+        plan, cost = self.plan, self.cost
+        target = plan.stages[stage + 1]
+        residents = [r for r in plan.stages[-1].members if r in target.members]
+        owned = self._owned(len(plan.stages) - 1)
+        budget = {r: self.shape.kv_budget_bytes(int(owned[r])) // self.shape.kv_bytes_per_token for r in residents}
+        moves = []
+        for r in target.drained:
+            for i in np.nonzero((self.rank == r) & (self.length > step))[0]:
+                moves.append(int(i))
+        saved = self.live.copy(), self.psum.copy(), self.rank.copy()
+        seconds, kv_total = 0.0, 0
+        for i in moves:
+            span = slice(step + 1, int(self.length[i]) + 1)
+            ts = np.arange(span.start, span.stop)
+
+            def peak(r: int) -> float:
+                return float(np.max(self.psum[r, span] + self.live[r, span] * ts + self.prompt[i] + ts))
+            fits = [r for r in residents if peak(r) <= budget[r]]
+            if not fits:
+                self.live, self.psum, self.rank = saved
+                return None
+            dst = min(fits, key=lambda r: (self.live[r, step + 1], r))
+            src = int(self.rank[i])
+            for arr, val in ((self.live, 1), (self.psum, int(self.prompt[i]))):
+                arr[src, span] -= val
+                arr[dst, span] += val
+            self.rank[i] = dst
+            kv_bytes = int(self.prompt[i] + step) * self.shape.kv_bytes_per_token
+            same = src // cost.ranks_per_node == dst // cost.ranks_per_node
+            seconds += kv_bytes / (cost.transfer_intra_bytes_per_s if same else cost.transfer_inter_bytes_per_s)
+            kv_total += kv_bytes
+        self.result.migrated += len(moves)
+        self.result.migrated_kv_bytes += kv_total
+        self.drain[:] = 0
+        np.maximum.at(self.drain, self.rank, self.length)
+        return seconds
+
+    def run(self) -> RolloutResult:
+        plan, cost, res = self.plan, self.cost, self.result
+        w = plan.ranks
+        res.timeline.append((0.0, w))
+        self._prefill()
+        stage, step = 0, 0
+        while step < self.steps_total:
+            if stage + 1 < len(plan.stages):
+                check, by_migration = self._next_check(stage, step)
+            else:
+                check, by_migration = self.steps_total, False
+            end = min(check, self.steps_total)
+            self._decode(stage, step + 1, end)
+            step = end
+            if step >= self.steps_total:
+                break
+            extra = 0.0
+            if by_migration:
+                moved = self._migrate(stage, step)
+                if moved is None:
+                    self.no_migration.add(stage)
+                    continue
+                extra = moved
+            drained = {r for r in range(w) if self.drain[r] <= step}
+            new = plan.advance(stage, drained)
+            if new == stage:
+                continue
+            members = np.array(plan.stages[stage].members, dtype=np.int64)
+            seconds = extra + max(cost.transfer_s(plan.transfers(stage, new)), cost.shrink_fixed_s)
+            self._transition(members, seconds)
+            res.transitions.append((step, stage, new, seconds))
+            leaving = np.setdiff1d(members, plan.stages[new].members)
+            self.detached_at[leaving] = self.now
+            stage = new
+            res.timeline.append((self.now, len(plan.stages[new].members)))
+        if stage != 0:
+            seconds = max(cost.transfer_s(plan.transfers(stage, 0)), cost.shrink_fixed_s)
+            self._transition(np.arange(w), seconds)
+            res.transitions.append((step, stage, 0, seconds))
+            res.timeline.append((self.now, w))
+        total_ticks = int(self.ticks[0].sum())
+        ranks = [RankLedger(r, dict(zip(STATES, map(float, self.sec[r]))), dict(zip(STATES, map(int, self.ticks[r]))))
+                 for r in range(w)]
+        res.ledger = Ledger(ranks=ranks, wall_s=self.now, total_steps=total_ticks)
+        res.ledger.check()
+        res.lower_bound_s = lower_bound_s(self.prompt, self.tokens, cost, plan.floor, w)
+        return res
+
+
+def simulate_rollout(plan: Plan, batch: Sequence[TraceRecord], cost: CostModel,
+                     shape: ModelShape | None = None, config: SimConfig | None = None) -> RolloutResult:
+    """Carry out `plan` on `batch` (one rollout) and return its ledger; `Ledger.check` has passed."""
+    if not batch:
+        raise ValueError("simulate_rollout: the batch is empty")
+    return _Rollout(plan, batch, cost, shape or ModelShape(), config or SimConfig()).run()

@@ -1,0 +1,91 @@
+# shellcheck shell=bash
+# Shared by the sbatch scripts in this folder (they `source` it); not a job script itself.
+#
+# One Slurm task per node runs torchrun, which starts NPROC_PER_NODE ranks there and meets the
+# other nodes through a c10d rendezvous on the first node of the allocation. The ranks see
+# RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT from torchrun, which is how `flexfloor` joins an
+# existing process group instead of spawning its own.
+#
+# Environment the user may set (sbatch passes the submitting shell's environment on):
+#   FLEXFLOOR          command that runs flexfloor (default `flexfloor`; e.g. `python -m megatron_rl.cli`)
+#   FLEXFLOOR_HOME     checkout holding examples/ (default: the folder sbatch was called from)
+#   FF_RUN_DIR         run folder for reports, metrics and checkpoints (default runs/JOBNAME-JOBID)
+#   NPROC_PER_NODE     ranks per node (default: GPUs per node of the allocation, else 1)
+#   FF_CONTAINER_IMAGE run each node's torchrun in this image through pyxis (`srun --container-image`)
+#   FLEXFLOOR_DRY_RUN  1: print the launch command instead of running it
+
+ff_log() {
+    echo "flexfloor-slurm: $*"
+}
+
+# Sets FF_CMD, FF_RUN_DIR, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE.
+ff_init() {
+    : "${SLURM_JOB_ID:?submit this script with sbatch (SLURM_JOB_ID is not set)}"
+    read -r -a FF_CMD <<< "${FLEXFLOOR:-flexfloor}"
+    # The job id survives a requeue, so a resumed job finds its own run folder again.
+    FF_RUN_DIR=${FF_RUN_DIR:-runs/${SLURM_JOB_NAME:-flexfloor}-${SLURM_JOB_ID}}
+    mkdir -p "$FF_RUN_DIR"
+    MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    # Derived from the job id so that two jobs sharing a first node do not collide.
+    MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+    local gpus=${SLURM_GPUS_PER_NODE:-}
+    NPROC_PER_NODE=${NPROC_PER_NODE:-${gpus##*:}}
+    NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+    export MASTER_ADDR MASTER_PORT FF_RUN_DIR
+    ff_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s)" \
+        "x $NPROC_PER_NODE rank(s), rendezvous $MASTER_ADDR:$MASTER_PORT, run folder $FF_RUN_DIR"
+}
+
+# ff_launch ARGS...: run `flexfloor ARGS...` on every rank of the allocation; returns its status.
+ff_launch() {
+    local srun_opts=(--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1
+                     --kill-on-bad-exit=1)
+    # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05); torchrun's ranks need them.
+    if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+        srun_opts+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    fi
+    if [[ -n ${FF_CONTAINER_IMAGE:-} ]]; then
+        srun_opts+=(--container-image="$FF_CONTAINER_IMAGE" --container-mounts="$PWD:$PWD"
+                    --container-workdir="$PWD")
+    fi
+    local cmd=(srun "${srun_opts[@]}"
+               torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"
+               --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
+               --max-restarts=0 --no-python "${FF_CMD[@]}" "$@")
+    ff_log "${cmd[*]}"
+    if [[ ${FLEXFLOOR_DRY_RUN:-0} == 1 ]]; then
+        return 0
+    fi
+    # In the background so that a trapped signal interrupts `wait` at once.
+    "${cmd[@]}" &
+    FF_STEP_PID=$!
+    wait "$FF_STEP_PID"
+}
+
+# Called on the USR1 that `#SBATCH --signal=B:USR1@SECONDS` sends before the time limit: send
+# SIGTERM to every rank of the running step and wait for it to end (time for a trainer to write a
+# last checkpoint), then requeue the job; it restarts with the same job id and run folder and
+# resumes from the latest checkpoint there. The signal goes through scancel, not to srun: srun answers a
+# SIGTERM of its own by killing the step outright. Pre-emption needs no trap: with `--requeue`
+# Slurm requeues the job itself.
+ff_requeue() {
+    ff_log "got USR1 at $(date -u +%FT%TZ), stopping the ranks and requeueing job $SLURM_JOB_ID"
+    scancel --signal=TERM "$SLURM_JOB_ID" || true
+    if [[ -n ${FF_STEP_PID:-} ]]; then
+        wait "$FF_STEP_PID" || true
+    fi
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+}
+
+# ff_train CONFIG [ARGS...]: `flexfloor train` into FF_RUN_DIR. After a requeue the same command
+# runs again: `flexfloor train` resumes by itself from the latest checkpoint in its --out folder.
+ff_train() {
+    local config=$1
+    shift
+    if [[ ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
+        ff_log "restart ${SLURM_RESTART_COUNT}: flexfloor train resumes from the latest checkpoint in $FF_RUN_DIR"
+    fi
+    trap ff_requeue USR1
+    ff_launch train --config "$config" --out "$FF_RUN_DIR" "$@"
+}

@@ -1,0 +1,221 @@
+"""The `megatron` MoE backend: megatron-core's `MoELayer` in place of the plain-PyTorch MoE block.
+
+Same parameters as the `torch` backend (`megatron_rl.models.moe`), so weights move between them:
+- `router.weight` [E, D] is megatron's `TopKRouter.weight`; with `moe_router_pre_softmax=False` both
+  take the top-k logits and softmax over those k (Qwen3's `norm_topk_prob=True`).
+- expert e's `linear_fc1.weight` [2F, D] ([gate; up], SwiGLU) and `linear_fc2.weight` [D, F] are,
+  on the EP rank that owns e as its i-th local expert, TEGroupedMLP's `linear_fc1.weight{i}` /
+  `linear_fc2.weight{i}` (TransformerEngine grouped GEMM) or SequentialMLP's
+  `local_experts.{i}.linear_fc1.weight` / `.linear_fc2.weight`.
+
+Every layer is built against a *passed* `ProcessGroupCollection` (never megatron's global
+`parallel_state`), so `elastic/` can rebuild the layers over a smaller, pre-created EP group
+(`rebuild_ep`) when ranks leave, and over the full group on restore. Megatron owns experts in
+contiguous blocks: EP rank i of n holds experts [i*E/n, (i+1)*E/n), so a shrink stage must use
+`elastic.plan.block_owners` and E must divide by the group size.
+
+megatron-core 0.16.1's router and alltoall/flex dispatchers call CUDA directly, so the backend runs
+on GPUs only; `require_backend("megatron")` says so on a CPU machine. The layer can still be
+*built* on CPU with the allgather dispatcher and the SequentialMLP experts (`grouped_gemm=False,
+device="cpu"`), which is how the tests check construction, pg_collection wiring and weight layout.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.moe import MoELayer as TorchMoELayer
+
+BACKENDS = ("torch", "megatron")
+DISPATCHERS = ("alltoall", "flex", "allgather")
+
+# (fc1 [2F, D], fc2 [D, F]) of one expert in one layer.
+ExpertWeights = tuple[torch.Tensor, torch.Tensor]
+
+
+def require_backend(name: str) -> None:
+    """Fail with a user-facing message when backend `name` cannot run on this machine."""
+    if name == "torch":
+        return
+    if name != "megatron":
+        raise FlexFloorError(f"backend: expected one of {', '.join(BACKENDS)}, got {name!r}")
+    if not torch.cuda.is_available():
+        raise FlexFloorError(
+            "backend 'megatron' builds megatron-core's MoELayer, whose router and token dispatchers "
+            "run CUDA kernels (TransformerEngine grouped GEMM, NCCL all-to-all), and this machine has "
+            "no CUDA device; use `backend: torch` (the plain-PyTorch MoE with the same weights) on CPU"
+        )
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        raise FlexFloorError(
+            "backend 'megatron' needs TransformerEngine: run in the H100 image (docker/Dockerfile.h100) "
+            "or install it with `pip install --no-build-isolation transformer_engine[pytorch]`; "
+            "or use `backend: torch`"
+        ) from None
+
+
+def transformer_config(mcfg: MoEModelConfig, *, ep_size: int, dispatcher: str = "alltoall",
+                       dtype: torch.dtype = torch.bfloat16, grouped_gemm: bool = True,
+                       device: str = "cuda"):
+    """megatron-core's TransformerConfig for the MoE layers of `mcfg` over an EP group of `ep_size`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dispatcher not in DISPATCHERS:
+        raise FlexFloorError(f"moe dispatcher: expected one of {', '.join(DISPATCHERS)}, got {dispatcher!r}")
+    if mcfg.num_moe_experts % ep_size:
+        raise FlexFloorError(
+            f"megatron backend: {mcfg.num_moe_experts} experts do not divide over an EP group of {ep_size} "
+            "ranks (megatron-core owns experts in equal contiguous blocks)"
+        )
+    kwargs = mcfg.transformer_config_kwargs()
+    kwargs.update(
+        activation_func=F.silu,  # with gated_linear_unit: SwiGLU, as Qwen3's experts
+        expert_model_parallel_size=ep_size,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=grouped_gemm,
+        # Router scores in fp32 whatever the weights' dtype, as the torch backend computes them.
+        moe_router_dtype="fp32",
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # Weights come from the torch backend or a checkpoint, never from megatron's initialisers.
+        perform_initialization=False,
+        use_cpu_initialization=device == "cpu",
+    )
+    if dispatcher == "flex":
+        kwargs["moe_flex_dispatcher_backend"] = "deepep"
+    return TransformerConfig(**kwargs)
+
+
+def moe_pg_collection(ep_group, self_group, dp_group=None):
+    """The ProcessGroupCollection an MoE layer needs: expert parallelism over `ep_group` only.
+
+    `self_group` is a group holding this rank alone (tensor, context, expert-tensor and
+    expert-data parallelism are all of size 1 here); `dp_group` defaults to `ep_group`. All groups
+    must be created beforehand on every rank, as torch.distributed requires.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    dp_group = ep_group if dp_group is None else dp_group
+    return ProcessGroupCollection(
+        tp=self_group, cp=self_group, tp_cp=self_group, pp=self_group, expt_tp=self_group,
+        expt_dp=self_group, ep=ep_group, tp_ep=ep_group, dp=dp_group, tp_dp_cp=dp_group,
+    )
+
+
+def block_experts(num_experts: int, ep_size: int, ep_rank: int) -> list[int]:
+    per = num_experts // ep_size
+    return list(range(ep_rank * per, (ep_rank + 1) * per))
+
+
+class MegatronMoE(nn.Module):
+    """megatron-core's MoELayer behind the torch backend's interface: `forward(x_TD) -> y_TD`.
+
+    `experts` must hold the weights of every expert this EP rank owns (more are ignored).
+    """
+
+    def __init__(self, mcfg: MoEModelConfig, pg_collection, router_weight: torch.Tensor,
+                 experts: Mapping[int, ExpertWeights], *, layer_number: int = 1, dispatcher: str = "alltoall",
+                 dtype: torch.dtype = torch.bfloat16, grouped_gemm: bool = True, device: str = "cuda"):
+        super().__init__()
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.spec_utils import build_module
+
+        self.options = dict(dispatcher=dispatcher, dtype=dtype, grouped_gemm=grouped_gemm, device=device)
+        ep = pg_collection.ep
+        owned = block_experts(mcfg.num_moe_experts, ep.size(), ep.rank())
+        missing = [e for e in owned if e not in experts]
+        if missing:
+            raise ValueError(f"EP rank {ep.rank()} of {ep.size()} owns experts {owned}; no weights for {missing}")
+        config = transformer_config(mcfg, ep_size=ep.size(), **self.options)
+        spec = get_moe_module_spec(use_te=grouped_gemm, num_experts=mcfg.num_moe_experts,
+                                   moe_grouped_gemm=grouped_gemm)
+        self.layer = build_module(spec, config=config, layer_number=layer_number, pg_collection=pg_collection)
+        assert list(self.layer.local_expert_indices) == owned, (self.layer.local_expert_indices, owned)
+        self.mcfg, self.layer_number = mcfg, layer_number
+        with torch.no_grad():
+            self.layer.router.weight.copy_(router_weight)
+            for i, e in enumerate(owned):
+                fc1, fc2 = self._expert_params(i)
+                fc1.copy_(experts[e][0])
+                fc2.copy_(experts[e][1])
+
+    def _expert_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
+        experts = self.layer.experts
+        if hasattr(experts, "local_experts"):  # SequentialMLP
+            ex = experts.local_experts[i]
+            return ex.linear_fc1.weight, ex.linear_fc2.weight
+        return getattr(experts.linear_fc1, f"weight{i}"), getattr(experts.linear_fc2, f"weight{i}")  # TEGroupedMLP
+
+    @property
+    def local_experts(self) -> list[int]:
+        return list(self.layer.local_expert_indices)
+
+    @property
+    def router_weight(self) -> torch.Tensor:
+        return self.layer.router.weight
+
+    def expert_weights(self) -> dict[int, ExpertWeights]:
+        """This rank's experts by global index: the torch backend's layout."""
+        out = {}
+        for i, e in enumerate(self.local_experts):
+            fc1, fc2 = self._expert_params(i)
+            out[e] = (fc1.detach(), fc2.detach())
+        return out
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        # megatron-core takes [sequence, batch, hidden]: the routed tokens as one sequence.
+        y_T1D, _bias = self.layer(x_TD.unsqueeze(1))
+        return y_T1D.squeeze(1)
+
+
+def install_megatron_moe(model, pg_collection, **options) -> None:
+    """Replace every layer's torch-backend MoE block of `model` (a Qwen3MoeModel) with MegatronMoE.
+
+    The model must hold (at least) the experts this rank owns in `pg_collection.ep`; the model's
+    `moe_layers` then return the MegatronMoE blocks. `options` go to MegatronMoE.
+    """
+    for i, layer in enumerate(model.decoder.layers):
+        torch_moe = layer.mlp
+        if not isinstance(torch_moe, TorchMoELayer):
+            raise TypeError(f"layer {i} already runs {type(torch_moe).__name__}")
+        experts = {e: (torch_moe.experts.get(e).linear_fc1.weight, torch_moe.experts.get(e).linear_fc2.weight)
+                   for e in torch_moe.experts.held()}
+        layer.mlp = MegatronMoE(model.config, pg_collection, torch_moe.router.weight, experts,
+                                layer_number=i + 1, **options)
+
+
+def to_torch_moe(moe: MegatronMoE) -> TorchMoELayer:
+    """The torch-backend block with the same router and this rank's experts (weights copied)."""
+    ref = moe.router_weight
+    out = TorchMoELayer(moe.mcfg, moe.local_experts, ref.dtype).to(ref.device)
+    with torch.no_grad():
+        out.router.weight.copy_(ref)
+        for e, (fc1, fc2) in moe.expert_weights().items():
+            out.experts.get(e).linear_fc1.weight.copy_(fc1)
+            out.experts.get(e).linear_fc2.weight.copy_(fc2)
+    return out
+
+
+def rebuild_ep(model, pg_collection, incoming: Mapping[int, list[ExpertWeights]] | None = None,
+               dropped: Iterable[int] = ()) -> None:
+    """Rebuild every MegatronMoE layer of `model` over the EP group of `pg_collection`.
+
+    A shrink (or restore) changes which block of experts each member owns; the experts this rank
+    held keep their weights unless `dropped`, and `incoming[e]` (one (fc1, fc2) per layer)
+    supplies the ones it gains, as moved by `elastic/` (`Plan.transfers`). Only members of the new
+    group call this.
+    """
+    incoming, dropped = incoming or {}, set(dropped)
+    for i, layer in enumerate(model.decoder.layers):
+        old = layer.mlp
+        experts = {e: w for e, w in old.expert_weights().items() if e not in dropped}
+        experts.update({e: per_layer[i] for e, per_layer in incoming.items()})
+        layer.mlp = MegatronMoE(old.mcfg, pg_collection, old.router_weight.detach(), experts,
+                                layer_number=old.layer_number, **old.options)

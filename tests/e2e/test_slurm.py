@@ -1,0 +1,114 @@
+"""The sbatch scripts of examples/slurm/ submitted to a real Slurm (munged + slurmctld + slurmd here).
+
+The cluster is one node, this machine, brought up by `slurm_cluster.LocalSlurm`; the packages are
+installed with apt when missing, and the tests skip (with the reason) only when that is impossible.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import slurm_cluster
+from slurm_cluster import LocalSlurm, SlurmUnavailable
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_DIR = REPO / "examples" / "slurm"
+
+# apt-get on a clean machine plus the jobs themselves; the jobs alone take well under a minute.
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    cluster = LocalSlurm()
+    try:
+        cluster.start()
+    except SlurmUnavailable as e:
+        pytest.skip(f"no Slurm on this machine: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_slurm_that_cannot_be_installed_is_a_skip_with_the_reason(monkeypatch):
+    monkeypatch.setattr(slurm_cluster, "_which", lambda binary: None)
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(SlurmUnavailable, match=r"sbatch, slurmctld, slurmd, munged not installed and not root"):
+        slurm_cluster.ensure_installed()
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 0)
+    with pytest.raises(SlurmUnavailable, match=r"no apt-get on this machine"):
+        slurm_cluster.ensure_installed()
+
+
+def _job_env(tmp_path: Path, flexfloor: str) -> dict[str, str]:
+    # The checkout under test, not whatever `flexfloor` happens to be on PATH.
+    return {"FLEXFLOOR": flexfloor, "FLEXFLOOR_HOME": str(REPO), "PYTHONPATH": str(REPO),
+            "FF_RUN_DIR": str(tmp_path / "run")}
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else f"({path} was not written)"
+
+
+def test_tiny_cpu_sbatch_runs_the_rollout_and_writes_its_report(slurm, tmp_path):
+    out = tmp_path / "job.out"
+    env = _job_env(tmp_path, f"{shlex.quote(sys.executable)} -m megatron_rl.cli")
+    rc, job = slurm.sbatch(SLURM_DIR / "tiny_cpu.sbatch", options=(f"--output={out}",), cwd=REPO,
+                           env=env, timeout_s=300)
+    log = _read(out)
+    assert rc == 0, f"job {job} failed (sbatch --wait exit {rc}):\n{log}\n{slurm.logs()}"
+    assert slurm.job_field(job, "JobState") in ("COMPLETED", ""), slurm.logs()
+    assert "--nnodes=1 --nproc-per-node=4" in log, log  # the ranks came from torchrun, not a spawn
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["ranks"] == 4 and report["responses"] == 64, report
+    # The ledger invariant: every rank-second is in exactly one state (Ledger.check's 10 ms per rank).
+    assert sum(report["rank_seconds"].values()) == pytest.approx(4 * report["rollout_time_s"], abs=0.04)
+
+
+FAKE_TRAIN = """#!/bin/bash
+# Stands in for `flexfloor train` and its contract: resume from the latest checkpoint in --out, else
+# start; run until SIGTERM and then write a last checkpoint.
+out=$(sed -n 's/.*--out \\([^ ]*\\).*/\\1/p' <<< "$*")
+if [[ -f $out/checkpoint ]]; then
+    echo "$RANK resumed from $(cat "$out/checkpoint"): $*" >> "$out/calls.txt"
+    exit 0
+fi
+echo "$RANK started: $*" >> "$out/calls.txt"
+trap 'echo step-7 > "$out/checkpoint"; echo "$RANK checkpoint" >> "$out/calls.txt"; exit 0' TERM
+sleep 120 &
+wait
+"""
+
+
+def test_train_sbatch_requeues_on_usr1_and_resumes_from_the_checkpoint(slurm, tmp_path):
+    fake = tmp_path / "fake_flexfloor"
+    fake.write_text(FAKE_TRAIN)
+    fake.chmod(0o755)
+    env = dict(_job_env(tmp_path, str(fake)), NPROC_PER_NODE="1")
+    calls = tmp_path / "run" / "calls.txt"
+    out = tmp_path / "job.out"
+    rc, job = slurm.sbatch(SLURM_DIR / "train.sbatch", "cfg.yaml", "--seed", "3", wait=False,
+                           options=(f"--output={out}", "--time=30"), cwd=REPO, env=env)
+    # 30 minutes: Slurm itself sends USR1 at time limit - 300 s, which must not come during the test.
+    assert rc == 0 and job, slurm.logs()
+    slurm.wait_until(lambda: calls.exists(), 60, "the first training attempt to start")
+    # What `#SBATCH --signal=B:USR1@300` delivers five minutes before the time limit.
+    res = slurm.run(["scancel", "--signal=USR1", "--batch", job])
+    assert res.returncode == 0, res.stderr
+    slurm.wait_until(lambda: slurm.job_field(job, "JobState") in ("COMPLETED", "FAILED", ""), 90,
+                     "the requeued job to finish")
+    log = _read(out)
+    assert slurm.job_field(job, "JobState") in ("COMPLETED", ""), log
+    assert slurm.job_field(job, "Restarts") in ("1", ""), log
+    lines = calls.read_text().splitlines()
+    args = f"train --config cfg.yaml --out {tmp_path / 'run'} --seed 3"
+    assert lines == [
+        f"0 started: {args}",
+        "0 checkpoint",  # the rank got SIGTERM and time to save, not an outright SIGKILL
+        f"0 resumed from step-7: {args}",  # the requeued job, same command, same run folder
+    ], (lines, log)
+    assert "requeueing job" in log and "restart 1: flexfloor train resumes" in log, log

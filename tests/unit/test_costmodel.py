@@ -1,0 +1,101 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from elastic.costmodel import DEFAULT_COST, CostModel, calibrate, fit_error
+from megatron_rl.config import load_dataclass
+from megatron_rl.errors import ConfigError
+
+
+def test_defaults_are_qwen3_30b_a3b_shapes():
+    c = DEFAULT_COST
+    assert c.expert_params_per_layer * c.bytes_per_param == pytest.approx(9.44e6, rel=0.01)
+    assert c.kv_bytes_per_token == 96 * 1024
+    assert c.num_experts == 128 and c.topk == 8 and c.num_layers == 48
+    # Experts are ~58 GB of the ~61 GB checkpoint (REFERENCES.md).
+    assert c.expert_bytes * c.num_experts == pytest.approx(58e9, rel=0.02)
+
+
+def test_step_time_is_monotone_in_batch_context_and_spans_nodes():
+    c = DEFAULT_COST
+    assert c.decode_step_s(1, 1000, 16) < c.decode_step_s(8, 1000, 16) < c.decode_step_s(64, 1000, 16)
+    assert c.decode_step_s(32, 1000, 8) < c.decode_step_s(32, 8000, 8)
+    # An all-to-all that spans nodes costs more than one inside an NVLink node.
+    assert float(c.a2a_s(16, 1)) > 2 * float(c.a2a_s(8, 1))
+    assert float(c.a2a_s(1, 64)) == 0.0
+    assert float(c.a2a_s(64, 1)) > float(c.a2a_s(16, 1))
+
+
+def test_lower_bound_step_never_exceeds_a_real_step():
+    c = DEFAULT_COST
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        g = int(rng.choice([1, 2, 4, 8, 16, 32, 64]))
+        n = int(rng.integers(1, 128))
+        ctx = float(rng.integers(1, 20000))
+        assert c.min_decode_step_s(ctx, g) <= c.decode_step_s(n, ctx, g) + 1e-12
+
+
+def test_transfers_across_nodes_are_slower_than_inside_one():
+    c = DEFAULT_COST
+    intra = c.transfer_s([(e, 1, 0) for e in range(8)])
+    inter = c.transfer_s([(e, 9, 0) for e in range(8)])
+    assert c.shrink_fixed_s < intra < inter
+    assert c.transfer_s([]) == 0.0
+    # Senders and receivers work in parallel: 8 moves to 8 receivers cost one move, not eight.
+    spread = c.transfer_s([(e, 8 + e, e) for e in range(8)])
+    assert spread == pytest.approx(c.shrink_fixed_s + c.expert_bytes / c.transfer_inter_bytes_per_s)
+    assert c.shrink_s(0, 8) == 0.0 and c.shrink_s(64, 8) < c.shrink_s(64, 16)
+    # 16 -> 8 moves 64 experts onto 8 survivors across nodes: 8 experts each.
+    assert c.shrink_s(64, 16) == pytest.approx(c.shrink_fixed_s + 8 * c.expert_bytes / c.transfer_inter_bytes_per_s)
+
+
+def test_yaml_overrides_and_names_the_file_on_mistakes(tmp_path):
+    good = tmp_path / "cost.yaml"
+    good.write_text("step_overhead_s: 0.004\na2a_inter_latency_s: [[16, 1.0e-4], [64, 2.0e-4]]\n")
+    c = load_dataclass(CostModel, good)
+    assert c.step_overhead_s == 0.004 and c.a2a_inter_latency_s == ((16, 1e-4), (64, 2e-4))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("hbm_bytes_per_sec: 1.0e12\n")
+    with pytest.raises(ConfigError, match=r"typo\.yaml.*hbm_bytes_per_sec"):
+        load_dataclass(CostModel, typo)
+    neg = tmp_path / "neg.yaml"
+    neg.write_text("hbm_bytes_per_s: -1\n")
+    with pytest.raises(ConfigError, match=r"neg\.yaml.*hbm_bytes_per_s must be > 0"):
+        load_dataclass(CostModel, neg)
+
+
+def _samples(model, ranks=(1, 2, 4)):
+    return [(b, ctx, g, model.decode_step_s(b, ctx, g))
+            for b in (1, 3, 8, 16) for ctx in (20, 200, 900) for g in ranks]
+
+
+def test_calibrate_recovers_the_constants_that_made_the_samples():
+    truth = dataclasses.replace(DEFAULT_COST, step_overhead_s=7e-3, hbm_bytes_per_s=9e11, flops_per_s=2e14,
+                                a2a_intra_latency_s=1.5e-4, a2a_intra_per_peer_s=4e-5)
+    fitted = calibrate(_samples(truth), base=DEFAULT_COST)
+    for name in ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.02), name
+    assert fit_error(fitted, _samples(truth)) < 1e-3
+    assert fit_error(DEFAULT_COST, _samples(truth)) > 0.1
+
+
+def test_calibrate_keeps_unseen_terms_and_rejects_too_few_samples():
+    # Single-rank samples say nothing about the all-to-all: its latency stays at the base value.
+    truth = dataclasses.replace(DEFAULT_COST, step_overhead_s=5e-3)
+    fitted = calibrate(_samples(truth, ranks=(1,)), base=DEFAULT_COST)
+    assert fitted.a2a_intra_latency_s == DEFAULT_COST.a2a_intra_latency_s
+    assert fitted.step_overhead_s == pytest.approx(5e-3, rel=0.02)
+    with pytest.raises(ValueError, match="at least 2"):
+        calibrate([(1, 10, 1, 0.1)])
+
+
+def test_scaled_model_is_uniformly_slower():
+    c = DEFAULT_COST
+    slow = c.scaled(2.5)
+    for args in ((1, 100, 1), (16, 3000, 8), (64, 8000, 16)):
+        assert slow.decode_step_s(*args) == pytest.approx(2.5 * c.decode_step_s(*args))
+    assert slow.transfer_s([(0, 9, 0)]) == pytest.approx(2.5 * c.transfer_s([(0, 9, 0)]))
+    with pytest.raises(ValueError):
+        c.scaled(0)

@@ -1,0 +1,170 @@
+"""Property tests of the planner's output over random batches, rank and expert counts, budgets.
+
+Every plan the planner returns must be safe; every input it cannot make safe must be rejected with
+a `PlanError` that says why. Memory is re-checked here from first principles: expert bytes per
+member per stage, and, with exact lengths (the oracle), each rank's true KV peak.
+"""
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from elastic.layout import natural
+from elastic.plan import PlanError
+from elastic.planner import make_plan
+from elastic.schedule import contiguous_owners, held_counts
+from elastic.shape import ModelShape
+from elastic.synth import generate, preset
+from elastic.trace import Trace, TraceRecord
+
+KV_BYTES = 64
+
+
+def tiny_shape(experts: int, expert_slots: int, kv_tokens: int) -> ModelShape:
+    """A CPU-sized model whose ranks hold `expert_slots` experts beside `kv_tokens` of KV."""
+    base = ModelShape(name="tiny", num_experts=experts, topk=min(2, experts), num_layers=2,
+                      hidden_size=16, expert_ffn=8, kv_bytes_per_token=KV_BYTES,
+                      dense_bytes=1000, memory_per_rank_bytes=1, memory_utilization=1.0)
+    mem = base.dense_bytes + expert_slots * base.expert_bytes + kv_tokens * KV_BYTES
+    return ModelShape(**{**base.to_dict(), "memory_per_rank_bytes": mem})
+
+
+@st.composite
+def problems(draw):
+    ranks = draw(st.integers(1, 12))
+    experts = draw(st.integers(4, 40))
+    floor = draw(st.integers(1, ranks))
+    prompts = draw(st.integers(1, 10))
+    samples = draw(st.integers(1, 4))
+    lengths = draw(st.lists(st.integers(1, 400), min_size=prompts * samples,
+                            max_size=prompts * samples))
+    prompt_lens = draw(st.lists(st.integers(1, 60), min_size=prompts, max_size=prompts))
+    slots = draw(st.integers(0, experts + 2))
+    kv_tokens = draw(st.integers(0, 6000))
+    layout = draw(st.sampled_from(["natural", "lengthsort", "planned"]))
+    batch = [TraceRecord(f"q{p}", 1, s, prompt_lens[p], lengths[p * samples + s])
+             for p in range(prompts) for s in range(samples)]
+    return ranks, experts, floor, batch, tiny_shape(experts, slots, kv_tokens), layout
+
+
+def _true_peak(items):
+    """Exact KV peak (tokens) of concurrent responses (prompt, length) freed when they end."""
+    peak, prompts = 0, 0
+    for k, (L, p) in enumerate(sorted(items, reverse=True), start=1):
+        prompts += p
+        peak = max(peak, prompts + k * L)
+    return peak
+
+
+def _check_safe(plan, batch, shape, floor, ranks, lengths=None):
+    keys = [r.key for r in batch]
+    placed = [(a.prompt_id, a.sample) for a in plan.assignments]
+    assert sorted(placed) == sorted(keys)  # every response exactly once
+    assert plan.stages[0].members == tuple(range(ranks))
+    assert plan.stages[0].owners == contiguous_owners(shape.num_experts, range(ranks))
+    assert len(plan.stages[-1].members) >= floor
+    prev = None
+    for st_ in plan.stages:
+        members = set(st_.members)
+        if prev is not None:
+            assert members < prev and (prev - members) <= set(st_.drained)
+        assert set(st_.owners) == set(range(shape.num_experts))
+        for rs in st_.owners.values():
+            assert rs and set(rs) <= members
+        held = held_counts(st_.owners, st_.members)
+        for r, h in held.items():
+            assert shape.dense_bytes + h * shape.expert_bytes <= shape.usable_bytes
+            if lengths is not None:
+                mine = [(lengths[(a.prompt_id, a.sample)], p_len[(a.prompt_id, a.sample)])
+                        for a in plan.assignments if a.rank == r
+                        for p_len in [{x.key: x.prompt_len for x in batch}]]
+                assert _true_peak(mine) * KV_BYTES <= shape.kv_budget_bytes(h)
+        prev = members
+    plan.check(keys)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_oracle_plans_are_safe_or_rejected_with_a_reason(problem):
+    ranks, experts, floor, batch, shape, layout = problem
+    lengths = {r.key: r.response_len for r in batch}
+    try:
+        plan = make_plan(batch, Trace([]), ranks=ranks, floor=floor, shape=shape, layout=layout,
+                         tailguard=False, true_lengths=lengths)
+    except PlanError as e:
+        msg = str(e)
+        held_floor = math.ceil(experts / floor)
+        if shape.kv_budget_bytes(held_floor) <= 0:
+            assert f"floor {floor} cannot hold the {experts} experts" in msg
+        else:
+            assert "KV cache" in msg, msg
+            # Never rejected when one rank of the full world could hold the whole batch with room
+            # to spare (the planner's KV model is conservative, but not by half).
+            held0 = max(held_counts(contiguous_owners(experts, range(ranks)), range(ranks)).values())
+            whole = _true_peak([(r.response_len, r.prompt_len) for r in batch])
+            assert 1.5 * whole * KV_BYTES > shape.kv_budget_bytes(held0), msg
+        return
+    _check_safe(plan, batch, shape, floor, ranks, lengths)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 16), st.integers(4, 64), st.data())
+def test_predicted_plans_are_safe(ranks, experts, data):
+    floor = data.draw(st.integers(1, ranks))
+    layout = data.draw(st.sampled_from(["natural", "lengthsort", "planned"]))
+    tailguard = data.draw(st.booleans())
+    trace = generate(preset("deepscaler", prompts=data.draw(st.integers(2, 12)), samples=4,
+                            epochs=3, cap=4096), seed=data.draw(st.integers(0, 99)))
+    shape = tiny_shape(experts, experts, data.draw(st.integers(20000, 400000)))
+    batch = trace.epoch(2)
+    try:
+        plan = make_plan(batch, trace.before(2), ranks=ranks, floor=floor, shape=shape,
+                         layout=layout, tailguard=tailguard)
+    except PlanError as e:
+        assert "KV cache" in str(e)
+        return
+    _check_safe(plan, batch, shape, floor, ranks)
+
+
+def test_floor_that_cannot_hold_the_experts_is_rejected():
+    batch = [TraceRecord("a", 0, 0, 10, 10)]
+    shape = tiny_shape(16, 7, 0)  # a rank fits 7 experts and nothing else: floor 2 would need 8
+    with pytest.raises(PlanError, match="floor 2 cannot hold the 16 experts"):
+        make_plan(batch, Trace([]), ranks=4, floor=2, shape=shape, layout="planned",
+                  tailguard=False, true_lengths={("a", 0): 10})
+    plan = make_plan(batch, Trace([]), ranks=4, floor=3, shape=shape, layout="planned",
+                     tailguard=False, true_lengths={("a", 0): 10})
+    assert len(plan.stages[-1].members) >= 3
+
+
+def test_kv_that_cannot_fit_is_rejected():
+    batch = [TraceRecord("a", 0, s, 10, 5000) for s in range(4)]
+    shape = tiny_shape(8, 8, 12_000)  # two of these responses fit a rank, not three
+    lengths = {r.key: 5000 for r in batch}
+    for layout in ("natural", "lengthsort", "planned"):
+        with pytest.raises(PlanError, match="KV cache"):
+            make_plan(batch, Trace([]), ranks=1, floor=1, shape=shape, layout=layout,
+                      tailguard=False, true_lengths=lengths)
+    plan = make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="planned",
+                     tailguard=False, true_lengths=lengths)
+    _check_safe(plan, batch, shape, 1, 2, lengths)
+
+
+def test_empty_history_needs_the_cap():
+    batch = [TraceRecord("a", 0, 0, 10, 10)]
+    shape = tiny_shape(8, 8, 10_000)
+    with pytest.raises(PlanError, match="max_response_len"):
+        make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="natural", tailguard=True)
+    plan = make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="natural",
+                     tailguard=True, max_response_len=100)
+    assert [a.rank for a in plan.assignments] == [a.rank for a in natural([("a", 0)], 2)]
+
+
+@pytest.mark.parametrize("ranks, experts", [(1, 4), (3, 4), (7, 256), (256, 4), (256, 256)])
+def test_extreme_rank_and_expert_counts(ranks, experts):
+    trace = generate(preset("eurus", prompts=64, samples=8, epochs=2), seed=0)
+    shape = tiny_shape(experts, experts, 10**7)
+    plan = make_plan(trace.epoch(1), trace.before(1), ranks=ranks, floor=1, shape=shape,
+                     layout="planned", tailguard=True)
+    _check_safe(plan, trace.epoch(1), shape, 1, ranks)

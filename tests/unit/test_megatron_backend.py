@@ -1,0 +1,104 @@
+"""The megatron backend on a CPU machine: the clear refusal, the TransformerConfig mapping, and the
+construction of megatron-core's MoELayer on a one-rank gloo group with the torch backend's weights.
+
+Multi-rank pg_collection wiring and the EP shrink are in tests/distributed/test_megatron_elastic.py;
+the forward pass needs CUDA (tools/gpu_check.sh).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+from megatron_rl.models.megatron_backend import (
+    install_megatron_moe,
+    moe_pg_collection,
+    require_backend,
+    to_torch_moe,
+    transformer_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, grouped_gemm=False, device="cpu")
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+
+
+@no_cuda
+def test_megatron_backend_on_cpu_points_to_the_torch_backend():
+    with pytest.raises(FlexFloorError, match=r"no CUDA device; use `backend: torch`"):
+        require_backend("megatron")
+    require_backend("torch")
+    with pytest.raises(FlexFloorError, match=r"expected one of torch, megatron, got 'tpu'"):
+        require_backend("tpu")
+
+
+@no_cuda
+def test_cli_rollout_with_megatron_backend_fails_with_one_line(tmp_path):
+    cfg = tmp_path / "gpu.yaml"
+    cfg.write_text("backend: megatron\n")
+    res = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "rollout", "--config", str(cfg)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "use `backend: torch`" in lines[0], res.stderr
+
+
+def test_rollout_runner_never_swaps_the_megatron_backend_for_torch(monkeypatch):
+    # As on a CUDA machine with TransformerEngine, where require_backend passes.
+    from megatron_rl.models import megatron_backend
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.runner import prepare
+
+    monkeypatch.setattr(megatron_backend, "require_backend", lambda name: None)
+    with pytest.raises(FlexFloorError, match="runs CPU gloo ranks in this release"):
+        prepare(RolloutConfig(backend="megatron"))
+
+
+def test_transformer_config_carries_the_model_fields():
+    m = MoEModelConfig(num_layers=3, hidden_size=96, num_attention_heads=6, num_query_groups=3, kv_channels=32,
+                       num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=48, layernorm_epsilon=1e-5)
+    tc = transformer_config(m, ep_size=4, dispatcher="alltoall", dtype=torch.bfloat16, device="cpu")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                 "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
+                 "layernorm_epsilon"):
+        assert getattr(tc, name) == getattr(m, name), name
+    assert tc.activation_func is F.silu and tc.gated_linear_unit and not tc.add_bias_linear
+    assert tc.expert_model_parallel_size == 4 and tc.moe_token_dispatcher_type == "alltoall"
+    assert tc.moe_grouped_gemm and tc.bf16 and tc.params_dtype == torch.bfloat16
+    assert tc.moe_router_dtype == "fp32" and not tc.perform_initialization
+    flex = transformer_config(m, ep_size=2, dispatcher="flex", device="cpu")
+    assert flex.moe_flex_dispatcher_backend == "deepep"
+
+
+def test_transformer_config_rejects_groups_megatron_cannot_split_over():
+    with pytest.raises(FlexFloorError, match=r"8 experts do not divide over an EP group of 3"):
+        transformer_config(MoEModelConfig(), ep_size=3, device="cpu")
+    with pytest.raises(FlexFloorError, match=r"dispatcher: expected one of alltoall, flex, allgather"):
+        transformer_config(MoEModelConfig(), ep_size=1, dispatcher="deepep", device="cpu")
+
+
+def test_megatron_layer_holds_the_torch_weights_and_gives_them_back(one_rank_group):
+    model = Qwen3MoeModel(MoEModelConfig(), dtype=torch.float32)
+    model.init_weights(7)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pgc = moe_pg_collection(one_rank_group, one_rank_group)
+    install_megatron_moe(model, pgc, **CPU_BUILD)
+    for i, moe in enumerate(model.moe_layers):
+        assert moe.layer.ep_group is one_rank_group and moe.layer.token_dispatcher.ep_group is one_rank_group
+        assert moe.local_experts == list(range(8))
+        # megatron-core's own parameter names hold the torch backend's tensors.
+        params = dict(moe.layer.named_parameters())
+        assert torch.equal(params["router.weight"], before[f"decoder.layers.{i}.mlp.router.weight"])
+        assert torch.equal(params["experts.local_experts.5.linear_fc2.weight"],
+                           before[f"decoder.layers.{i}.mlp.experts.local_experts.5.linear_fc2.weight"])
+        back = to_torch_moe(moe).state_dict()
+        for key, value in back.items():
+            assert torch.equal(value, before[f"decoder.layers.{i}.mlp.{key}"]), key
+    with pytest.raises(TypeError, match="already runs MegatronMoE"):
+        install_megatron_moe(model, pgc, **CPU_BUILD)

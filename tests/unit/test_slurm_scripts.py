@@ -1,0 +1,103 @@
+"""The sbatch scripts' launch commands for multi-node GPU allocations, without a cluster.
+
+tests/e2e/test_slurm.py runs the scripts under a real one-node Slurm; this checks what they would
+launch on allocations that machine cannot offer (2 nodes x 8 GPUs, a container image), through
+FLEXFLOOR_DRY_RUN=1 and a stand-in `scontrol`, and lints them with shellcheck.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_DIR = REPO / "examples" / "slurm"
+SCRIPTS = sorted(SLURM_DIR.glob("*.sbatch"))
+
+
+def _dry_run(tmp_path: Path, script: str, *args: str, **env: str) -> str:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    # `scontrol show hostnames gpu[07-08]` expands the node list; the first node hosts the rendezvous.
+    scontrol.write_text("#!/bin/sh\nprintf 'gpu07\\ngpu08\\n'\n")
+    scontrol.chmod(0o755)
+    base = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "FLEXFLOOR_DRY_RUN": "1", "FLEXFLOOR_HOME": str(REPO),
+        "SLURM_SUBMIT_DIR": str(REPO), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "job",
+        "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_PER_NODE": "h100:8",
+        "FF_RUN_DIR": str(tmp_path / "run"),
+    }
+    res = subprocess.run(["bash", str(SLURM_DIR / script), *args], env={**base, **env}, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def _launch_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if "torchrun" in line]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_scripts_exist():
+    assert {p.name for p in SCRIPTS} == {
+        "tiny_cpu.sbatch", "rollout.sbatch", "train.sbatch", "qwen3_30b_a3b_16xh100.sbatch"}
+
+
+def test_multi_node_launch_is_one_torchrun_per_node_meeting_on_the_first_node(tmp_path):
+    line = _launch_line(_dry_run(tmp_path, "rollout.sbatch", "cfg.yaml", "--policy", "planned"))
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun" in line
+    assert "--nnodes=2 --nproc-per-node=8" in line  # GPUs per node, type prefix stripped
+    assert "--rdzv-backend=c10d --rdzv-endpoint=gpu07:24242 --rdzv-id=4242" in line
+    assert line.endswith(f"--no-python flexfloor rollout --config cfg.yaml --json {tmp_path}/run/report.json"
+                         " --policy planned")
+
+
+def test_qwen3_example_trains_its_config_into_the_same_folder_after_a_requeue(tmp_path):
+    first = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch")
+    config = REPO / "examples" / "qwen3_30b_a3b_16xh100.yaml"
+    assert _launch_line(first).endswith(f"flexfloor train --config {config} --out {tmp_path}/run")
+    again = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch", SLURM_RESTART_COUNT="1")
+    # `flexfloor train` resumes from the latest checkpoint of its --out folder by itself.
+    assert _launch_line(again) == _launch_line(first)
+    assert f"restart 1: flexfloor train resumes from the latest checkpoint in {tmp_path}/run" in again
+
+
+def test_sbatch_header_asks_for_the_16_gpu_allocation_and_requeue():
+    header = [line for line in (SLURM_DIR / "qwen3_30b_a3b_16xh100.sbatch").read_text().splitlines()
+              if line.startswith("#SBATCH")]
+    for option in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--requeue",
+                   "--signal=B:USR1@600"):
+        assert f"#SBATCH {option}" in header
+
+
+def test_container_image_and_cpus_reach_srun(tmp_path):
+    line = _launch_line(_dry_run(tmp_path, "train.sbatch", "cfg.yaml", FF_CONTAINER_IMAGE="flexfloor:h100",
+                                 SLURM_CPUS_PER_TASK="64"))
+    assert "--cpus-per-task=64 --container-image=flexfloor:h100" in line
+    assert f"--container-mounts={tmp_path}:{tmp_path}" in line
+
+
+def test_flexfloor_command_may_be_several_words(tmp_path):
+    line = _launch_line(_dry_run(tmp_path, "tiny_cpu.sbatch", FLEXFLOOR="python3 -m megatron_rl.cli",
+                                 SLURM_JOB_NUM_NODES="1", SLURM_GPUS_PER_NODE=""))
+    assert "--nnodes=1 --nproc-per-node=4" in line
+    assert "--no-python python3 -m megatron_rl.cli rollout --config" in line
+
+
+def test_outside_slurm_the_scripts_say_how_to_submit(tmp_path):
+    res = subprocess.run(["bash", str(SLURM_DIR / "rollout.sbatch"), "cfg.yaml"], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin"}, cwd=REPO, timeout=30)
+    assert res.returncode != 0 and "submit this script with sbatch" in res.stderr
+
+
+def test_scripts_pass_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.fail("shellcheck is missing: install the dev extras (pip install -e '.[dev]')")
+    files = [str(p.relative_to(REPO)) for p in [*SCRIPTS, SLURM_DIR / "launch.sh"]]
+    res = subprocess.run([shellcheck, "-x", *files], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -1,0 +1,153 @@
+"""Decode tokens/s of the `megatron` MoE backend beside the `torch` backend, and its EP shrink latency.
+
+GPUs only; run under torchrun, one rank per GPU (tools/gpu_check.sh does):
+    torchrun --nproc-per-node=NGPU tools/bench_megatron_backend.py [--layers 4 ...]
+
+Both backends run the same Qwen3-30B-A3B-shaped model (fewer layers by default, random bf16
+weights, expert-parallel over all ranks) through the same rollout engine, one after the other in
+this run, on the same requests: greedy decoding of `--batch` requests per rank for `--new-tokens`
+steps. Then the megatron backend shrinks its EP group to the first half of the ranks: the leaving
+ranks send their experts to the new block owners and the members rebuild their MoE layers over
+the smaller, pre-created group. On one GPU there is nothing to move; the figure is the rebuild alone.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from elastic.plan import Plan, Stage, block_owners
+from elastic.runtime import _move_experts
+from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
+from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
+from megatron_rl.rollout.sampling import SamplingParams
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=4, help="MoE layers (Qwen3-30B-A3B has 48)")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--batch", type=int, default=64, help="requests per rank")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "flex", "allgather"])
+    p.add_argument("--no-grouped-gemm", action="store_true",
+                   help="megatron-core's SequentialMLP experts instead of TransformerEngine's grouped GEMM")
+    return p.parse_args()
+
+
+def model_config(a) -> MoEModelConfig:
+    return MoEModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=32, num_query_groups=4,
+                          kv_channels=128, num_moe_experts=a.experts, moe_router_topk=a.topk,
+                          moe_ffn_hidden_size=a.ffn, vocab_size=a.vocab)
+
+
+def build_model(mcfg: MoEModelConfig, experts: list[int], device: torch.device) -> Qwen3MoeModel:
+    with torch.device("cpu"):  # init_weights draws from CPU generators
+        model = Qwen3MoeModel(mcfg, experts, torch.bfloat16)
+        model.init_weights(0)
+    return model.to(device).eval()
+
+
+def requests_for(rank: int, a) -> list[Request]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [Request(f"r{rank}-{i}", 0, torch.randint(0, a.vocab, (a.prompt_len,), generator=gen).tolist(),
+                    a.new_tokens, fixed_len=a.new_tokens) for i in range(a.batch)]
+
+
+def decode_tokens_per_s(engine: RolloutEngine, device: torch.device) -> float:
+    """Greedy-decode on every rank in lockstep; all ranks' tokens / wall time (prefill excluded)."""
+    engine.step()  # prefill (and kernel warm-up), not counted
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0, tokens = time.perf_counter(), 0
+    while engine.has_work():
+        tokens += engine.step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    total = torch.tensor([tokens], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.item() / elapsed
+
+
+def shrink_latency_s(elastic: MegatronElasticEngine, plan: Plan, rank: int, groups) -> float:
+    """Seconds from the shrink decision to every member running on the stage-1 group, done as the
+    elastic runtime does it: expert moves, drops, then the switch (an MoE rebuild here)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    _move_experts(elastic, plan.transfers(0, 1), rank)
+    for e in elastic.held_experts():
+        if rank not in plan.stages[1].owners[e]:
+            elastic.drop_expert(e)
+    if rank in plan.stages[1].members:
+        elastic.use_group(groups[1], {e: plan.stages[1].owner_of(e) for e in range(plan.num_experts)})
+    torch.cuda.synchronize()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    a = parse_args()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mcfg = model_config(a)
+    E = mcfg.num_moe_experts
+    if E % world:
+        raise SystemExit(f"{E} experts do not divide over {world} ranks")
+    members = list(range(max(1, world // 2)))
+    stages = [Stage(tuple(range(world)), (), block_owners(E, range(world))),
+              Stage(tuple(members), tuple(range(len(members), world)), block_owners(E, members))]
+    plan = Plan(ranks=world, floor=len(members), num_experts=E, layout="natural", tailguard=False,
+                assignments=[], stages=stages)
+    # Every group before any timing, as the elastic runtime pre-creates them.
+    selves = [dist.new_group([r]) for r in range(world)]
+    groups = [dist.new_group(list(range(world))), dist.new_group(members)]
+    mine = [e for e in range(E) if stages[0].owner_of(e) == rank]
+    say = print if rank == 0 else (lambda *_: None)
+    say(f"model: {mcfg.num_layers} layers, {E} experts top-{mcfg.moe_router_topk}, hidden {mcfg.hidden_size}, "
+        f"expert FFN {mcfg.moe_ffn_hidden_size}, bf16; EP over {world} GPU(s); {a.batch} requests/rank, "
+        f"{a.new_tokens} new tokens each")
+    max_len = a.prompt_len + a.new_tokens
+    # The engine allocates its cache and inputs on the default device.
+    with torch.device(device):
+        torch_engine = RolloutEngine(build_model(mcfg, mine, device), SamplingParams(greedy=True), a.batch, max_len)
+        if world > 1:
+            torch_engine.model.set_dispatcher(AllToAllDispatcher(groups[0], [stages[0].owner_of(e) for e in range(E)]))
+        torch_engine.add(requests_for(rank, a))
+        torch_tps = decode_tokens_per_s(torch_engine, device)
+        del torch_engine
+        torch.cuda.empty_cache()
+
+        engine = RolloutEngine(build_model(mcfg, mine, device), SamplingParams(greedy=True), a.batch, max_len)
+        elastic = MegatronElasticEngine(engine, world, selves[rank], dispatcher=a.dispatcher, dtype=torch.bfloat16,
+                                        grouped_gemm=not a.no_grouped_gemm, device="cuda")
+        elastic.use_group(groups[0], {e: stages[0].owner_of(e) for e in range(E)})
+        engine.add(requests_for(rank, a))
+        megatron_tps = decode_tokens_per_s(engine, device)
+        experts = "SequentialMLP" if a.no_grouped_gemm else "TE grouped GEMM"
+        say(f"decode tokens/s (all ranks): torch backend {torch_tps:,.0f}, megatron backend ({a.dispatcher}, "
+            f"{experts}) {megatron_tps:,.0f}; megatron/torch {megatron_tps / torch_tps:.2f}x")
+
+        shrink_s = shrink_latency_s(elastic, plan, rank, groups)
+    what = (f"shrink {world} -> {len(members)} ranks (expert moves + MoE rebuild)" if world > 1
+            else "MoE rebuild on a new 1-rank EP group (one GPU: no expert moves)")
+    say(f"{what}: {shrink_s * 1e3:.1f} ms for {mcfg.num_layers} layers")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
