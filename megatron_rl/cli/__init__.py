@@ -18,11 +18,8 @@ COMMANDS = [
     "megatron_rl.cli.rollout",
     "megatron_rl.cli.plan",
     "megatron_rl.cli.predict",
-<<<<<<< HEAD
-    "megatron_rl.cli.train",
-=======
     "megatron_rl.cli.simulate",
->>>>>>> main
+    "megatron_rl.cli.train",
 ]
 
 
