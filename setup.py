@@ -23,6 +23,10 @@ setup(
         "pyyaml",
         "safetensors",
         "wandb",
+        # the trainer: prompt datasets on disk, math answer verification
+        "datasets",
+        "math-verify",
+        "sympy",
     ],
     extras_require={
         "dev": [

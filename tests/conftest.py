@@ -1,5 +1,6 @@
 import json
 import random
+import struct
 
 import pytest
 import torch
@@ -46,3 +47,28 @@ def one_rank_group(request):
         yield dist.new_group([0])
     finally:
         dist.destroy_process_group()
+
+
+def wandb_history(run_file):
+    """The `history` rows of an offline W&B run file (LevelDB log framing, W&B header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    rows, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(pending)
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                             for i in rec.history.item})
+    return rows

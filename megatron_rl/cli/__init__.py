@@ -19,6 +19,7 @@ COMMANDS = [
     "megatron_rl.cli.plan",
     "megatron_rl.cli.predict",
     "megatron_rl.cli.simulate",
+    "megatron_rl.cli.train",
 ]
 
 

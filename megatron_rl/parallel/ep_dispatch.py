@@ -75,6 +75,11 @@ class AllToAllDispatcher:
             got_x = _AllToAll.apply(tokens, recv_l, send_l, self.group)
             got_e = _all_to_all(flat_e[order], recv_l, send_l, self.group)
         out = bank.compute(got_x, got_e)
+        if got_x.requires_grad and not out.requires_grad:
+            # No token reached this rank's experts, so `out` is a fresh empty tensor outside the
+            # graph. Tie it to the input: the backward all-to-alls are collectives, and this rank
+            # must join them like every other rank or the group deadlocks.
+            out = out + got_x * 0
         back = _AllToAll.apply(out, send_l, recv_l, self.group)
         result = torch.empty_like(back)
         result[order] = back

@@ -57,21 +57,32 @@ def tiny_shape(mcfg: MoEModelConfig, dtype_bytes: int) -> ModelShape:
 
 
 def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
-    W, E = cfg.ranks, mcfg.num_moe_experts
+    return plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
+                        tailguard=cfg.tailguard, mcfg=mcfg,
+                        dtype_bytes=8 if cfg.dtype == "float64" else 4)
+
+
+def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
+                 mcfg: MoEModelConfig, dtype_bytes: int, max_response_len: int | None = None,
+                 shrink_cost_s: float | None = None) -> Plan:
+    """The plan of one rollout under `policy`; `max_response_len` bounds KV when history is empty;
+    `shrink_cost_s` replaces the cost model's fixed cost of a shrink (its default is an H100's)."""
+    W, E = ranks, mcfg.num_moe_experts
     if E % W or W > E:
         raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
                              "(experts must be a multiple of ranks)")
     keys = [(r.prompt_id, r.sample) for r in batch]
-    if cfg.policy == "vanilla":
+    if policy == "vanilla":
         return static_plan("natural", natural(keys, W), W, E)
     from elastic.planner import PlanError, make_plan
+    from elastic.release import ShapeCost
 
-    layout = {"lengthsort": "lengthsort", "natural": "natural", "planned": "planned"}[cfg.policy]
-    floor = W if cfg.policy == "lengthsort" else (cfg.floor or max(1, W // 2))
+    floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
+    shape = tiny_shape(mcfg, dtype_bytes)
+    cost = None if shrink_cost_s is None else ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     try:
-        return make_plan(batch, history, ranks=W, floor=floor,
-                         shape=tiny_shape(mcfg, 8 if cfg.dtype == "float64" else 4),
-                         layout=layout, tailguard=cfg.tailguard)
+        return make_plan(batch, history, ranks=W, floor=floor, shape=shape, layout=policy,
+                         tailguard=tailguard, max_response_len=max_response_len, cost=cost)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
 

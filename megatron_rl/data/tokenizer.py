@@ -1,0 +1,114 @@
+"""Tokenizers behind one small interface: a character-level one for the CPU tasks, HF for real models.
+
+The trainer and the rollout engine need only `encode`, `decode`, `eos_id`, `pad_id` and
+`vocab_size`. The character tokenizer has a fixed alphabet chosen in the config, so its ids do not
+depend on the data; a character outside the alphabet is an error naming it, not a silent <unk>.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from megatron_rl.config import require
+from megatron_rl.errors import FlexFloorError
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+DEFAULT_ALPHABET = "0123456789+-*=() "
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    pad_id: int
+    bos_id: int | None
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_response(self, text: str) -> list[int]:
+        """Ids of `text` as a complete response: no BOS, ending with EOS (SFT targets)."""
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass
+class TokenizerConfig:
+    kind: Literal["char", "hf"] = "char"
+    # char: the characters after the special tokens <pad>=0, <bos>=1, <eos>=2.
+    alphabet: str = DEFAULT_ALPHABET
+    # hf: a local directory with tokenizer files (no hub download).
+    path: str | None = None
+    # hf: wrap each prompt in the tokenizer's chat template as a single user turn.
+    chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind == "char":
+            require(len(set(self.alphabet)) == len(self.alphabet) > 0,
+                    f"tokenizer.alphabet: expected distinct characters, got {self.alphabet!r}")
+        else:
+            require(bool(self.path), "tokenizer.path: kind 'hf' needs a local tokenizer directory")
+
+
+class CharTokenizer:
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET):
+        self.alphabet = alphabet
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self._ids = {c: i + len(SPECIALS) for i, c in enumerate(alphabet)}
+        self.vocab_size = len(SPECIALS) + len(alphabet)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.bos_id] + [self._ids[c] for c in text]
+        except KeyError as e:
+            raise FlexFloorError(
+                f"character {e.args[0]!r} in {text!r} is not in the tokenizer alphabet "
+                f"{self.alphabet!r} (set tokenizer.alphabet)"
+            ) from None
+
+    def encode_response(self, text: str) -> list[int]:
+        return self.encode(text)[1:] + [self.eos_id]
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of `ids` up to the first <eos>; other special tokens are dropped."""
+        out = []
+        for i in ids:
+            if i == self.eos_id:
+                break
+            if i >= len(SPECIALS):
+                out.append(self.alphabet[i - len(SPECIALS)])
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A local `transformers` tokenizer (e.g. Qwen3's), optionally applying its chat template."""
+
+    def __init__(self, path: str, chat_template: bool = True):
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise FlexFloorError(f"tokenizer.path {path}: cannot load a tokenizer ({e})") from None
+        self.chat_template = chat_template
+        self.vocab_size = len(self._tok)
+        self.eos_id = self._tok.eos_token_id
+        self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
+        self.bos_id = self._tok.bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        if self.chat_template:
+            return self._tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+        return self._tok.encode(text)
+
+    def encode_response(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False) + [self.eos_id]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    if cfg.kind == "char":
+        return CharTokenizer(cfg.alphabet)
+    return HFTokenizer(cfg.path, cfg.chat_template)

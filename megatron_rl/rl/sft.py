@@ -1,0 +1,84 @@
+"""SFT warm start: teacher-forced cross-entropy on (prompt, reference answer + EOS).
+
+RL from a random policy gets no reward signal (a group whose rewards are all equal has zero
+advantage); a few supervised steps give a policy that sometimes succeeds. Same expert-parallel
+layout and gradient rules as the GRPO update (`train_step`); its own AdamW, dropped afterwards.
+Prompts come from a separate seeded iterator (seed + 1) so the warm start never shifts the RL
+data order.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.data.iterator import PromptIterator
+from megatron_rl.data.prompts import PromptDataset
+from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.rl.train_step import (
+    allreduce_dense_grads,
+    chunks,
+    clip_global_grad_norm,
+    make_optimizer,
+    pack,
+    sequence_logprobs,
+)
+from megatron_rl.trainer_config import TrainerConfig
+
+
+def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset, rank: int,
+                  world: int) -> list[float]:
+    """Run `cfg.warmstart.sft_steps` steps in place on `model`; returns the loss per step."""
+    ws = cfg.warmstart
+    usable = [p for p in data.prompts if p.answer is not None]
+    if not usable:
+        return []
+    optimizer = make_optimizer(model, ws.lr)
+    it = PromptIterator(len(usable), min(ws.prompts_per_step, len(usable) - len(usable) % world),
+                        seed=cfg.seed + 1)
+    losses, t0 = [], time.perf_counter()
+    for step in range(1, ws.sft_steps + 1):
+        rows = [(tok.encode(usable[i].text), tok.encode_response(usable[i].answer))
+                for i in it.next_batch().indices]
+        per_rank = len(rows) // world
+        tokens = sum(len(r) for _, r in rows[: per_rank * world])
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64)
+        for micro in chunks(rows[rank * per_rank : (rank + 1) * per_rank], cfg.grpo.micro_batch):
+            packed = pack(micro, tok.pad_id)
+            loss = -(sequence_logprobs(model, packed) * packed.loss_mask).sum() / tokens
+            loss.backward()
+            total += loss.detach().double()
+        if world > 1:
+            dist.all_reduce(total)
+        allreduce_dense_grads(model, world)
+        clip_global_grad_norm(model, cfg.optim.grad_clip, world)
+        optimizer.step()
+        losses.append(float(total))
+        if rank == 0 and (step % 20 == 0 or step == ws.sft_steps):
+            print(f"[warmstart] step {step}/{ws.sft_steps} loss {float(total):.4f} "
+                  f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+    return losses
+
+
+def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
+    from megatron_rl.data.tokenizer import build_tokenizer
+    from megatron_rl.trainer import build_model, export_hf
+
+    model = build_model(cfg, ctx.rank, ctx.world)
+    losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), data, ctx.rank, ctx.world)
+    export_hf(model, cfg.model, out_dir, ctx.rank, ctx.world)
+    return losses
+
+
+def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
+    """SFT-only run on `cfg.ranks` ranks; writes a HuggingFace checkpoint usable as `init:`."""
+    from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.parallel.launch import run_ranks
+    from megatron_rl.trainer import check_init
+
+    check_init(cfg)
+    data = load_prompts(cfg.data)
+    return run_ranks(_sft_rank, cfg.ranks, cfg, data, out_dir, timeout_s=cfg.timeout_s)

@@ -1,0 +1,142 @@
+"""The pieces of an expert-parallel training step, shared by GRPO and the SFT warm start.
+
+Parallel layout (the rollout's stage 0, Megatron's default): attention, norms, router and
+embeddings are replicated on every rank (data parallel over the world); expert e lives on rank
+e // (E / W) only (expert parallel over the world). Each rank runs forward/backward on its own rows;
+the MoE all-to-all carries tokens to the owners and, in backward, their gradients back, so an
+expert's gradient accumulates on its owner from every rank's tokens and is never all-reduced. Dense
+gradients are summed across ranks. Losses are token sums divided by the *global* token count, so the
+summed gradient equals a single process's gradient on the whole batch.
+
+Every rank must make the same number of forward and backward passes (each MoE layer's all-to-all is
+a collective): the trainer gives every rank the same number of rows and micro-batches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rl.grpo import token_logprobs
+
+
+def is_expert_param(name: str) -> bool:
+    return ".local_experts." in name
+
+
+@dataclass
+class Packed:
+    """Right-padded rows of prompt + response; position t predicts token t + 1."""
+
+    input_ids: torch.Tensor  # [B, S]
+    targets: torch.Tensor  # [B, S]
+    loss_mask: torch.Tensor  # [B, S] 1.0 where the target is a response token
+    token_mask: torch.Tensor  # [B, S] True on real (non-padding) input tokens
+
+    @property
+    def tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def pack(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Packed:
+    """`rows` of (prompt ids, response ids) -> one padded micro-batch."""
+    S = max(len(p) + len(r) for p, r in rows) - 1
+    B = len(rows)
+    ids = torch.full((B, S + 1), pad_id, dtype=torch.long)
+    loss = torch.zeros(B, S)
+    real = torch.zeros(B, S, dtype=torch.bool)
+    for b, (p, r) in enumerate(rows):
+        n = len(p) + len(r)
+        ids[b, :n] = torch.tensor(p + r, dtype=torch.long)
+        loss[b, len(p) - 1 : n - 1] = 1.0
+        real[b, : n - 1] = True
+    return Packed(ids[:, :-1], ids[:, 1:].clone(), loss, real)
+
+
+def sequence_logprobs(model, packed: Packed, temperature: float = 1.0) -> torch.Tensor:
+    """log p(target) at every position [B, S], logits scaled by the sampling temperature."""
+    logits = model(packed.input_ids, token_mask_BS=packed.token_mask)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logprobs(logits, packed.targets)
+
+
+def chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def allreduce_dense_grads(model: torch.nn.Module, world: int) -> None:
+    """Sum the replicated parameters' gradients over the world (one flat all-reduce)."""
+    if world == 1:
+        return
+    params = [p for n, p in model.named_parameters() if not is_expert_param(n)]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def clip_global_grad_norm(model: torch.nn.Module, max_norm: float, world: int) -> float:
+    """The gradient norm over the whole model (dense once, every rank's experts) and clip to it.
+
+    Dense gradients are identical on every rank after `allreduce_dense_grads`; expert gradients are
+    disjoint across ranks, so their squared norms are summed over the world.
+    """
+    dense_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    grads = []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grads.append(p)
+        sq = p.grad.detach().double().pow(2).sum()
+        if is_expert_param(name):
+            expert_sq += sq
+        else:
+            dense_sq += sq
+    if world > 1:
+        dist.all_reduce(expert_sq)
+    total = math.sqrt(float(dense_sq + expert_sq))
+    if max_norm > 0 and grads:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, torch.tensor(total))
+    return total
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """torch AdamW over this rank's parameters: expert state lives with the expert's owner, dense
+    state is replicated like the dense weights (the optimizer is sharded as the weights are)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps,
+                             weight_decay=weight_decay)
+
+
+def check_replicas(model: torch.nn.Module, world: int) -> None:
+    """Every rank's replicated weights are bitwise equal (after the update, before the next rollout)."""
+    if world == 1:
+        return
+    from megatron_rl.rollout.elastic_engine import tensor_digest
+
+    mine = {n: tensor_digest(p) for n, p in model.named_parameters() if not is_expert_param(n)}
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    bad = sorted(n for n in mine if any(d[n] != every[0][n] for d in every))
+    if bad:
+        raise RuntimeError(f"replicated weights diverged across ranks after the update: {bad[:5]}")
+
+
+def frozen_copy(model):
+    """A copy of this rank's shard (same experts, same dispatcher) with gradients off: the KL
+    reference. Built, not deep-copied: the dispatcher holds a process group, which cannot be copied."""
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+
+    copy = Qwen3MoeModel(model.config, model.moe_layers[0].experts.held(), model.dtype)
+    copy.load_state_dict(model.state_dict())
+    copy.set_dispatcher(model.moe_layers[0].dispatcher)
+    return copy.requires_grad_(False)

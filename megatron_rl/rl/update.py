@@ -1,0 +1,96 @@
+"""The weight-update phases of a GRPO step: log-prob recomputation, then the policy update.
+
+Row ownership for training is fixed by canonical order, not by who generated a response: rank r
+trains on rows [r * n, (r + 1) * n) of the batch (n = rows per rank), split into `minibatches`
+optimizer steps and micro-batches of `micro_batch` rows. So training sees the same thing whatever
+the rollout placement was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss
+from megatron_rl.rl.rollout_phase import Response
+from megatron_rl.rl.train_step import (
+    Packed,
+    allreduce_dense_grads,
+    chunks,
+    clip_global_grad_norm,
+    pack,
+    sequence_logprobs,
+)
+from megatron_rl.trainer_config import TrainerConfig
+
+
+@dataclass
+class MicroBatch:
+    packed: Packed
+    advantages: torch.Tensor  # [B]
+    rollout_logp: torch.Tensor  # [B, S], the engine's sampling log-probs on response tokens
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+
+class PolicyUpdate:
+    def __init__(self, cfg: TrainerConfig, model, optimizer, ref_model, pad_id: int, rank: int, world: int):
+        self.cfg, self.model, self.optimizer, self.ref_model = cfg, model, optimizer, ref_model
+        self.pad_id, self.rank, self.world = pad_id, rank, world
+
+    def minibatches(self, responses: list[Response], advantages: torch.Tensor) -> list[tuple[list[MicroBatch], int]]:
+        """This rank's micro-batches per minibatch, with the minibatch's global token count."""
+        n, M = self.cfg.rows_per_rank, self.cfg.grpo.minibatches
+        k = n // M
+        out = []
+        for m in range(M):
+            tokens = sum(len(r.tokens) for rank in range(self.world)
+                         for r in responses[rank * n + m * k : rank * n + (m + 1) * k])
+            start = self.rank * n + m * k
+            micro = []
+            for rows in chunks(list(range(start, start + k)), self.cfg.grpo.micro_batch):
+                packed = pack([(responses[i].prompt, responses[i].tokens) for i in rows], self.pad_id)
+                rollout = torch.zeros_like(packed.loss_mask, dtype=torch.float64)
+                rollout[packed.loss_mask.bool()] = torch.tensor(
+                    [lp for i in rows for lp in responses[i].logprobs], dtype=torch.float64)
+                micro.append(MicroBatch(packed, advantages[rows], rollout))
+            out.append((micro, tokens))
+        return out
+
+    @torch.no_grad()
+    def recompute_logprobs(self, batches: list[tuple[list[MicroBatch], int]]) -> None:
+        """Old-policy (and reference) log-probs under the training numerics, before any update."""
+        T = self.cfg.generation.temperature
+        for micro, _ in batches:
+            for mb in micro:
+                mb.old_logp = sequence_logprobs(self.model, mb.packed, T)
+                if self.ref_model is not None:
+                    mb.ref_logp = sequence_logprobs(self.ref_model, mb.packed, T)
+
+    def update(self, batches: list[tuple[list[MicroBatch], int]]) -> dict[str, float]:
+        g, T = self.cfg.grpo, self.cfg.generation.temperature
+        sums = {k: torch.zeros((), dtype=torch.float64) for k in STAT_KEYS}
+        loss_total, norms = torch.zeros((), dtype=torch.float64), []
+        for micro, tokens in batches:
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb in micro:
+                logp = sequence_logprobs(self.model, mb.packed, T)
+                loss, stats = policy_loss(
+                    logp, mb.old_logp, mb.advantages, mb.packed.loss_mask,
+                    clip_low=g.clip_low, clip_high=g.clip_high,
+                    ref_logp=mb.ref_logp, kl_coef=g.kl_coef,
+                    rollout_logp=mb.rollout_logp.to(logp.dtype) if g.tis_cap is not None else None,
+                    tis_cap=g.tis_cap, normalizer=max(tokens, 1))
+                loss.backward()
+                loss_total += loss.detach().double()
+                for key in STAT_KEYS:
+                    sums[key] += stats[key].double()
+            allreduce_dense_grads(self.model, self.world)
+            norms.append(clip_global_grad_norm(self.model, self.cfg.optim.grad_clip, self.world))
+            self.optimizer.step()
+        flat = torch.stack([loss_total] + [sums[k] for k in STAT_KEYS])
+        if self.world > 1:
+            dist.all_reduce(flat)
+        stats = finalize_stats(dict(zip(STAT_KEYS, flat[1:])))
+        return {"loss": float(flat[0]) / len(batches), "grad_norm": sum(norms) / len(norms), **stats}

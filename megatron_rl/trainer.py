@@ -1,0 +1,250 @@
+"""Synchronous GRPO post-training of a Qwen3-MoE on W ranks: the loop, one step at a time.
+
+    rollout   -> the elastic rollout phase generates G responses per prompt (rl/rollout_phase.py)
+    reward    -> each rank scores its share of the responses (rewards/)
+    advantage -> group-normalised advantages (rl/grpo.py)
+    logprobs  -> old-policy (and reference) log-probs recomputed under training numerics
+    update    -> clipped policy-gradient loss, dense grads all-reduced, experts' kept by their
+                 owners, global-norm clipping, AdamW step (rl/update.py)
+    sync      -> the replicas agree; the rollout model *is* the trained model, so the next rollout
+                 uses the new weights with no copy
+
+The same model object hosts generation and training. Everything after the rollout reads responses in
+canonical order, so the rollout policy (vanilla or planned) changes nothing training sees.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic.plan import block_owners
+from elastic.trace import Trace
+from megatron_rl.data.iterator import PromptIterator
+from megatron_rl.data.prompts import PromptDataset
+from megatron_rl.data.tokenizer import build_tokenizer
+from megatron_rl.metrics import MetricsLogger, length_stats
+from megatron_rl.rewards import OUTCOMES, Scorer
+from megatron_rl.rl.checkpoint import (
+    CheckpointError,
+    gather_full_state,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
+from megatron_rl.rl.grpo import group_advantages
+from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
+from megatron_rl.rl.sft import sft_warmstart
+from megatron_rl.rl.train_step import check_replicas, frozen_copy, make_optimizer
+from megatron_rl.rl.update import PolicyUpdate
+from megatron_rl.trainer_config import TrainerConfig
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def check_init(cfg: TrainerConfig) -> None:
+    """`init` must be a HuggingFace checkpoint of exactly the configured model shape."""
+    if cfg.init is None:
+        return
+    from megatron_rl.models.hf import read_hf_config
+
+    have, want = read_hf_config(cfg.init).to_dict(), cfg.model.to_dict()
+    diff = [f"{k}: checkpoint {have[k]!r}, config {want[k]!r}" for k in want if have[k] != want[k]]
+    if diff:
+        raise CheckpointError(f"{cfg.init}: checkpoint is for another model shape ({'; '.join(diff[:4])})")
+
+
+def build_model(cfg: TrainerConfig, rank: int, world: int):
+    """This rank's model: dense weights and the experts Megatron's contiguous blocks give it."""
+    from megatron_rl.models.moe import LocalDispatcher
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+    from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
+
+    owners = block_owners(cfg.model.num_moe_experts, range(world))
+    held = [e for e, rs in owners.items() if rank in rs]
+    dtype = DTYPES[cfg.dtype]
+    if cfg.init is not None:
+        from megatron_rl.models.hf import load_hf_checkpoint
+
+        model = load_hf_checkpoint(cfg.init, dtype, experts=held)
+    else:
+        model = Qwen3MoeModel(cfg.model, held, dtype)
+        model.init_weights(cfg.seed)
+    model.set_dispatcher(LocalDispatcher() if world == 1 else
+                         AllToAllDispatcher(dist.group.WORLD, [owners[e][0] for e in sorted(owners)]))
+    return model
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, data: PromptDataset, ctx, out_dir: str | Path,
+                 resume: Path | None):
+        """`ctx`: this rank's `megatron_rl.parallel.launch.ParallelContext`."""
+        self.cfg, self.data, self.rank, self.world = cfg, data, ctx.rank, ctx.world
+        rank, world = ctx.rank, ctx.world
+        self.out_dir = Path(out_dir)
+        self.tok = build_tokenizer(cfg.tokenizer)
+        self.model = build_model(cfg, rank, world)
+        self.iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
+        self.history = Trace([], "length history")
+        self.start_step = 0
+        if resume is None and cfg.warmstart.sft_steps:
+            sft_warmstart(cfg, self.model, self.tok, data, rank, world)
+        self.ref_model = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
+        o = cfg.optim
+        self.optimizer = make_optimizer(self.model, o.lr, o.betas, o.eps, o.weight_decay)
+        if resume is not None:
+            state, self.history = read_trainer_state(resume, cfg.model)
+            load_checkpoint(resume, self.model, self.optimizer, self.ref_model)
+            self.iterator.load_state_dict(state["data"])
+            self.start_step = state["step"]
+        self.scorer = Scorer(cfg.reward)
+        self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store)
+        self.update = PolicyUpdate(cfg, self.model, self.optimizer, self.ref_model, self.tok.pad_id,
+                                   rank, world)
+        self.logger = None
+        if rank == 0:
+            self.logger = MetricsLogger(self.out_dir, cfg.logging, run_config=asdict(cfg),
+                                        resume_step=self.start_step if resume is not None else None)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step(self, step: int) -> dict:
+        cfg, G = self.cfg, self.cfg.grpo.group_size
+        torch.manual_seed(step_seed(cfg.seed, step))
+        times: dict[str, float] = {}
+        t = time.perf_counter()
+        batch = self.iterator.next_batch()
+        prompts = [self.data[i] for i in batch.indices]
+
+        rollout = self.rollout.run(step, prompts, self.history)
+        t = self._lap(times, "rollout", t)
+
+        rewards, counts = self.score(prompts, rollout.responses)
+        advantages = group_advantages(rewards, G, cfg.grpo.std_normalize)
+        t = self._lap(times, "reward", t)
+
+        batches = self.update.minibatches(rollout.responses, advantages)
+        self.update.recompute_logprobs(batches)
+        t = self._lap(times, "logprob", t)
+
+        stats = self.update.update(batches)
+        t = self._lap(times, "update", t)
+
+        if cfg.verify_replicas:
+            check_replicas(self.model, self.world)
+        self.history = Trace(self.history.records + history_records(rollout, batch.epoch), "length history")
+        self._lap(times, "sync", t)
+
+        lengths = [len(r.tokens) for r in rollout.responses]
+        return {
+            "epoch": batch.epoch,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "reward_outcomes": counts,
+            **length_stats(lengths, [r.truncated for r in rollout.responses]),
+            **rollout.ledger,
+            "stages": rollout.stages,
+            "layout": rollout.layout,
+            "placement": rollout.placement,
+            "phase_s": times,
+            "tokens_per_s": sum(lengths) / max(times["rollout"], 1e-9),
+            **stats,
+        }
+
+    def score(self, prompts, responses) -> tuple[torch.Tensor, dict[str, int]]:
+        """Each rank scores its canonical share; rewards and outcome counts are summed over ranks."""
+        G, n = self.cfg.grpo.group_size, len(responses)
+        rewards = torch.zeros(n, dtype=torch.float64)
+        for i in range(self.rank, n, self.world):
+            text = self.tok.decode(responses[i].tokens)
+            rewards[i] = self.scorer(text, prompts[i // G].answer)
+        counts_local = self.scorer.take_counts()
+        counts = torch.tensor([counts_local[k] for k in OUTCOMES], dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(rewards)
+            dist.all_reduce(counts)
+        return rewards, {k: int(c) for k, c in zip(OUTCOMES, counts)}
+
+    @staticmethod
+    def _lap(times: dict, name: str, t: float) -> float:
+        now = time.perf_counter()
+        times[name] = now - t
+        return now
+
+    # ---- the run --------------------------------------------------------------------------------
+    def trainer_state(self) -> dict:
+        return {"data": self.iterator.state_dict(), "seed": self.cfg.seed,
+                "model": self.cfg.model.to_dict(), "ranks": self.world}
+
+    def run(self) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        curve = []
+        try:
+            for step in range(self.start_step + 1, cfg.steps + 1):
+                metrics = self.step(step)
+                curve.append(metrics["reward_mean"])
+                if self.logger is not None:
+                    self.logger.log(step, metrics)
+                    print(f"[train] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
+                          f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
+                          f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
+                          f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+                if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
+                                    self.trainer_state(), self.history, self.rank)
+            if cfg.checkpoint.export_hf:
+                export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world)
+        finally:
+            if self.logger is not None:
+                self.logger.close()
+        return {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,
+                "wall_s": time.perf_counter() - t0}
+
+
+def export_hf(model, model_cfg, path: str | Path, rank: int, world: int) -> None:
+    """Write the whole model (every rank's experts) as a HuggingFace checkpoint from rank 0."""
+    from megatron_rl.models.hf import save_hf_checkpoint
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+
+    full = gather_full_state(model, rank, world)
+    if rank == 0:
+        whole = Qwen3MoeModel(model_cfg, None, model.dtype)
+        whole.load_state_dict(full, strict=True)
+        save_hf_checkpoint(whole, path)
+    dist.barrier()
+
+
+def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):
+    return Trainer(cfg, data, ctx, out_dir, resume).run()
+
+
+def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
+    """Check the inputs here (dataset, resume point), then train on `cfg.ranks` ranks.
+
+    Resumes from `out_dir`'s latest checkpoint when there is one. Returns rank 0's summary (None on
+    non-zero torchrun ranks).
+    """
+    from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.parallel.launch import run_ranks
+    from megatron_rl.rl.checkpoint import latest_checkpoint
+
+    check_init(cfg)
+    data = load_prompts(cfg.data)
+    if data.skipped:
+        print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "
+              f"{data.skipped_rows[0][1]})", file=sys.stderr)
+    tok = build_tokenizer(cfg.tokenizer)
+    for p in data.prompts:
+        tok.encode(p.text)  # a prompt the tokenizer cannot encode fails here, not mid-run
+    resume = latest_checkpoint(out_dir)
+    if resume is not None:
+        state, _ = read_trainer_state(resume, cfg.model)
+        if state["step"] >= cfg.steps:
+            raise CheckpointError(f"{resume}: already at step {state['step']} of steps={cfg.steps}; "
+                                  "raise `steps` to train further")
+        print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s)

@@ -1,0 +1,154 @@
+"""`flexfloor train` configuration: GRPO post-training of a Qwen3-MoE on W ranks.
+
+Every section is a dataclass validated on construction; `examples/tiny_cpu_grpo.yaml` (runs here)
+and `examples/qwen3_30b_a3b_16xh100.yaml` (the paper's target) both load through `TrainerConfig`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config import require
+from megatron_rl.data.prompts import DataConfig
+from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
+from megatron_rl.metrics import LoggingConfig
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.rewards import RewardConfig
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8  # responses sampled per prompt
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0  # > 0 keeps a frozen reference model and adds kl_coef x k3 KL per token
+    tis_cap: float | None = None  # truncated importance sampling against rollout log-probs
+    std_normalize: bool = True  # false: Dr. GRPO (advantages centred, not scaled)
+    minibatches: int = 1  # optimizer steps per rollout; each on 1/minibatches of every rank's rows
+    micro_batch: int = 16  # rows per forward pass (gradient accumulation inside a minibatch)
+
+    def __post_init__(self):
+        require(self.group_size >= 2, f"grpo.group_size: expected >= 2, got {self.group_size}")
+        require(0 <= self.clip_low < 1 and self.clip_high >= 0,
+                f"grpo.clip_low/clip_high: expected 0 <= low < 1 and high >= 0, got "
+                f"{self.clip_low}/{self.clip_high}")
+        require(self.kl_coef >= 0, f"grpo.kl_coef: expected >= 0, got {self.kl_coef}")
+        require(self.tis_cap is None or self.tis_cap > 0, f"grpo.tis_cap: expected > 0, got {self.tis_cap}")
+        require(self.minibatches >= 1 and self.micro_batch >= 1, "grpo.minibatches/micro_batch: expected >= 1")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # on the global norm over dense and every rank's experts; 0 = off
+
+    def __post_init__(self):
+        require(self.lr > 0, f"optim.lr: expected > 0, got {self.lr}")
+        require(self.grad_clip >= 0, f"optim.grad_clip: expected >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class GenerationConfig:
+    max_response_len: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_batch_per_rank: int = 64
+
+    def __post_init__(self):
+        require(self.max_response_len > 0, "generation.max_response_len: expected > 0")
+        require(self.temperature > 0, f"generation.temperature: expected > 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, f"generation.top_p: expected in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class ElasticConfig:
+    """How the rollout phase places responses and shrinks the EP group (see elastic/)."""
+
+    policy: Literal["vanilla", "lengthsort", "natural", "planned"] = "vanilla"
+    floor: int | None = None  # default for natural/planned: ranks // 2
+    tailguard: bool = False
+    status_interval: int = 1
+    # The planner's fixed cost of one shrink (s). Default: the H100 cost model's 0.05 s, which a
+    # sub-second CPU rollout never recovers, so tiny CPU runs set it to what a shrink costs here.
+    shrink_cost_s: float | None = None
+
+    def __post_init__(self):
+        require(self.status_interval > 0, "elastic.status_interval: expected > 0")
+        require(self.shrink_cost_s is None or self.shrink_cost_s >= 0,
+                f"elastic.shrink_cost_s: expected >= 0, got {self.shrink_cost_s}")
+
+
+@dataclass
+class WarmStartConfig:
+    """Supervised steps on (prompt, answer) before RL, so the first rollouts sometimes succeed."""
+
+    sft_steps: int = 0
+    lr: float = 3e-3
+    prompts_per_step: int = 32
+
+    def __post_init__(self):
+        require(self.sft_steps >= 0 and self.prompts_per_step > 0 and self.lr > 0,
+                "warmstart: expected sft_steps >= 0, prompts_per_step > 0, lr > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 10  # steps between checkpoints (the last step is always saved); 0 = last only
+    export_hf: bool = True  # write DIR/hf (HuggingFace safetensors) after the last step
+
+    def __post_init__(self):
+        require(self.every >= 0, f"checkpoint.every: expected >= 0, got {self.every}")
+
+
+@dataclass
+class TrainerConfig:
+    model: MoEModelConfig = field(default_factory=MoEModelConfig)
+    # A HuggingFace Qwen3-MoE directory to start from; it must have `model`'s shape. None: random
+    # init from `seed` (then `warmstart`).
+    init: str | None = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig("examples/data/arith_train.jsonl"))
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    steps: int = 20
+    prompts_per_step: int = 8
+    seed: int = 0
+    ranks: int = 4
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    timeout_s: float = 300.0  # every collective's timeout
+    verify_replicas: bool = True  # after each update, check the replicated weights agree bitwise
+
+    def __post_init__(self):
+        W, E = self.ranks, self.model.num_moe_experts
+        require(self.steps > 0, f"steps: expected > 0, got {self.steps}")
+        require(self.prompts_per_step > 0, f"prompts_per_step: expected > 0, got {self.prompts_per_step}")
+        require(W > 0 and E % W == 0,
+                f"ranks: the model's {E} experts must divide over the ranks, got ranks={W}")
+        rows = self.prompts_per_step * self.grpo.group_size
+        require(rows % (W * self.grpo.minibatches) == 0,
+                f"prompts_per_step x grpo.group_size ({rows}) must divide over ranks x "
+                f"grpo.minibatches ({W} x {self.grpo.minibatches}): every rank trains on equal shares")
+        require(self.warmstart.sft_steps == 0 or self.warmstart.prompts_per_step % W == 0,
+                f"warmstart.prompts_per_step ({self.warmstart.prompts_per_step}) must divide over "
+                f"ranks ({W})")
+        if self.elastic.floor is not None:
+            require(1 <= self.elastic.floor <= W, f"elastic.floor: expected 1..{W}, got {self.elastic.floor}")
+        if self.tokenizer.kind == "char":
+            need = len(SPECIALS) + len(self.tokenizer.alphabet)
+            require(self.model.vocab_size >= need,
+                    f"model.vocab_size ({self.model.vocab_size}) is smaller than the character "
+                    f"tokenizer's {need} ids")
+        require(self.timeout_s > 0, f"timeout_s: expected > 0, got {self.timeout_s}")
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.prompts_per_step * self.grpo.group_size // self.ranks

@@ -1,0 +1,30 @@
+"""Write the synthetic arithmetic prompt set as JSONL (one {prompt_id, prompt, answer} per line).
+
+    python tools/make_arith.py --out examples/data/arith_train.jsonl --n 400 --seed 0
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_rl.data.arith import make_problems, write_jsonl
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSONL file to write")
+    p.add_argument("--n", type=int, default=400, help="number of distinct problems")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-operand", type=int, default=20, help="operands are 0..MAX")
+    p.add_argument("--ops", default="+", help="operators to draw from, e.g. '+-'")
+    args = p.parse_args()
+    rows = make_problems(args.n, args.seed, args.max_operand, args.ops)
+    write_jsonl(rows, args.out)
+    print(f"wrote {len(rows)} problems to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
