@@ -70,6 +70,22 @@ class IdlePoolLike:
         """Run leases until `should_stop()`; return (leased seconds, report)."""
 
 
+_groups: dict[tuple, object] = {}
+
+
+def _stage_group(members: tuple[int, ...], world: int):
+    """The communicator of a stage, created once per member set and world: a training run plans
+    every rollout anew, and creating groups each step would be a rendezvous per step. Every rank
+    meets the same plans in the same order, so every rank creates the same groups in the same order.
+    """
+    if len(members) == world:
+        return dist.group.WORLD
+    key = (id(dist.group.WORLD), tuple(members))
+    if key not in _groups:
+        _groups[key] = dist.new_group(list(members))
+    return _groups[key]
+
+
 def _move_experts(engine: ElasticEngine, moves: list[tuple[int, int, int]], rank: int) -> None:
     for e, src, dst in moves:
         if rank == src:
@@ -121,8 +137,7 @@ class ElasticRuntime:
     def _run(self) -> RankOutcome:
         plan, rank = self.plan, self.rank
         plan.check()
-        self.groups = [dist.group.WORLD if len(st.members) == self.world else dist.new_group(list(st.members))
-                       for st in plan.stages]
+        self.groups = [_stage_group(st.members, self.world) for st in plan.stages]
         before = self.engine.checksums()
         self._use_stage(0)
         ledger = self.ledger = RankLedger(rank)
