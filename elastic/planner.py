@@ -102,6 +102,9 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
             meta["tailguard"] = {"alpha": alpha, "margin": guard.margin_or_none,
                                  "calibrated_on": guard.calibrated_on}
 
+    # The longest response's bound, in tokens: the runtime turns it into the predicted restoration
+    # time that caps every lease.
+    meta["predicted_max_len"] = float(reserve.max()) if len(reserve) else 0.0
     held_floor = math.ceil(E / floor)
     if shape.kv_budget_bytes(held_floor) <= 0:
         raise PlanError(

@@ -7,8 +7,8 @@ rank's main thread keeps watching for the restore message; pre-emption raises th
 most `grace_s` for the job to yield. A job that does not yield is a `LeaseTimeout`: the rank cannot
 rejoin the world in bounded time, which is an error, never a silent overrun of the weight update.
 
-Jobs run one after another, each at most until the lease deadline (no later than the predicted
-restoration); what remains of a job resumes in the next lease.
+Jobs run one after another, each until its lease deadline: `lease_s` after it starts, and never
+past the predicted restoration; what remains of a job resumes in the next lease.
 """
 from __future__ import annotations
 
@@ -42,23 +42,27 @@ class IdlePool:
         self.jobs, self.lease_s, self.grace_s, self.poll_s = jobs, lease_s, grace_s, poll_s
         self.leases: list[dict] = []
 
-    def serve(self, should_stop: Callable[[], bool]) -> tuple[float, dict]:
-        """Lease this rank's time until `should_stop()`; return (leased seconds, report)."""
+    def serve(self, should_stop: Callable[[], bool], restore_by: float | None = None) -> tuple[float, dict]:
+        """Lease this rank's time until `should_stop()`; return (leased seconds, report).
+
+        `restore_by` (a `time.perf_counter()` instant) is the predicted restoration: no lease runs
+        past it, so a detached rank is back before the world needs it if the prediction holds.
+        """
         leased = 0.0
         for job in self.jobs:
-            if should_stop():
+            if should_stop() or (restore_by is not None and time.perf_counter() >= restore_by):
                 break
             if job.done():
                 continue
-            leased += self._lease(job, should_stop)
+            leased += self._lease(job, should_stop, restore_by)
         # Nothing left to lease: wait, idle, for the restore message.
         while not should_stop():
             time.sleep(self.poll_s)
         return leased, {"leases": self.leases, "jobs": {j.name: j.report() for j in self.jobs}}
 
-    def _lease(self, job: LeaseJob, should_stop: Callable[[], bool]) -> float:
+    def _lease(self, job: LeaseJob, should_stop: Callable[[], bool], restore_by: float | None) -> float:
         start = time.perf_counter()
-        deadline = start + self.lease_s
+        deadline = min(start + self.lease_s, restore_by if restore_by is not None else float("inf"))
         flag = threading.Event()
         error: list[BaseException] = []
 

@@ -100,11 +100,13 @@ class ElasticRuntime:
     def __init__(self, engine: ElasticEngine, plan: Plan, rank: int, store, *, status_interval: int = 1,
                  pool: IdlePoolLike | None = None,
                  progress: Callable[[int, int, int, int], None] | None = None,
+                 predicted_ticks: float | None = None,
                  after_step: Callable[[], None] | None = None):
         self.engine, self.plan, self.rank, self.store = engine, plan, rank, store
         self.restore_key = f"flexfloor/rollout{next(_rollout_ids)}/restore"
         self.k = status_interval
         self.pool, self.progress, self.after_step = pool, progress, after_step
+        self.predicted_ticks = predicted_ticks
         self.world = plan.ranks
         self.stage, self.phase = 0, "setup"
         self.ledger: RankLedger | None = None
@@ -198,9 +200,14 @@ class ElasticRuntime:
             def restored() -> bool:
                 return self.store.check([self.restore_key])
 
-            leased_s = 0.0
+            leased_s, restore_by = 0.0, None
+            if self.predicted_ticks is not None and detached_at > 0:
+                # The predicted restoration in this rank's clock: the ticks the plan expects still
+                # to run, at the pace the rollout has kept so far.
+                per_tick = (t_prev - t0) / detached_at
+                restore_by = t_prev + max(0.0, self.predicted_ticks - detached_at) * per_tick
             if self.pool is not None:
-                leased_s, pool_report = self.pool.serve(restored)
+                leased_s, pool_report = self.pool.serve(restored, restore_by)
             while not restored():
                 time.sleep(0.005)
             total_ticks, self.stage = map(int, self.store.get(self.restore_key).decode().split(","))

@@ -159,9 +159,13 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     if hit and cfg.fault in ("kill-leased-rank", "stuck-lease"):
         jobs.insert(0, KillSelfJob() if cfg.fault == "kill-leased-rank" else StuckJob())
     pool = IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.lease_grace_s)
+    # The plan's longest predicted response, in this run's scaled tokens, is the predicted
+    # restoration tick (one tick of prefill before it) that caps every lease.
+    predicted = plan.meta.get("predicted_max_len")
+    predicted_ticks = None if predicted is None else 1 + predicted * cfg.batch.length_scale
     runtime = ElasticRuntime(elastic_engine, plan, rank, ctx.store, status_interval=cfg.status_interval, pool=pool,
                              progress=None if quiet else _progress(time.perf_counter()),
-                             after_step=flush_finished)
+                             after_step=flush_finished, predicted_ticks=predicted_ticks)
     try:
         outcome = runtime.run()
     except BaseException:
