@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.interface import ElasticEngine
-from elastic.ledger import RankLedger
+from elastic.ledger import Ledger, RankLedger
 from elastic.plan import Plan
 
 TAG_EXPERT = 0
@@ -63,6 +63,25 @@ class RankOutcome:
     shrink_s: dict[int, float] = field(default_factory=dict)  # stage entered -> seconds
     restore_s: float = 0.0
     pool_report: dict = field(default_factory=dict)
+    # Wall-clock (time.time) edges of this rank's ledger, and the state it ended in.
+    start_wall: float = 0.0
+    end_wall: float = 0.0
+    end_state: str = "dummy"
+
+
+def ledger_of(outcomes: list[RankOutcome]) -> Ledger:
+    """The rollout's ledger from every rank's outcome.
+
+    T runs from the first rank's start to the last rank's end on the shared wall clock. Ranks leave
+    the start and end barriers a little apart; each rank's time outside its own span is added to the
+    state it was in at that edge (waiting in the group at the start, its last state at the end), so
+    the seconds conserve exactly instead of within the barrier skew.
+    """
+    start, end = min(o.start_wall for o in outcomes), max(o.end_wall for o in outcomes)
+    for o in outcomes:
+        o.ledger.add("dummy", o.start_wall - start, 0)
+        o.ledger.add(o.end_state, end - o.end_wall, 0)
+    return Ledger([o.ledger for o in outcomes], wall_s=end - start, total_steps=outcomes[0].total_steps)
 
 
 class IdlePoolLike:
@@ -145,6 +164,7 @@ class ElasticRuntime:
         ledger = self.ledger = RankLedger(rank)
         dist.barrier()
         t0 = t_prev = time.perf_counter()
+        start_wall = time.time()
         tick, detached_at, shrink_s = 0, None, {}
         self.phase = "decode"
         while True:
@@ -252,4 +272,4 @@ class ElasticRuntime:
         last = "transition" if self.stage != 0 else "dummy"
         ledger.add(last, end - t_prev, 0)
         return RankOutcome(ledger, total_ticks, self.stage, detached_at, end - t0, shrink_s,
-                           restore_s, pool_report)
+                           restore_s, pool_report, start_wall, start_wall + (end - t0), last)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from elastic.ledger import Ledger
 from elastic.plan import block_owners
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
@@ -103,7 +102,7 @@ class RolloutPhase:
         return plan
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
-        from elastic.runtime import ElasticRuntime
+        from elastic.runtime import ElasticRuntime, ledger_of
 
         cfg, G = self.cfg, self.cfg.grpo.group_size
         t0 = time.perf_counter()
@@ -133,11 +132,8 @@ class RolloutPhase:
         responses = sorted((r for _, rs in gathered for r in rs), key=lambda r: r.index)
         assert [r.index for r in responses] == list(range(len(items))), "a response was lost or duplicated"
         outcomes = [o for o, _ in gathered]
-        ledger = Ledger([o.ledger for o in outcomes], wall_s=outcomes[0].wall_s,
-                        total_steps=outcomes[0].total_steps)
-        # Steps are conserved exactly; seconds within the ranks' clock skew at the end barrier,
-        # which on a sub-second CPU rollout is more than the runtime's default 1%.
-        ledger.check(seconds_tolerance=max(0.01, 0.05 / max(ledger.wall_s, 1e-3)))
+        ledger = ledger_of(outcomes)
+        ledger.check()
         summary = ledger.summary(sum(len(r.tokens) for r in responses))
         ranks = [0] * len(items)
         for a in plan.assignments:

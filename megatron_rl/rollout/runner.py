@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from elastic.layout import natural
-from elastic.ledger import Ledger
 from elastic.plan import Plan, static_plan
 from elastic.shape import ModelShape
 from megatron_rl.errors import FlexFloorError
@@ -119,7 +118,7 @@ def lease_jobs(cfg: RolloutConfig, engine: RolloutEngine, rank: int) -> list:
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
                plan: Plan, out_dir: str | None, quiet: bool):
     from elastic.pool import IdlePool
-    from elastic.runtime import ElasticRuntime
+    from elastic.runtime import ElasticRuntime, ledger_of
 
     rank, dtype = ctx.rank, DTYPES[cfg.dtype]
     held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]
@@ -184,8 +183,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         return None
     outcomes = [g[0] for g in gathered]
     all_responses = [r for g in gathered for r in g[1]]
-    ledger = Ledger([o.ledger for o in outcomes], wall_s=outcomes[0].wall_s,
-                    total_steps=outcomes[0].total_steps)
+    ledger = ledger_of(outcomes)
     ledger.check()
     shrink = {}
     for o in outcomes:
