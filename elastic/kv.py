@@ -17,7 +17,12 @@ exact upper bound.
 
 The grid is 0, then geometric from 1 token to the longest possible response; the `+ t_j+1` keeps
 the bound conservative between grid points (a response alive at t in [t_j, t_j+1) has L_i > t_j and
-holds at most prompt_i + t_j+1 tokens).
+holds at most prompt_i + t_j+1 tokens). The first interval is certain, not predicted: every
+response is prefilled before the first decode step, so all of a rank's prompts (plus one token
+each) are held at once whatever the lengths turn out to be. A predictive distribution puts some
+mass below one token and an oracle length may be 0; taking S_i(0) from them would count the
+prompts only in expectation (a 10-million-token prompt whose responses are predicted short would
+fit a rank with room for far less).
 """
 from __future__ import annotations
 
@@ -49,7 +54,9 @@ class Demand:
         # A calibration that saw more than alpha of responses run to the cap: every response may.
         surv = np.maximum(surv, tail_floor)
         surv = np.where(t[None, :] < cap[:, None], surv, 0.0)
-        tokens = np.asarray(prompt_len, float)[:, None] + t_next[None, :]
+        surv[:, 0] = 1.0  # every response holds its prompt from prefill on (module docstring)
+        self.prompt = np.asarray(prompt_len, float)
+        tokens = self.prompt[:, None] + t_next[None, :]
         self.mean = surv * tokens
         self.var = surv * (1.0 - surv) * tokens**2
         self.z = norm_ppf(1.0 - alpha)

@@ -52,7 +52,7 @@ def lengthsort(order: Sequence[int], work: Sequence[float], ranks: int, kv: Rank
     for i in order:
         r = _least_loaded(heap, i, work, kv)
         if r is None:
-            _no_room(keys[i], kv)
+            _no_room(keys, i, kv)
         rank_of[i] = r
     return rank_of
 
@@ -79,7 +79,7 @@ def planned(order: Sequence[int], work: Sequence[float], tiers: Sequence[Sequenc
             pos += 1
         carry = quota - taken
     if pos < len(order):
-        _no_room(keys[order[pos]], kv)
+        _no_room(keys, order[pos], kv)
     return rank_of
 
 
@@ -115,6 +115,11 @@ def check_kv(rank_of: Sequence[int], kv: RankKV) -> None:
                             f"for its responses but has room for {max(kv.budget[r], 0):.0f}")
 
 
-def _no_room(key: tuple[str, int], kv: RankKV):
-    raise PlanError(f"KV cache cannot fit: response {key} fits on no rank that may take it; "
+def _no_room(keys: Sequence[tuple[str, int]], i: int, kv: RankKV):
+    need, prompt, largest = kv.own[i], kv.d.prompt[i], max(kv.budget)
+    if need > largest:
+        raise PlanError(f"KV cache cannot fit: response {keys[i]} alone needs up to {need:.0f} KV "
+                        f"tokens (its prompt is {prompt:.0f}), more than any rank has room for "
+                        f"({max(largest, 0):.0f})")
+    raise PlanError(f"KV cache cannot fit: response {keys[i]} fits on no rank that may take it; "
                     f"the most room any rank has left is {max(kv.room(), 0):.0f} tokens")

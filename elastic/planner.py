@@ -37,7 +37,7 @@ from elastic.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.shape import ModelShape
 from elastic.trace import Trace
 
-__all__ = ["LAYOUTS", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
+__all__ = ["LAYOUTS", "OBJECTIVES", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
 
 LAYOUTS = ("natural", "lengthsort", "planned")
 WEAK_ICC = 0.1

@@ -3,6 +3,7 @@ lower bound and vanilla, with DESIGN.md's decomposition of the dummy run removed
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from elastic.costmodel import CostModel
 from elastic.ledger import format_report
@@ -32,7 +33,7 @@ def run_compare(trace: Trace, *, ranks: int, cost: CostModel, shape: ModelShape,
             # vanilla reads no prediction; oracle already is the true-length plan.
             row["oracle_rollout_time_s"] = row["rollout_time_s"]
         else:
-            oracle = simulate_trace(trace, Policy(policy.name, policy.floor, policy.tailguard, oracle=True),
+            oracle = simulate_trace(trace, replace(policy, oracle=True),
                                     ranks=ranks, cost=cost, shape=shape, config=config, epochs=epochs)
             row["oracle_rollout_time_s"] = oracle.summary()["rollout_time_s"]
         rows.append(row)

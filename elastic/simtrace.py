@@ -4,7 +4,10 @@
 By default every epoch of the trace that has an earlier epoch is one rollout (its history is every
 earlier epoch, `Trace.before`). `vanilla` is verl's placement with nobody leaving and needs no
 planner; every other policy is `elastic.planner.make_plan` with the layout it names, and `oracle` is
-the planned layout given the true lengths (the bound a predictor could reach).
+the planned layout given the true lengths (the bound a predictor could reach). A policy's
+`objective` is the planner's chain criterion (`elastic.planner.OBJECTIVES`): `occupied`, the
+capacity-oriented default (fewest occupied rank-seconds), or `rollout`, the latency-oriented one
+(shortest predicted rollout). It only matters where the group may shrink (natural, planned, oracle).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from elastic.costmodel import CostModel
 from elastic.layout import natural
 from elastic.ledger import STATES, Ledger, RankLedger
 from elastic.plan import Plan
-from elastic.planner import make_plan
+from elastic.planner import OBJECTIVES, make_plan
 from elastic.schedule import build_stages
 from elastic.shape import ModelShape
 from elastic.simulate import RolloutResult, SimConfig, simulate_rollout
@@ -32,10 +35,18 @@ class Policy:
     tailguard: bool = False
     # The same planner given the true lengths (what `--compare` puts beside every policy).
     oracle: bool = False
+    objective: str = "occupied"
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise ValueError(f"unknown policy {self.name!r}; policies are {', '.join(POLICIES)}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; objectives are {', '.join(OBJECTIVES)}")
+
+    @property
+    def shrinks(self) -> bool:
+        """Whether the planner chooses a chain of stages for this policy (so `objective` matters)."""
+        return self.name not in ("vanilla", "lengthsort")
 
     @property
     def label(self) -> str:
@@ -45,7 +56,9 @@ class Policy:
             base = "lengthsort"
         else:
             base = f"{self.name} floor{self.floor}"
-        return base + (" +TailGuard" if self.tailguard else "")
+        # The default objective stays implicit, so the labels of the capacity rows do not change.
+        suffix = f" [{self.objective}]" if self.shrinks and self.objective != "occupied" else ""
+        return base + (" +TailGuard" if self.tailguard else "") + suffix
 
 
 def rollout_epochs(trace: Trace) -> list[int]:
@@ -69,7 +82,7 @@ def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *
     # lengthsort balances predicted work and keeps every rank to the end (DESIGN.md).
     floor = ranks if policy.name == "lengthsort" else policy.floor
     return make_plan(batch, history, ranks=ranks, floor=floor, shape=shape, layout=_LAYOUT[policy.name],
-                     tailguard=policy.tailguard, cost=cost,
+                     tailguard=policy.tailguard, cost=cost, objective=policy.objective,
                      true_lengths={r.key: r.response_len for r in batch} if oracle else None)
 
 
@@ -96,7 +109,8 @@ class TraceResult:
         ledger.check()
         floor = self.plans[0].floor if self.plans else self.policy.floor
         out = {"policy": self.policy.name, "label": self.policy.label, "floor": floor,
-               "tailguard": self.policy.tailguard, "rollouts": len(self.rollouts)}
+               "tailguard": self.policy.tailguard, "objective": self.policy.objective,
+               "rollouts": len(self.rollouts)}
         out.update(ledger.summary(sum(r.response_tokens for r in self.rollouts)))
         out["lower_bound_s"] = sum(r.lower_bound_s for r in self.rollouts)
         out["shrinks"] = sum(1 for r in self.rollouts for t in r.transitions if t[2] != 0)
@@ -126,16 +140,16 @@ def simulate_trace(trace: Trace, policy: Policy, *, ranks: int, cost: CostModel,
     return result
 
 
-def compare_policies(floors: tuple[int, ...] = (2, 4, 8)) -> list[Policy]:
+def compare_policies(floors: tuple[int, ...] = (2, 4, 8), objective: str = "occupied") -> list[Policy]:
     """The side-by-side set of `--compare`: vanilla, lengthsort, natural and planned at every floor,
-    each with and without TailGuard."""
+    each with and without TailGuard, natural and planned under `objective`."""
     out = [Policy("vanilla", 0)]
     for tg in (False, True):
         out.append(Policy("lengthsort", 0, tg))
     for name in ("natural", "planned"):
         for f in floors:
             for tg in (False, True):
-                out.append(Policy(name, f, tg))
+                out.append(Policy(name, f, tg, objective=objective))
     return out
 
 

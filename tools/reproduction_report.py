@@ -4,7 +4,14 @@
 
 Three synthetic traces (elastic.synth presets, parameters printed into the report): DeepScaleR-like
 math (16 ranks on 2 nodes of 8, 16k cap), Eurus-like code, and one whose history carries no signal.
-Every policy of `flexfloor simulate --compare` runs on each, with its oracle and the lower bound.
+Every policy of `flexfloor simulate --compare` runs on each, with its oracle and the lower bound,
+plus planned floor 4 + TailGuard with the planner's latency objective (`objective="rollout"`).
+The paper has two configurations: a latency-oriented one (planned floor 4 + TailGuard, judged on
+rollout time) and a capacity-oriented one (natural floor 2 + TailGuard, judged on the dummy run and
+reusable rank-time). Rollout-time figures are therefore taken from plans made with objective
+`rollout`, dummy-run and rank-time figures from plans made with `occupied` (the default); each
+table names the objective of every figure, and the goals table also gives the figure the other
+objective reaches, so no goal is judged only on the objective that suits it.
 Nothing here is tuned to the published numbers: the cost model is `CostModel()`'s cited defaults
 and the traces are the presets as the planner defines them.
 """
@@ -21,12 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastic.costmodel import CostModel
 from elastic.shape import ModelShape
 from elastic.simreport import compare_table, run_compare
-from elastic.simtrace import Policy, simulate_trace
+from elastic.simtrace import Policy, compare_policies, simulate_trace
 from elastic.simulate import SimConfig
 from elastic.synth import generate, preset
 
 RANKS = 16
 TRACES = {"deepscaler": "DeepScaleR-like math", "eurus": "Eurus-like code", "nosignal": "no-signal"}
+# The latency-oriented configuration; `compare_policies()` holds the capacity-oriented rows.
+LATENCY = Policy("planned", 4, True, objective="rollout")
+CAPACITY_PL4 = Policy("planned", 4, True).label
 
 
 def _row(rows, label):
@@ -50,37 +60,40 @@ def _check(rows) -> None:
 
 
 def paper_table(dsr, code) -> tuple[list[str], dict]:
-    van, nat2, pl4, ls = (_row(dsr, "vanilla"), _row(dsr, "natural floor2 +TailGuard"),
-                          _row(dsr, "planned floor4 +TailGuard"), _row(dsr, "lengthsort +TailGuard"))
-    cpl4 = _row(code, "planned floor4 +TailGuard")
-    vs_ls = 1 - pl4["rollout_time_s"] / ls["rollout_time_s"]
-    vs_ls_oracle = 1 - pl4["oracle_rollout_time_s"] / ls["rollout_time_s"]
+    van, nat2, ls = (_row(dsr, "vanilla"), _row(dsr, "natural floor2 +TailGuard"),
+                     _row(dsr, "lengthsort +TailGuard"))
+    pl4, pl4r = _row(dsr, CAPACITY_PL4), _row(dsr, LATENCY.label)
+    cpl4, cpl4r, cvan = _row(code, CAPACITY_PL4), _row(code, LATENCY.label), _row(code, "vanilla")
+
+    def vs_ls(row, key="rollout_time_s"):
+        return 1 - row[key] / ls["rollout_time_s"]
+
+    # (occupied, rollout) value of each goal figure: the goals table shows both.
     figures = {
         "vanilla_dummy_share": van["dummy_share"],
         "natural2_tg_dummy_cut": nat2["dummy_reduction"],
-        "planned4_tg_time_cut": pl4["rollout_time_reduction"],
-        "planned4_tg_vs_lengthsort_tg": vs_ls,
-        "code_time_cut": cpl4["rollout_time_reduction"],
-        "code_dummy_cut": cpl4["dummy_reduction"],
-        "tokens_per_occupied_gain": pl4["tokens_per_occupied_vs_vanilla"] - 1,
-        "planned4_tg_dummy_cut": pl4["dummy_reduction"],
+        "planned4_tg_time_cut": (pl4["rollout_time_reduction"], pl4r["rollout_time_reduction"]),
+        "planned4_tg_vs_lengthsort_tg": (vs_ls(pl4), vs_ls(pl4r)),
+        "tokens_per_occupied_gain": (pl4["tokens_per_occupied_vs_vanilla"] - 1,
+                                     pl4r["tokens_per_occupied_vs_vanilla"] - 1),
+        "planned4_tg_dummy_cut": (pl4["dummy_reduction"], pl4r["dummy_reduction"]),
     }
-    base_t = van["rollout_time_s"]
     lines = [
-        "| figure | paper | simulated | oracle (true lengths) |",
-        "|---|---|---|---|",
-        f"| vanilla dummy share (math) | 32.83% | {_pct(van['dummy_share'])} | — |",
-        (f"| dummy cut, natural floor2 + TailGuard | 96.15% | {_pct(nat2['dummy_reduction'])} | "
-        f"— |"),
-        (f"| rollout-time cut, planned floor4 + TailGuard vs vanilla | 24.09% | "
-        f"{_pct(pl4['rollout_time_reduction'])} | {_pct(1 - pl4['oracle_rollout_time_s'] / base_t)} |"),
-        (f"| rollout-time cut, planned floor4 + TailGuard vs lengthsort + TailGuard | 2.31% | {_pct(vs_ls)} | "
-        f"{_pct(vs_ls_oracle)} |"),
-        (f"| code: rollout-time cut (planned floor4 + TailGuard) | 20.56% | {_pct(cpl4['rollout_time_reduction'])} | "
-        f"{_pct(1 - cpl4['oracle_rollout_time_s'] / _row(code, 'vanilla')['rollout_time_s'])} |"),
-        f"| code: dummy cut (planned floor4 + TailGuard) | 89.13% | {_pct(cpl4['dummy_reduction'])} | — |",
-        (f"| response tokens per occupied rank-s vs vanilla (planned floor4 + TailGuard) | +65.40% | "
-        f"{100 * (pl4['tokens_per_occupied_vs_vanilla'] - 1):+.2f}% | — |"),
+        "| figure | paper | objective | simulated | oracle (true lengths) |",
+        "|---|---|---|---|---|",
+        f"| vanilla dummy share (math) | 32.83% | — | {_pct(van['dummy_share'])} | — |",
+        f"| dummy cut, natural floor2 + TailGuard | 96.15% | occupied | {_pct(nat2['dummy_reduction'])} | — |",
+        (f"| rollout-time cut, planned floor4 + TailGuard vs vanilla | 24.09% | rollout | "
+         f"{_pct(pl4r['rollout_time_reduction'])} | "
+         f"{_pct(1 - pl4r['oracle_rollout_time_s'] / van['rollout_time_s'])} |"),
+        (f"| rollout-time cut, planned floor4 + TailGuard vs lengthsort + TailGuard | 2.31% | rollout | "
+         f"{_pct(vs_ls(pl4r))} | {_pct(vs_ls(pl4r, 'oracle_rollout_time_s'))} |"),
+        (f"| code: rollout-time cut (planned floor4 + TailGuard) | 20.56% | rollout | "
+         f"{_pct(cpl4r['rollout_time_reduction'])} | "
+         f"{_pct(1 - cpl4r['oracle_rollout_time_s'] / cvan['rollout_time_s'])} |"),
+        f"| code: dummy cut (planned floor4 + TailGuard) | 89.13% | occupied | {_pct(cpl4['dummy_reduction'])} | — |",
+        (f"| response tokens per occupied rank-s vs vanilla (planned floor4 + TailGuard) | +65.40% | occupied | "
+         f"{100 * (pl4['tokens_per_occupied_vs_vanilla'] - 1):+.2f}% | — |"),
     ]
     return lines, figures
 
@@ -93,21 +106,31 @@ def goals_table(figures: dict, nosignal) -> list[str]:
     def met(ok: bool) -> str:
         return "**met**" if ok else "**not met**"
 
+    def goal(text, target, key, judged_on, fmt, ok):
+        occupied, rollout = figures[key]
+        value, other = (occupied, rollout) if judged_on == "occupied" else (rollout, occupied)
+        other_name = "rollout" if judged_on == "occupied" else "occupied"
+        return (f"| {text} | {target} | {judged_on} | {fmt(value)} | {other_name}: {fmt(other)} "
+                f"| {met(ok(value))} |")
+
+    def ratio(x):
+        return f"{1 + x:.3f}x"
+
     return [
-        "| goal (issue 7) | target | simulated | verdict |",
-        "|---|---|---|---|",
-        (f"| planned + TailGuard (floor 4) dummy rank-s cut vs vanilla | ≥ 97% "
-         f"| {_pct(figures['planned4_tg_dummy_cut'])} | {met(figures['planned4_tg_dummy_cut'] >= 0.97)} |"),
-        (f"| planned + TailGuard rollout-time cut vs vanilla | ≥ 25% | {_pct(figures['planned4_tg_time_cut'])} "
-        f"| {met(figures['planned4_tg_time_cut'] >= 0.25)} |"),
-        (f"| planned + TailGuard rollout-time cut vs lengthsort + TailGuard | ≥ 3% | "
-        f"{_pct(figures['planned4_tg_vs_lengthsort_tg'])} | {met(figures['planned4_tg_vs_lengthsort_tg'] >= 0.03)} |"),
-        (f"| response tokens per occupied rank-s vs vanilla | ≥ 1.7x | {1 + figures['tokens_per_occupied_gain']:.3f}x "
-        f"| {met(figures['tokens_per_occupied_gain'] >= 0.7)} |"),
-        (f"| no-signal trace: slowest policy of ours vs vanilla | ≤ +2% | {slow:+.2%} ({worst['label']}) "
-        f"| {met(slow <= 0.02)} |"),
-        (f"| vanilla dummy share, math trace | 25–40% | {_pct(figures['vanilla_dummy_share'])} "
-        f"| {met(0.25 <= figures['vanilla_dummy_share'] <= 0.40)} |"),
+        "| goal (issue 7) | target | objective | simulated | under the other objective | verdict |",
+        "|---|---|---|---|---|---|",
+        goal("planned + TailGuard (floor 4) dummy rank-s cut vs vanilla", "≥ 97%", "planned4_tg_dummy_cut",
+             "occupied", _pct, lambda v: v >= 0.97),
+        goal("planned + TailGuard rollout-time cut vs vanilla", "≥ 25%", "planned4_tg_time_cut",
+             "rollout", _pct, lambda v: v >= 0.25),
+        goal("planned + TailGuard rollout-time cut vs lengthsort + TailGuard", "≥ 3%",
+             "planned4_tg_vs_lengthsort_tg", "rollout", _pct, lambda v: v >= 0.03),
+        goal("response tokens per occupied rank-s vs vanilla", "≥ 1.7x", "tokens_per_occupied_gain",
+             "occupied", ratio, lambda v: v >= 0.7),
+        (f"| no-signal trace: slowest policy of ours vs vanilla | ≤ +2% | both | {slow:+.2%} ({worst['label']}) "
+         f"| — | {met(slow <= 0.02)} |"),
+        (f"| vanilla dummy share, math trace | 25–40% | — | {_pct(figures['vanilla_dummy_share'])} | — "
+         f"| {met(0.25 <= figures['vanilla_dummy_share'] <= 0.40)} |"),
     ]
 
 
@@ -139,6 +162,7 @@ def main(argv=None) -> int:
         trace = generate(preset(name), seed=args.seed)
         print(f"[{time.time() - started:6.1f} s] {title}: {len(trace)} responses, epochs {trace.epochs}", flush=True)
         rows = run_compare(trace, ranks=RANKS, cost=cost, shape=shape, config=config,
+                           policies=[*compare_policies(), LATENCY],
                            progress=lambda label: print(f"    {label}", flush=True))
         _check(rows)
         for r in rows:
@@ -168,6 +192,14 @@ def main(argv=None) -> int:
         "Eurus-2-RL rollouts on 16 H100s); ours are for synthetic traces with the parameters below. They",
         "are comparable in kind, not in value: see *Where the simulator cannot match the paper*.",
         "",
+        ("The paper reports two configurations: latency-oriented (planned floor 4 + TailGuard, judged on "
+         "rollout time) and capacity-oriented (natural floor 2 + TailGuard, judged on the dummy run and "
+         "reusable rank-time). The planner has a matching objective (`make_plan(objective=...)`, "
+         "`flexfloor simulate --objective`): `rollout` picks the chain of stages with the shortest "
+         "predicted rollout, `occupied` (the default) the one with the fewest occupied rank-seconds. "
+         "Rollout-time figures below come from plans made with `rollout` (the row "
+         f"`{LATENCY.label}` of the tables), the others from `occupied`; the *objective* column says which."),
+        "",
         *paper,
         "",
         (f"Vanilla's dummy share on the math preset by trace seed 0-5: "
@@ -181,6 +213,10 @@ def main(argv=None) -> int:
         f"+ {nat2['other_rank_s']:.1f} other (change of busy and transition rank-s)."),
         "",
         "## Our goals",
+        "",
+        ("Each goal is judged on the objective that matches it (rollout time on `rollout`, dummy run and "
+         "rank-time on `occupied`); the column beside it gives the same figure under the other objective: "
+         "one plan cannot be tuned for both at once."),
         "",
         *goals_table(figures, results["nosignal"]),
         "",

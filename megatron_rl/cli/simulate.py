@@ -20,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="planned", choices=["vanilla", "lengthsort", "natural", "planned", "oracle"])
     p.add_argument("--floor", type=int, default=4, help="fewest ranks the EP group may shrink to (default 4)")
     p.add_argument("--tailguard", action="store_true", help="plan with TailGuard's calibrated upper bounds")
+    p.add_argument("--objective", default="occupied", choices=["occupied", "rollout"],
+                   help="how the planner picks the chain of stages: fewest occupied rank-seconds "
+                        "(capacity, default) or shortest predicted rollout (latency)")
     p.add_argument("--ranks", type=int, default=16, help="ranks (accelerators) W (default 16)")
     p.add_argument("--model", default=None, help="model and hardware shape (elastic.shape.SHAPES)")
     p.add_argument("--cost", default=None, metavar="YAML", help="cost-model fields to override (YAML mapping)")
@@ -104,21 +107,23 @@ def _run(args) -> int:
     from dataclasses import replace
 
     from elastic.simreport import compare_table, run_compare, single_report
-    from elastic.simtrace import Policy, simulate_trace
+    from elastic.simtrace import Policy, compare_policies, simulate_trace
 
     trace, epochs, shape, cost, config = _setup(args)
     if args.compare:
         rows = run_compare(trace, ranks=args.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
+                           policies=compare_policies(objective=args.objective),
                            progress=lambda label: print(f"simulating {label} ...", file=sys.stderr, flush=True))
         if args.json:
-            print(json.dumps({"ranks": args.ranks, "rollouts": len(epochs), "rows": rows}))
+            print(json.dumps({"ranks": args.ranks, "rollouts": len(epochs), "objective": args.objective,
+                              "rows": rows}))
         else:
             print(compare_table(rows))
         results = [r["_result"] for r in rows] if args.plot else []
         for r in rows:
             r.pop("_result", None)
     else:
-        policy = Policy(args.policy, args.floor, args.tailguard)
+        policy = Policy(args.policy, args.floor, args.tailguard, objective=args.objective)
         result = simulate_trace(trace, policy, ranks=args.ranks, cost=cost, shape=shape, config=config,
                                 epochs=epochs)
         summary = result.summary()

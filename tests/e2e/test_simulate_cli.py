@@ -10,7 +10,7 @@ from elastic.synth import generate, preset
 from elastic.trace import write_trace
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"policy", "floor", "tailguard", "ranks", "rollouts", "rollout_time_s", "rank_seconds",
+KEYS = {"policy", "floor", "tailguard", "objective", "ranks", "rollouts", "rollout_time_s", "rank_seconds",
         "response_tokens", "tokens_per_occupied_rank_s"}
 
 
@@ -38,6 +38,16 @@ def test_json_has_the_issue_keys_and_the_ledger_adds_up(trace, policy):
     assert set(out["rank_seconds"]) == {"busy", "dummy", "transition", "leased", "idle"}
     assert sum(out["rank_seconds"].values()) == pytest.approx(8 * out["rollout_time_s"], rel=1e-9)
     assert out["rollout_time_s"] >= out["lower_bound_s"]
+
+
+def test_objective_flag(trace):
+    base = ["--trace", str(trace), "--policy", "planned", "--floor", "2", "--ranks", "8", "--json"]
+    default = json.loads(cli(*base).stdout)
+    latency = json.loads(cli(*base, "--objective", "rollout").stdout)
+    assert default["objective"] == "occupied" and default["label"] == "planned floor2"
+    assert latency["objective"] == "rollout" and latency["label"] == "planned floor2 [rollout]"
+    proc = cli(*base, "--objective", "fastest", check=False)
+    assert proc.returncode == 2 and "--objective" in proc.stderr
 
 
 def test_compare_table_and_plots(trace, tmp_path):

@@ -5,6 +5,7 @@ a `PlanError` that says why. Memory is re-checked here from first principles: ex
 member per stage, and, with exact lengths (the oracle), each rank's true KV peak.
 """
 import math
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -37,7 +38,7 @@ def problems(draw):
     floor = draw(st.integers(1, ranks))
     prompts = draw(st.integers(1, 10))
     samples = draw(st.integers(1, 4))
-    lengths = draw(st.lists(st.integers(1, 400), min_size=prompts * samples,
+    lengths = draw(st.lists(st.integers(0, 400), min_size=prompts * samples,
                             max_size=prompts * samples))
     prompt_lens = draw(st.lists(st.integers(1, 60), min_size=prompts, max_size=prompts))
     slots = draw(st.integers(0, experts + 2))
@@ -146,6 +147,52 @@ def test_kv_that_cannot_fit_is_rejected():
         with pytest.raises(PlanError, match="KV cache"):
             make_plan(batch, Trace([]), ranks=1, floor=1, shape=shape, layout=layout,
                       tailguard=False, true_lengths=lengths)
+    plan = make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="planned",
+                     tailguard=False, true_lengths=lengths)
+    _check_safe(plan, batch, shape, 1, 2, lengths)
+
+
+def test_a_huge_prompt_with_short_responses_is_rejected():
+    # Prompt KV is held from prefill on, however short the response: 10 million prompt tokens
+    # never fit, whatever the lengths or their prediction say.
+    history = Trace([TraceRecord("a", 0, s, 10_000_000, 10) for s in range(4)])
+    batch = [TraceRecord("a", 1, s, 10_000_000, 10) for s in range(4)]
+    shape = tiny_shape(8, 8, 100_000)
+    for kw in ({"true_lengths": {r.key: 10 for r in batch}}, {}):
+        for layout in ("natural", "lengthsort", "planned"):
+            with pytest.raises(PlanError, match="KV cache cannot fit"):
+                make_plan(batch, history, ranks=2, floor=1, shape=shape, layout=layout,
+                          tailguard=True, **kw)
+    with pytest.raises(PlanError, match=r"alone needs up to 100000\d\d KV tokens \(its prompt is "
+                                        r"10000000\)"):
+        make_plan(batch, history, ranks=2, floor=1, shape=shape, layout="lengthsort",
+                  tailguard=False, true_lengths={r.key: 10 for r in batch})
+
+
+@pytest.mark.parametrize("tailguard", [False, True])
+@pytest.mark.parametrize("layout", ["natural", "lengthsort", "planned"])
+def test_every_prompt_is_counted_not_its_expectation(layout, tailguard):
+    # History of 1- or 50-token responses: the predictive distribution leaves ~8% of its mass
+    # below one token. All 200 prompts are prefilled at once (200 x 1,001 KV tokens), so a budget
+    # of 195,000 must be rejected although the expected demand (~190,500) is below it.
+    rng = random.Random(0)
+    history = Trace([TraceRecord(f"q{p}", e, s, 1000, rng.choice([1, 50]))
+                     for e in range(2) for p in range(50) for s in range(4)])
+    batch = [TraceRecord(f"q{p}", 2, s, 1000, 1) for p in range(50) for s in range(4)]
+    with pytest.raises(PlanError, match="KV cache cannot fit"):
+        make_plan(batch, history, ranks=1, floor=1, shape=tiny_shape(8, 8, 195_000),
+                  layout=layout, tailguard=tailguard)
+    make_plan(batch, history, ranks=1, floor=1, shape=tiny_shape(8, 8, 205_000), layout=layout,
+              tailguard=tailguard)
+
+
+def test_empty_responses_hold_their_prompts():
+    batch = [TraceRecord("a", 0, s, 5000, 0) for s in range(4)]
+    shape = tiny_shape(8, 8, 12_000)  # two prompts fit a rank, not four
+    lengths = {r.key: 0 for r in batch}
+    with pytest.raises(PlanError, match="KV cache cannot fit"):
+        make_plan(batch, Trace([]), ranks=1, floor=1, shape=shape, layout="planned",
+                  tailguard=False, true_lengths=lengths)
     plan = make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="planned",
                      tailguard=False, true_lengths=lengths)
     _check_safe(plan, batch, shape, 1, 2, lengths)

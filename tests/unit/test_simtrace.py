@@ -2,6 +2,7 @@
 import pytest
 
 from elastic.costmodel import DEFAULT_COST
+from elastic.planner import make_plan
 from elastic.shape import ModelShape
 from elastic.simreport import run_compare
 from elastic.simtrace import POLICIES, Policy, compare_policies, simulate_trace
@@ -61,3 +62,27 @@ def test_a_one_epoch_trace_has_no_rollout_to_simulate():
     trace = Trace([TraceRecord("p", 0, 0, 10, 100)], "one.jsonl")
     with pytest.raises(TraceError, match="one.jsonl.*at least 2 epochs"):
         simulate_trace(trace, Policy("vanilla", 4), ranks=4, cost=DEFAULT_COST, shape=SHAPE)
+
+
+def test_the_objective_reaches_the_planner_and_the_labels(small):
+    latency = simulate_trace(small, Policy("planned", 2, True, objective="rollout"), ranks=8,
+                             cost=DEFAULT_COST, shape=SHAPE, epochs=[1])
+    capacity = simulate_trace(small, Policy("planned", 2, True), ranks=8, cost=DEFAULT_COST, shape=SHAPE,
+                              epochs=[1])
+    for res, objective in ((latency, "rollout"), (capacity, "occupied")):
+        direct = make_plan(small.epoch(1), small.before(1), ranks=8, floor=2, shape=SHAPE, layout="planned",
+                           tailguard=True, cost=DEFAULT_COST, objective=objective)
+        assert res.plans[0].meta["chain"] == direct.meta["chain"]
+        assert res.summary()["objective"] == objective
+    # On this trace the two objectives pick different chains; each wins on its own criterion.
+    lat, cap = latency.plans[0].meta, capacity.plans[0].meta
+    assert lat["chain"] != cap["chain"]
+    assert lat["predicted_rollout_s"] <= cap["predicted_rollout_s"]
+    assert cap["predicted_occupied_rank_s"] <= lat["predicted_occupied_rank_s"]
+    assert latency.summary()["label"] == "planned floor2 +TailGuard [rollout]"
+    assert capacity.summary()["label"] == "planned floor2 +TailGuard"
+    # Where nothing shrinks the objective changes nothing, and the label says so.
+    assert Policy("lengthsort", 0, True, objective="rollout").label == "lengthsort +TailGuard"
+    assert {p.objective for p in compare_policies(objective="rollout") if p.shrinks} == {"rollout"}
+    with pytest.raises(ValueError, match="objective"):
+        Policy("planned", 2, objective="fastest")
