@@ -93,31 +93,37 @@ class Trace:
         return Trace((r for r in self.records if r.epoch < e), f"{self.source}[epoch<{e}]")
 
 
-def read_trace(path: str | Path) -> Trace:
-    path = Path(path)
+def iter_jsonl(path: Path, error: type[Exception], what: str):
+    """`(where, lineno, obj)` for each non-blank line of a JSON Lines file; `obj` is an `error`
+    instance for a line that is not JSON, so a caller can raise it or count it and go on."""
     try:
         fh = path.open(encoding="utf-8")
     except OSError as e:
-        raise TraceError(f"{path}: cannot read trace ({e.strerror})") from None
-    records = []
-    seen: dict[tuple[int, str, int], int] = {}
+        raise error(f"{path}: cannot read {what} ({e.strerror})") from None
     with fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                obj = json.loads(line)
+                yield where, lineno, json.loads(line)
             except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
-            rec = parse_record(obj, where)
-            k = (rec.epoch, rec.prompt_id, rec.sample)
-            if k in seen:
-                raise TraceError(
-                    f"{where}: duplicate (epoch, prompt_id, sample) {k}, first on line {seen[k]}"
-                )
-            seen[k] = lineno
-            records.append(rec)
+                yield where, lineno, error(f"{where}: not valid JSON ({e.msg})")
+
+
+def read_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    records = []
+    seen: dict[tuple[int, str, int], int] = {}
+    for where, lineno, obj in iter_jsonl(path, TraceError, "trace"):
+        if isinstance(obj, TraceError):
+            raise obj
+        rec = parse_record(obj, where)
+        k = (rec.epoch, rec.prompt_id, rec.sample)
+        if k in seen:
+            raise TraceError(f"{where}: duplicate (epoch, prompt_id, sample) {k}, first on line {seen[k]}")
+        seen[k] = lineno
+        records.append(rec)
     if not records:
         raise TraceError(f"{path}: the trace is empty")
     return Trace(records, str(path))

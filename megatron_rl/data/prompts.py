@@ -12,12 +12,12 @@ must be unique: they key the length history the planner reads and the sampling s
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from elastic.trace import iter_jsonl
 from megatron_rl.config import require
 from megatron_rl.errors import FlexFloorError
 
@@ -70,19 +70,8 @@ class PromptDataset:
 
 
 def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
-    try:
-        fh = path.open(encoding="utf-8")
-    except OSError as e:
-        raise DatasetError(f"{path}: cannot read dataset ({e.strerror})") from None
-    with fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield where, DatasetError(f"{where}: not valid JSON ({e.msg})")
+    for where, _, obj in iter_jsonl(path, DatasetError, "dataset"):
+        yield where, obj
 
 
 def _hf_rows(path: Path, split: str) -> Iterable[tuple[str, Any]]:
