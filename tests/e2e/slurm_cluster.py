@@ -245,7 +245,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=60 State=UP
                 self._wait_no_jobs(15)
             except (subprocess.TimeoutExpired, OSError):
                 pass
-        for name, proc in reversed(self._procs):
+        for _name, proc in reversed(self._procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:

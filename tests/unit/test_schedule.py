@@ -42,7 +42,7 @@ def test_shrink_moves_only_orphans_and_stays_balanced(E, W, g):
     for e, rs in after.items():
         assert rs and set(rs) <= survivors
         # A survivor keeps an expert it held unless it dropped a spare replica.
-        for r in set(before[e]) & survivors - set(rs):
+        for _r in set(before[e]) & survivors - set(rs):
             assert len(rs) >= 1 and len(before[e]) > 1
     held = held_counts(after, range(g))
     assert max(held.values()) <= math.ceil(E / g) + (1 if E < W else 0)
