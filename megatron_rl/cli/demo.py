@@ -19,7 +19,6 @@ def run(args) -> int:
     from megatron_rl.rollout.runner import run_rollouts
 
     base = overrides_from_args(args)
-    base.pop("policy", None)
     elastic = {"policy": "planned", "floor": args.floor or 1, "tailguard": True}
     cfgs = [load_dataclass(RolloutConfig, args.config, {**base, "policy": "vanilla"}),
             load_dataclass(RolloutConfig, args.config, {**base, **elastic})]
@@ -54,5 +53,5 @@ def register(sub) -> None:
 
     p = sub.add_parser("demo", help="the built-in example: vanilla vs FlexFloor on 4 CPU ranks",
                        description=__doc__)
-    add_rollout_args(p, default_config=None)
+    add_rollout_args(p, default_config=None, policy=False)
     p.set_defaults(func=run)

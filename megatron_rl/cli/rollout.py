@@ -8,14 +8,15 @@ import time
 from pathlib import Path
 
 
-def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None) -> None:
+def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, policy: bool = True) -> None:
     p.add_argument("--config", default=default_config,
                    help="YAML rollout config (default: the built-in tiny CPU example)")
     p.add_argument("--trace", help="length trace (JSON Lines) to replay instead of the synthetic batch")
     p.add_argument("--epoch", type=int, help="trace epoch to replay (default: the last)")
     p.add_argument("--length-scale", type=float, help="multiply traced lengths by this (CPU runs)")
     p.add_argument("--ranks", type=int, help="number of ranks (ignored under torchrun: WORLD_SIZE)")
-    p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned"])
+    if policy:  # `demo` runs a fixed pair of policies
+        p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned"])
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to")
     p.add_argument("--tailguard", action="store_true", default=None, help="guard predictions with TailGuard")
     p.add_argument("--seed", type=int)
