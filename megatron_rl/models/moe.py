@@ -9,9 +9,16 @@ a new dispatcher; the bank grows or shrinks as experts move.
 
 Experts are keyed by their *global* index (`local_experts.<e>`), which is Megatron's SequentialMLP
 naming at EP=1; a rank's bank simply holds a subset of the keys.
+
+Two ways to compute, one result: with autograd on (training) each expert's two matmuls run on its
+own parameters; without it (rollout) the bank runs one grouped GEMM per matmul (`torch._grouped_mm`,
+as torchtitan's GroupedExperts) over a stacked copy of the weights. `_grouped_mm` equals the
+per-expert `F.linear` bit for bit (tests/unit/test_moe_grouped.py); float64 has no CPU grouped GEMM,
+so float64 keeps the per-expert loop.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Iterable, Protocol
 
 import torch
@@ -19,6 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rl.models.config import MoEModelConfig
+
+# Dtypes `torch._grouped_mm` takes on CPU (torch 2.13); float64 falls back to one matmul per expert.
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def widens(dtype: torch.dtype) -> bool:
@@ -66,29 +76,62 @@ class ExpertBank(nn.Module):
     def drop(self, e: int) -> None:
         del self.local_experts[str(e)]
 
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The held experts' weights stacked in `held()` order, laid out for `_grouped_mm`:
+        fc1 as [E, D, 2F] and fc2 as [E, F, D] (transposed views of [E, 2F, D] / [E, D, F]).
+
+        A copy of the parameters (they stay the truth for training, checkpoints and expert moves),
+        rebuilt when the held set changes or any weight is written: a parameter's identity and its
+        in-place version counter (bumped by optimizer steps, weight sync and `copy_`) key the copy.
+        It costs a second copy of the local expert weights while a rollout runs.
+        """
+        modules = tuple(self.local_experts[str(e)] for e in self.held())
+        if getattr(self, "_stacked_of", None) != modules:
+            self._stacked_of = modules
+            self._stacked_params = [(ex.linear_fc1.weight, ex.linear_fc2.weight) for ex in modules]
+            self._stacked_key = None
+        key = tuple((id(w1), w1._version, id(w2), w2._version) for w1, w2 in self._stacked_params)
+        if self._stacked_key != key:
+            with torch.no_grad():
+                fc1_E2FD = torch.stack([w1 for w1, _ in self._stacked_params])
+                fc2_EDF = torch.stack([w2 for _, w2 in self._stacked_params])
+            self._stacked = (fc1_E2FD.transpose(1, 2), fc2_EDF.transpose(1, 2))
+            self._stacked_key = key
+        return self._stacked
+
     def compute(self, x_TD: torch.Tensor, expert_T: torch.Tensor) -> torch.Tensor:
         """Run each token through its expert (SwiGLU): out = fc2(silu(gate) * up), [gate; up] = fc1(x).
 
         A token's result depends only on its own row and its expert's weights (row-wise matmuls),
         up to the BLAS kernel's blocking; see docs/rollout.md on batch invariance. One stable sort
-        groups the tokens by expert (each expert's rows keep their order); only the two matmuls run
-        per expert, the elementwise SwiGLU runs once over all rows (the same numbers, fewer ops).
+        groups the tokens by expert (each expert's rows keep their order); the elementwise SwiGLU
+        runs once over all rows, only the two matmuls are per expert (or one grouped GEMM each).
         """
         if x_TD.shape[0] == 0:
             return torch.empty_like(x_TD)
         order_T = torch.argsort(expert_T, stable=True)
-        hit = [(e, n) for e, n in enumerate(torch.bincount(expert_T).tolist()) if n]
-        missing = [e for e, _ in hit if str(e) not in self.local_experts]
+        count = dict(enumerate(torch.bincount(expert_T).tolist()))
+        held = self.held()
+        missing = sorted(set(e for e, n in count.items() if n) - set(held))
         if missing:
-            raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {self.held()})")
-        sizes = [n for _, n in hit]
-        experts = [self.get(e) for e, _ in hit]
-        x_parts = torch.split(x_TD.index_select(0, order_T), sizes)
-        h_T2F = torch.cat([F.linear(x, ex.linear_fc1.weight) for x, ex in zip(x_parts, experts)])
-        gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
-        a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes)
-        out_TD = torch.empty_like(x_TD)
-        out_TD[order_T] = torch.cat([F.linear(a, ex.linear_fc2.weight) for a, ex in zip(a_parts, experts)])
+            raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {held})")
+        x_TD = x_TD.index_select(0, order_T)
+        if not torch.is_grad_enabled() and x_TD.dtype in GROUPED_MM_DTYPES:
+            # Group i is the i-th held expert's rows, offs[i-1]:offs[i]; unrouted experts are empty groups.
+            offs_E = torch.tensor(list(itertools.accumulate(count.get(e, 0) for e in held)), dtype=torch.int32)
+            fc1_ED2F, fc2_EFD = self.stacked()
+            h_T2F = torch._grouped_mm(x_TD, fc1_ED2F, offs=offs_E)
+            gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
+            y_TD = torch._grouped_mm(F.silu(gate_TF) * up_TF, fc2_EFD, offs=offs_E)
+        else:
+            sizes = [count[e] for e in held if count.get(e, 0)]
+            experts = [self.get(e) for e in held if count.get(e, 0)]
+            h_T2F = torch.cat([F.linear(x, ex.linear_fc1.weight) for x, ex in zip(torch.split(x_TD, sizes), experts)])
+            gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
+            a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes)
+            y_TD = torch.cat([F.linear(a, ex.linear_fc2.weight) for a, ex in zip(a_parts, experts)])
+        out_TD = torch.empty_like(y_TD)
+        out_TD[order_T] = y_TD
         return out_TD
 
 

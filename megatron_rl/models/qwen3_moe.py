@@ -49,23 +49,33 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf.to(x.dtype) if widens(x.dtype) else xf
 
 
-@functools.lru_cache(maxsize=8)
-def _inv_freq(dim: int, base: float) -> torch.Tensor:
-    with torch.inference_mode(False):  # a normal tensor, usable by autograd in training too
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+@functools.lru_cache(maxsize=16)
+def _rope_table(dim: int, base: float, dtype: torch.dtype, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [positions, dim] for positions 0..positions-1, angles in float64; the
+    first half of sin is negated (see `apply_rope`). A normal tensor (not an inference one), so
+    training can use it under autograd too."""
+    with torch.inference_mode(False):
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq
+        ang = torch.cat([ang, ang], dim=-1)
+        sin = ang.sin()
+        sin[:, : dim // 2] *= -1
+        return ang.cos().to(dtype), sin.to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
-    ang = positions.to(torch.float64)[..., None] * _inv_freq(dim, base)
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    """cos and signed sin [*positions.shape, dim]: rows of a table that grows in powers of two, so a decode
+    step indexes it instead of recomputing its angles."""
+    need = int(positions.max()) + 1 if positions.numel() else 1
+    cos, sin = _rope_table(dim, base, dtype, max(256, 1 << (need - 1).bit_length()))
+    return cos[positions], sin[positions]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE over the last dim; `cos`/`sin` already broadcast against `x`."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """Rotate-half RoPE over the last dim; `cos`/`sin` (signed, from `rope_cos_sin`) already
+    broadcast against `x`. HF's rotate_half(x) * sin is cat(-x2, x1) * sin; rolling x by half gives
+    cat(x2, x1), and the sign lives in the table's sin: the same products, one op instead of four."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class SelfAttention(nn.Module):
@@ -78,7 +88,7 @@ class SelfAttention(nn.Module):
         self.k_layernorm = RMSNorm(c, config.layernorm_epsilon, dtype)
         self.linear_proj = nn.Linear(config.num_attention_heads * c, config.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x_BSD, cos_BSC, sin_BSC, cache: KVCacheLike | None):
+    def forward(self, x_BSD, cos_BS11C, sin_BS11C, cache: KVCacheLike | None):
         cfg = self.cfg
         B, S, _ = x_BSD.shape
         c, g, hpg = cfg.kv_channels, cfg.num_query_groups, cfg.heads_per_group
@@ -87,26 +97,22 @@ class SelfAttention(nn.Module):
         # both are per-head, elementwise ops, so the numbers equal separate q and k passes.
         w_NC = torch.cat([self.q_layernorm.weight.expand(hpg, c), self.k_layernorm.weight[None]])
         qk_BSGNC = w_NC * rms_normalize(qkv_BSGNC[:, :, :, :hpg + 1], cfg.layernorm_epsilon)
-        qk_BSGNC = apply_rope(qk_BSGNC, cos_BSC[:, :, None, None], sin_BSC[:, :, None, None])
+        qk_BSGNC = apply_rope(qk_BSGNC, cos_BS11C, sin_BS11C)
         q_BHSC = qk_BSGNC[:, :, :, :hpg].reshape(B, S, g * hpg, c).transpose(1, 2)
         k_BGSC = qk_BSGNC[:, :, :, hpg].transpose(1, 2)
         v_BGSC = qkv_BSGNC[:, :, :, hpg + 1].transpose(1, 2)
         if cache is None:
-            mask_BSL = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()[None].expand(B, S, S)
-            k_BGLC, v_BGLC = k_BGSC, v_BGSC
+            k_BGLC, v_BGLC, mask_B1SL = k_BGSC, v_BGSC, None
         else:
             k_BGLC, v_BGLC, mask_BSL = cache.update(self.layer, k_BGSC, v_BGSC)
-        # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out. The H/G
-        # heads of a group are stacked along the query axis (Q = H/G x S) instead of copying K and V
-        # per head; every score is the same dot product either way.
-        L = k_BGLC.shape[2]
-        q_BGQC = q_BHSC.reshape(B, g, hpg * S, c)
-        scores = (q_BGQC @ k_BGLC.transpose(-1, -2)).view(B, g * hpg, S, L) * (c ** -0.5)
-        scores = scores.masked_fill(~mask_BSL[:, None], float("-inf"))
-        probs = torch.softmax(scores.float() if widens(scores.dtype) else scores, dim=-1)
-        probs = probs.to(v_BGLC.dtype) if widens(scores.dtype) else probs
-        out_BGQC = probs.view(B, g, hpg * S, L) @ v_BGLC
-        out_BSHC = out_BGQC.view(B, g * hpg, S, c).transpose(1, 2)
+            mask_B1SL = mask_BSL[:, None]
+        # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out
+        # (`enable_gqa`). The CPU kernel accumulates the softmax in fp32 for half types, as HF does.
+        # A masked key adds an exact zero, so padding the key axis to the batch's longest sequence
+        # leaves a row's result unchanged.
+        out_BHSC = F.scaled_dot_product_attention(q_BHSC, k_BGLC, v_BGLC, attn_mask=mask_B1SL,
+                                                  is_causal=mask_B1SL is None, enable_gqa=True)
+        out_BSHC = out_BHSC.transpose(1, 2)
         return self.linear_proj(out_BSHC.reshape(B, S, -1))
 
 
@@ -198,7 +204,8 @@ class Qwen3MoeModel(nn.Module):
         B, S = input_ids_BS.shape
         if positions_BS is None:
             positions_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
-        cos, sin = rope_cos_sin(positions_BS, self.config.kv_channels, self.config.rotary_base, self.dtype)
+        cos_BSC, sin_BSC = rope_cos_sin(positions_BS, self.config.kv_channels, self.config.rotary_base, self.dtype)
+        cos, sin = cos_BSC[:, :, None, None], sin_BSC[:, :, None, None]  # against [B, S, G, N, C]
         x_BSD = self.embedding.word_embeddings(input_ids_BS)
         for layer in self.decoder.layers:
             x_BSD = layer(x_BSD, cos, sin, cache, token_mask_BS)

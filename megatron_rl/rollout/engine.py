@@ -97,19 +97,16 @@ class RolloutEngine:
             ids[b, : lens[b]] = torch.tensor(r.prompt, dtype=torch.long)
         lens_B = torch.tensor(lens)
         mask_BS = torch.arange(S)[None] < lens_B[:, None]
-        self.cache.select([r.slot for r in admit], lens)
-        logits_BV = self.model(ids, torch.arange(S).expand(len(admit), S), self.cache, mask_BS,
-                               logits_at_B=lens_B - 1)
+        pos_BS = self.cache.select([r.slot for r in admit], lens)
+        logits_BV = self.model(ids, pos_BS, self.cache, mask_BS, logits_at_B=lens_B - 1)
         self.cache.commit()
         self.live.extend(admit)
         return self._emit(admit, logits_BV)
 
     def _decode(self) -> int:
         batch = self.live
-        slots = [r.slot for r in batch]
         ids = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long)
-        pos = self.cache.lengths[torch.tensor(slots)][:, None]
-        self.cache.select(slots, [1] * len(batch))
+        pos = self.cache.select([r.slot for r in batch], [1] * len(batch))
         logits_BV = self.model(ids, pos, self.cache, None)[:, 0]  # one position per row: no gather
         self.cache.commit()
         return self._emit(batch, logits_BV)

@@ -15,11 +15,14 @@ class SlotKVCache:
         shape = (slots, groups, max_len, channels)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.lengths = torch.zeros(slots, dtype=torch.long)
+        # Per-slot sequence lengths as Python ints: the engine's bookkeeping is on the host, so
+        # the checks and the key length below cost no tensor ops.
+        self.lengths = [0] * slots
         self.max_len = max_len
         self.free = list(range(slots - 1, -1, -1))
-        self._slots = torch.zeros(0, dtype=torch.long)
-        self._new = torch.zeros(0, dtype=torch.long)
+        self._slots: list[int] = []
+        self._new: list[int] = []
+        self._run: slice | None = None
 
     def alloc(self) -> int:
         if not self.free:
@@ -31,35 +34,46 @@ class SlotKVCache:
     def release(self, slot: int) -> None:
         self.free.append(slot)
 
-    def select(self, slots: list[int], new_tokens: list[int]) -> None:
-        """The next forward covers `slots`, appending `new_tokens[i]` real tokens to slot i.
+    def select(self, slots: list[int], new_tokens: list[int]) -> torch.Tensor:
+        """The next forward covers `slots`, appending `new_tokens[i]` real tokens to slot i; returns
+        the queries' absolute positions [B, S] (S = max(new_tokens)).
 
         The write positions, the key length and the attention mask are the same in every layer,
         so they are computed here once per forward rather than in each layer's `update`.
         """
-        self._slots = torch.tensor(slots, dtype=torch.long)
-        self._new = torch.tensor(new_tokens, dtype=torch.long)
-        start = self.lengths[self._slots]
-        if (start + self._new).max().item() > self.max_len:
+        start = [self.lengths[s] for s in slots]
+        if max(b + n for b, n in zip(start, new_tokens)) > self.max_len:
             raise RuntimeError(f"sequence longer than the KV cache's {self.max_len} positions")
+        self._slots, self._new = list(slots), list(new_tokens)
         B, S = len(slots), max(new_tokens)
+        self._L = max(start) + S
         # Query s of row b sits at absolute position start_b + s and sees keys 0..start_b + s.
-        q_pos_BS = start[:, None] + torch.arange(S)[None]
+        start_B1 = torch.tensor(start)[:, None]
+        q_pos_BS = start_B1 + torch.arange(S)[None] if S > 1 else start_B1
         # Padding positions past a request's real tokens are written too, then masked and later
         # overwritten: cheaper than a ragged scatter, and never attended to.
-        self._write_pos_BS = q_pos_BS.clamp(max=self.max_len - 1)
-        self._write_b_BS = self._slots[:, None].expand(B, S)
-        self._L = int((start + S).max().item())
+        self._write_pos_BS = q_pos_BS.clamp(max=self.max_len - 1) if self._L > self.max_len else q_pos_BS
+        slots_B = torch.tensor(slots)
+        self._write_b_BS = slots_B[:, None].expand(B, S)
         self._mask_BSL = torch.arange(self._L)[None, None, :] <= q_pos_BS[:, :, None]
+        # Slots s0, s0+1, ... in order (the usual case: slots are handed out lowest first and a
+        # batch keeps its order) are read as a view, with no gather.
+        first = slots[0]
+        self._run = slice(first, first + B) if slots == list(range(first, first + B)) else None
+        self._slots_B = slots_B
+        return q_pos_BS
 
     def commit(self) -> None:
         """After the forward: the appended tokens become part of each sequence."""
-        self.lengths[self._slots] += self._new
+        for s, n in zip(self._slots, self._new):
+            self.lengths[s] += n
 
     def update(self, layer: int, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor):
         self.k[layer][self._write_b_BS, :, self._write_pos_BS] = k_BGSC.transpose(1, 2)
         self.v[layer][self._write_b_BS, :, self._write_pos_BS] = v_BGSC.transpose(1, 2)
+        if self._run is not None:
+            return self.k[layer][self._run, :, :self._L], self.v[layer][self._run, :, :self._L], self._mask_BSL
         # index_select copies whole rows; advanced indexing takes a slower generic path on CPU.
-        k_BGLC = self.k[layer][:, :, :self._L].index_select(0, self._slots)
-        v_BGLC = self.v[layer][:, :, :self._L].index_select(0, self._slots)
+        k_BGLC = self.k[layer][:, :, :self._L].index_select(0, self._slots_B)
+        v_BGLC = self.v[layer][:, :, :self._L].index_select(0, self._slots_B)
         return k_BGLC, v_BGLC, self._mask_BSL
