@@ -32,7 +32,7 @@ _DEEPEP_LL_US = ((16, 313.0), (32, 428.0), (64, 487.0), (128, 561.0), (256, 554.
 _LATENCY_SHARE = 0.5
 
 
-_MAY_BE_ZERO = ("step_overhead_s", "a2a_intra_per_peer_s", "host_cores")
+_MAY_BE_ZERO = ("step_overhead_s", "a2a_intra_per_peer_s", "restore_extra_s", "host_cores")
 
 
 def _require(cond: bool, message: str) -> None:
@@ -88,9 +88,14 @@ class CostModel:
     # Routing-table swap + group switch + barrier per shrink/restore (assumption; the communicators
     # are created before the rollout, so this is no rendezvous).
     shrink_fixed_s: float = 0.05
+    # What a restore costs beyond a shrink with the same moves: the runtime re-verifies every held
+    # weight against its pre-rollout checksum and wakes the detached ranks. 0 here (assumption, not
+    # measured on H100); `calibrate_transitions` measures it on the CPU engine.
+    restore_extra_s: float = 0.0
     # 0: every rank has its own accelerator. N > 0: all ranks share one host's N cores (the CPU
-    # engine), so a step's per-rank work runs max(1, busy ranks / N) times slower.
-    host_cores: int = 0
+    # engine), so a step's per-rank work runs max(1, busy ranks / N) times slower. May be
+    # fractional: the cores left to the ranks by other load on the host (`calibrate` fits it).
+    host_cores: float = 0
 
     def __post_init__(self):
         for f in fields(self):
@@ -154,13 +159,15 @@ class CostModel:
         return np.maximum(1.0, np.asarray(busy_ranks, dtype=np.float64) / self.host_cores)
 
     # ---- the protocol the planner prices plans with ------------------------------------------------
-    def decode_step_s(self, batch_per_rank, context, ep_size) -> float:
-        """One step of a balanced group: every member holds `batch_per_rank` requests of mean
-        context `context` and E/ep_size experts."""
+    def decode_step_s(self, batch_per_rank, context, ep_size, busy=None) -> float:
+        """One step of a balanced group: every member holds E/ep_size experts, and `busy` members
+        (default: all) hold `batch_per_rank` requests of mean context `context`; the others run
+        dummy steps."""
         g = np.asarray(ep_size, dtype=np.float64)
+        k = g if busy is None else np.asarray(busy, dtype=np.float64)
         n = np.asarray(batch_per_rank, dtype=np.float64)
-        t = self.rank_compute_s(n, n * context, self.num_experts / g, n * g)
-        out = self.contention(g) * (self.step_overhead_s + t) + self.a2a_s(g, n)
+        t = self.rank_compute_s(n, n * context, self.num_experts / g, n * k)
+        out = self.contention(k) * (self.step_overhead_s + t) + self.a2a_s(g, n)
         return float(out) if np.ndim(out) == 0 else out
 
     def prefill_s(self, prompt_tokens, ep_size) -> float:
@@ -212,7 +219,7 @@ class CostModel:
             "hbm_bytes_per_s", "flops_per_s", "a2a_intra_bytes_per_s", "a2a_inter_bytes_per_s",
             "transfer_intra_bytes_per_s", "transfer_inter_bytes_per_s")}
         times = {f: getattr(self, f) * factor for f in (
-            "step_overhead_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s", "shrink_fixed_s")}
+            "step_overhead_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s", "shrink_fixed_s", "restore_extra_s")}
         return replace(self, a2a_inter_latency_s=tuple((e, s * factor) for e, s in self.a2a_inter_latency_s),
                        **rates, **times)
 
@@ -231,53 +238,55 @@ _FITTED = ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_laten
 _RATES = ("hbm_bytes_per_s", "flops_per_s")
 
 
-def _features(base: CostModel, batch: float, context: float, ep_size: int) -> list[float]:
-    """A balanced group's step time is linear in these five, with coefficients [overhead, 1/hbm,
-    1/flops, intra all-to-all latency per layer, and per extra peer], plus `_unfitted_s`."""
-    g, n = float(ep_size), float(batch)
-    kv, own, big_n = n * context, base.num_experts / g, n * g
-    hit = 1.0 - (1.0 - base.topk / base.num_experts) ** big_n
-    mem = (n > 0) * base.dense_bytes + kv * base.kv_bytes_per_token \
-        + own * hit * base.expert_params_per_layer * base.num_layers * base.bytes_per_param
-    flops = 2.0 * n * base.dense_params + kv * base.attn_flops_per_kv_token \
-        + 2.0 * big_n * base.topk * own / base.num_experts * base.expert_params_per_layer * base.num_layers
-    intra_layers = float(base.num_layers) if 1 < g <= base.ranks_per_node else 0.0
-    c = float(base.contention(g))
-    return [c, c * mem, c * flops, intra_layers, intra_layers * max(g - 2.0, 0.0)]
-
-
-def _unfitted_s(base: CostModel, batch: float, ep_size: int) -> float:
-    """The all-to-all terms `calibrate` keeps at `base`: traffic, and the inter-node latency."""
-    f = _features(base, batch, 0.0, ep_size)
-    return float(base.a2a_s(ep_size, batch)) - f[3] * base.a2a_intra_latency_s - f[4] * base.a2a_intra_per_peer_s
-
-
-def calibrate(samples: Sequence[tuple[float, float, int, float]], base: CostModel = DEFAULT_COST) -> CostModel:
-    """Fit the step-time constants to measured `(batch_per_rank, mean_context, ep_size, seconds)`.
-
-    The shape fields (layers, experts, bytes per parameter and per KV token) stay those of `base`, so
-    pass a `base` that describes the measured model (e.g. the tiny CPU model with `ranks_per_node`
-    set to the ranks of the machine). Least squares with every coefficient kept non-negative (a
-    negative one is dropped and the rest refitted). A feature absent from the samples (e.g. no
-    multi-rank group) keeps its `base` value; one fitted to zero becomes negligible.
-    """
-    if len(samples) < 2:
-        raise ValueError(f"calibrate needs at least 2 step-time samples, got {len(samples)}")
-    x = np.array([_features(base, b, c, g) for b, c, g, _ in samples], dtype=np.float64)
-    y = np.array([s - _unfitted_s(base, b, g) for b, _c, g, s in samples], dtype=np.float64)
-    present = [j for j in range(x.shape[1]) if x[:, j].max() > 0]
-    scale = x.max(axis=0)
-    active = list(present)
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares `x @ coef ~ y` with every coefficient >= 0: a column whose coefficient comes
+    out negative is dropped (coefficient 0) and the rest refitted. All-zero columns stay 0."""
     coef = np.zeros(x.shape[1])
+    active = [j for j in range(x.shape[1]) if np.abs(x[:, j]).max() > 0]
+    scale = np.abs(x).max(axis=0)
     while active:
         sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
         if (sol >= 0).all():
             coef[active] = sol / scale[active]
             break
         active = [j for j, c in zip(active, sol) if c >= 0]
+    return coef
+
+
+def _sample(s: Sequence[float]) -> tuple[float, float, int, float, int]:
+    """`(batch_per_rank, context, ep_size, seconds[, busy])`, busy defaulting to every member."""
+    b, c, g, secs, *rest = s
+    return float(b), float(c), int(g), float(secs), int(rest[0]) if rest else int(g)
+
+
+def _features(base: CostModel, batch: float, context: float, ep_size: int, busy: int) -> list[float]:
+    """A step's time is linear in these five, with coefficients [overhead, 1/hbm, 1/flops, intra
+    all-to-all latency per layer, and per extra peer], plus `_unfitted_s`."""
+    g, n = float(ep_size), float(batch)
+    kv, own, big_n = n * context, base.num_experts / g, n * busy
+    hit = 1.0 - (1.0 - base.topk / base.num_experts) ** big_n
+    mem = (n > 0) * base.dense_bytes + kv * base.kv_bytes_per_token \
+        + own * hit * base.expert_params_per_layer * base.num_layers * base.bytes_per_param
+    flops = 2.0 * n * base.dense_params + kv * base.attn_flops_per_kv_token \
+        + 2.0 * big_n * base.topk * own / base.num_experts * base.expert_params_per_layer * base.num_layers
+    intra_layers = float(base.num_layers) if 1 < g <= base.ranks_per_node else 0.0
+    c = float(base.contention(busy))
+    return [c, c * mem, c * flops, intra_layers, intra_layers * max(g - 2.0, 0.0)]
+
+
+def _unfitted_s(base: CostModel, batch: float, ep_size: int) -> float:
+    """The all-to-all terms `calibrate` keeps at `base`: traffic, and the inter-node latency."""
+    f = _features(base, batch, 0.0, ep_size, ep_size)
+    return float(base.a2a_s(ep_size, batch)) - f[3] * base.a2a_intra_latency_s - f[4] * base.a2a_intra_per_peer_s
+
+
+def _fit_steps(samples: list[tuple[float, float, int, float, int]], base: CostModel) -> CostModel:
+    x = np.array([_features(base, b, c, g, k) for b, c, g, _, k in samples], dtype=np.float64)
+    y = np.array([s - _unfitted_s(base, b, g) for b, _c, g, s, _k in samples], dtype=np.float64)
+    coef = nonneg_lstsq(x, y)
     fitted = {}
     for j, name in enumerate(_FITTED):
-        if j not in present:
+        if x[:, j].max() <= 0:  # a feature the samples do not exercise keeps base's value
             continue
         if name in _RATES:
             # A zero coefficient means the term does not show in the samples: a huge rate, not inf.
@@ -287,7 +296,65 @@ def calibrate(samples: Sequence[tuple[float, float, int, float]], base: CostMode
     return replace(base, name=f"{base.name}+calibrated", **fitted)
 
 
-def fit_error(model: CostModel, samples: Sequence[tuple[float, float, int, float]]) -> float:
+def calibrate(samples: Sequence[Sequence[float]], base: CostModel = DEFAULT_COST) -> CostModel:
+    """Fit the step-time constants to measured `(batch_per_rank, mean_context, ep_size, seconds)`
+    samples, optionally with a fifth element: the members holding requests (the rest run dummy
+    steps; default all).
+
+    The shape fields (layers, experts, bytes per parameter and per KV token) stay those of `base`, so
+    pass a `base` that describes the measured model (e.g. the tiny CPU model with `ranks_per_node`
+    set to the ranks of the machine). Least squares with every coefficient kept non-negative
+    (`nonneg_lstsq`). A feature absent from the samples (e.g. no multi-rank group) keeps its `base`
+    value; one fitted to zero becomes negligible. With `base.host_cores` > 0 (ranks sharing a
+    host) and samples with fewer busy members than others, the effective cores are fitted too: the
+    count in 0.5..host_cores (steps of 1/8) whose fit has the least mean relative error, since
+    other load on the host leaves the ranks fewer cores than it has.
+    """
+    if len(samples) < 2:
+        raise ValueError(f"calibrate needs at least 2 step-time samples, got {len(samples)}")
+    pts = [_sample(s) for s in samples]
+    if not base.host_cores or len({k for *_, k in pts}) < 2:
+        return _fit_steps(pts, base)
+    fits = [_fit_steps(pts, replace(base, host_cores=float(n)))
+            for n in np.arange(0.5, base.host_cores + 1e-9, 0.125)]
+    return min(fits, key=lambda m: fit_error(m, pts))
+
+
+def fit_error(model: CostModel, samples: Sequence[Sequence[float]]) -> float:
     """Mean relative error of `model.decode_step_s` on the samples (how good a calibration is)."""
-    errs = [abs(model.decode_step_s(b, c, g) - s) / s for b, c, g, s in samples if s > 0]
+    errs = [abs(model.decode_step_s(b, c, g, k) - s) / s for b, c, g, s, k in map(_sample, samples) if s > 0]
     return float(np.mean(errs)) if errs else 0.0
+
+
+def calibrate_transitions(shrinks: Sequence[tuple[Sequence[tuple[int, int, int]], float]],
+                          restores: Sequence[tuple[Sequence[tuple[int, int, int]], float]],
+                          base: CostModel) -> CostModel:
+    """Fit `shrink_fixed_s`, the in-node transfer rate and `restore_extra_s` to measured shrinks
+    and restores, each `(moves, seconds)` with `moves` as `Plan.transfers` gives them, all inside one
+    node. A shrink costs the fixed cost plus the busiest rank's bytes over the rate (`transfer_s`);
+    the rate keeps `base`'s value unless the shrinks move different loads. A restore costs that
+    plus `restore_extra_s`, the mean excess of the measured restores."""
+    def busiest_bytes(moves) -> float:
+        load: dict[tuple[int, str], int] = {}
+        for _e, src, dst in moves:
+            if src // base.ranks_per_node != dst // base.ranks_per_node:
+                raise ValueError(f"calibrate_transitions: move {src} -> {dst} leaves the node")
+            for key in ((src, "tx"), (dst, "rx")):
+                load[key] = load.get(key, 0) + 1
+        return max(load.values(), default=0) * float(base.expert_bytes)
+
+    fitted = base
+    moving = [(busiest_bytes(m), s) for m, s in shrinks if m]
+    if moving:
+        x = np.array([[1.0, b] for b, _ in moving])
+        y = np.array([s for _, s in moving])
+        if np.ptp(x[:, 1]) == 0:  # one load only: the rate cannot be told from the fixed cost
+            y = y - x[:, 1] / base.transfer_intra_bytes_per_s
+            x[:, 1] = 0.0
+        fixed, per_byte = nonneg_lstsq(x, y)
+        fitted = replace(fitted, shrink_fixed_s=max(float(fixed), 1e-9),
+                         **({"transfer_intra_bytes_per_s": 1.0 / per_byte} if per_byte > 0 else {}))
+    if restores:
+        excess = [s - max(fitted.transfer_s(m), fitted.shrink_fixed_s) for m, s in restores]
+        fitted = replace(fitted, restore_extra_s=max(0.0, float(np.mean(excess))))
+    return fitted

@@ -10,8 +10,8 @@ Semantics (DESIGN.md, issue 7), the same the runtime follows:
   stage, it is never cut. A shrink is one tick of `transition` for the old group, priced by
   `CostModel.transfer_s(Plan.transfers(...))`; the leaving ranks are then detached and accrue
   `idle`, or `leased` once a lease has started (`lease_start_s` after detaching) when leases are on.
-- After the last token, full-world restoration (experts back to stage 0's owners) is one
-  `transition` tick for all W ranks.
+- After the last token, full-world restoration (experts back to stage 0's owners, then the weight
+  check: `CostModel.restore_extra_s`) is one `transition` tick for all W ranks.
 - Optional KV migration (`migrate_max > 0`): when the ranks a stage waits for hold at most that many
   live responses in all (stragglers), those move with their KV to resident ranks that have room, and
   the stage starts.
@@ -280,7 +280,7 @@ class _Rollout:
             stage = new
             res.timeline.append((self.now, len(plan.stages[new].members)))
         if stage != 0:
-            seconds = max(cost.transfer_s(plan.transfers(stage, 0)), cost.shrink_fixed_s)
+            seconds = max(cost.transfer_s(plan.transfers(stage, 0)), cost.shrink_fixed_s) + cost.restore_extra_s
             self._transition(np.arange(w), seconds)
             res.transitions.append((step, stage, 0, seconds))
             res.timeline.append((self.now, w))

@@ -2,6 +2,10 @@
 step times, then compare its predicted ledger with real 4-rank rollouts of the same plan.
 
     python tools/bench_sim_vs_engine.py [--ranks 4] [--floor 2] [--policies vanilla,planned]
+        [--save DIR | --reuse DIR]
+
+`--save DIR` keeps the probe samples and every real run's ledger and plan; `--reuse DIR` replays
+them instead of measuring again (the real runs are the expensive part; the model is not).
 
 1. Probe: in a world of W gloo ranks, EP groups of W, W/2, ..., 1 ranks run the real model and
    `RolloutEngine` on balanced batches of b requests at context c, with the runtime's status
@@ -34,10 +38,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.costmodel import CostModel, calibrate, fit_error  # noqa: E402
+from elastic.costmodel import CostModel, calibrate, calibrate_transitions, fit_error  # noqa: E402
 from elastic.ledger import STATES  # noqa: E402
-from elastic.plan import Plan, block_owners  # noqa: E402
-from elastic.simcalib import fit_to_ledgers  # noqa: E402
+from elastic.plan import Plan  # noqa: E402
+from elastic.simcalib import PER_PART, WHOLE_STEP, fit_to_ledgers  # noqa: E402
 from elastic.simulate import SimConfig, simulate_rollout  # noqa: E402
 from elastic.trace import TraceRecord  # noqa: E402
 from megatron_rl.models.config import MoEModelConfig  # noqa: E402
@@ -64,14 +68,26 @@ def tiny_cost(m: MoEModelConfig, dtype_bytes: int, ranks_per_node: int, host_cor
     )
 
 
-def _probe(ctx, mcfg: MoEModelConfig, sizes, points, steps: int, seed: int):
-    """On every rank of a world of W: the mean step time of balanced decode batches in an EP group
-    of each size g (ranks 0..g-1; the others wait, as detached ranks do). Each step is followed by
-    the runtime's status all-reduce (every tick, `status_interval` 1). Rank 0 returns the samples."""
+def _probe_model(ctx, mcfg: MoEModelConfig, owners: dict[int, int], seed: int):
+    import torch
+
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+
+    model = Qwen3MoeModel(mcfg, [e for e, r in owners.items() if r == ctx.rank], torch.float64)
+    model.init_weights(seed)
+    model.eval()
+    return model
+
+
+def _probe_steps(ctx, mcfg: MoEModelConfig, sizes, points, steps: int, seed: int):
+    """The mean step time of decode batches in an EP group of each size g (ranks 0..g-1; the others
+    wait, as detached ranks do), with k of the g members holding b requests of context c and the
+    rest running dummy steps, as drained members do. Each step is followed by the runtime's status
+    all-reduce (every tick, `status_interval` 1). Rank 0 returns `(b, c, g, seconds, k)` samples."""
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+    from elastic.schedule import contiguous_owners
     from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
@@ -80,17 +96,16 @@ def _probe(ctx, mcfg: MoEModelConfig, sizes, points, steps: int, seed: int):
     out = []
     for g in sizes:
         if ctx.rank < g:
-            owners = {e: rs[0] for e, rs in block_owners(mcfg.num_moe_experts, range(g)).items()}
-            model = Qwen3MoeModel(mcfg, [e for e, r in owners.items() if r == ctx.rank], torch.float64)
-            model.init_weights(seed)
-            model.eval()
-            for batch, context in points:
+            owners = {e: rs[0] for e, rs in contiguous_owners(mcfg.num_moe_experts, range(g)).items()}
+            model = _probe_model(ctx, mcfg, owners, seed)
+            for batch, context, busy in points(g):
                 engine = RolloutEngine(model, SamplingParams(), batch, context + steps + 4)
                 ElasticRolloutEngine(engine, g).use_group(groups[g], owners)
                 gen = torch.Generator().manual_seed(seed + batch + context)
-                engine.add([Request(f"q{i}", 0, torch.randint(0, mcfg.vocab_size, (context,), generator=gen).tolist(),
-                                    steps + 2, fixed_len=steps + 2) for i in range(batch)])
-                engine.step()  # prefill
+                if ctx.rank < busy:
+                    engine.add([Request(f"q{i}", 0, torch.randint(0, mcfg.vocab_size, (context,), generator=gen)
+                                        .tolist(), steps + 2, fixed_len=steps + 2) for i in range(batch)])
+                engine.step()  # prefill (a dummy step on the members without requests)
                 status = torch.zeros(g, dtype=torch.long)
                 dist.barrier(group=groups[g])
                 t0 = time.perf_counter()
@@ -100,23 +115,84 @@ def _probe(ctx, mcfg: MoEModelConfig, sizes, points, steps: int, seed: int):
                 took = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX, group=groups[g])
                 # During the timed steps the KV holds the prompt, the prefill's token and the decoded ones.
-                out.append((batch, context + 1 + steps / 2, g, float(took)))
+                out.append((batch, context + 1 + steps / 2, g, float(took), busy))
         dist.barrier()
-    return out if ctx.rank == 0 else None
+    return out
 
 
-def measure(mcfg: MoEModelConfig, world: int, sizes, points, steps: int, seed: int):
+def _probe_shrinks(ctx, mcfg: MoEModelConfig, chains, seed: int):
+    """Real shrinks and restores: `ElasticRuntime` carries out a plan of each chain of group sizes
+    on a small batch in which the leaving ranks drain first. Rank 0 returns, per shrink, `(moves,
+    seconds)` and per restore `(moves, seconds)` (seconds: the slowest rank's)."""
+    import torch
+    import torch.distributed as dist
+
+    from elastic.plan import Assignment
+    from elastic.runtime import ElasticRuntime
+    from elastic.schedule import build_stages
+    from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+    from megatron_rl.rollout.engine import Request, RolloutEngine
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    E, W = mcfg.num_moe_experts, ctx.world
+    shrinks, restores = [], []
+    for sizes in chains:
+        stages = build_stages(list(sizes), E)
+        # A rank's responses end 6 ticks after the stage it leaves in starts; the last stage's
+        # members decode 6 ticks more.
+        stop = {r: 6 * (1 + sum(r < g for g in sizes[1:])) for r in range(W)}
+        plan = Plan(W, sizes[-1], E, "probe", False, [Assignment(f"p{r}", 0, r) for r in range(W)], stages)
+        owners = {e: rs[0] for e, rs in stages[0].owners.items()}
+        engine = RolloutEngine(_probe_model(ctx, mcfg, owners, seed), SamplingParams(), 2, 8 + max(stop.values()))
+        engine.add([Request(f"p{ctx.rank}-{i}", 0, list(range(1, 9)), stop[ctx.rank], fixed_len=stop[ctx.rank])
+                    for i in range(2)])
+        outcome = ElasticRuntime(ElasticRolloutEngine(engine, W), plan, ctx.rank, ctx.store).run()
+        secs = torch.zeros(len(sizes), dtype=torch.float64)
+        for st, v in outcome.shrink_s.items():
+            secs[st - 1] = v
+        secs[-1] = outcome.restore_s
+        dist.all_reduce(secs, op=dist.ReduceOp.MAX)
+        shrinks += [(plan.transfers(i, i + 1), float(secs[i])) for i in range(len(sizes) - 1)]
+        restores.append((plan.transfers(len(sizes) - 1, 0), float(secs[-1])))
+    return shrinks, restores
+
+
+def _probe(ctx, mcfg: MoEModelConfig, sizes, steps: int, seed: int, chains):
+    samples = _probe_steps(ctx, mcfg, sizes, probe_points, steps, seed)
+    shrinks, restores = _probe_shrinks(ctx, mcfg, chains, seed)
+    return (samples, shrinks, restores) if ctx.rank == 0 else None
+
+
+def probe_points(g: int) -> list[tuple[int, int, int]]:
+    """(requests per busy member, context, busy members): every batch shape with all members busy,
+    and two with fewer (drained members run dummy steps)."""
+    full = [(b, c, g) for b in (1, 4, 16) for c in (8, 160, 320)]
+    return full + [(b, c, k) for b, c in ((4, 160), (16, 320)) for k in range(1, g)]
+
+
+def measure(mcfg: MoEModelConfig, world: int, floor: int, steps: int, seed: int):
+    """Step-time samples of every group size and the measured shrinks and restores of the chains
+    W -> W-1 -> ... -> floor, W -> floor and W -> 1."""
     from megatron_rl.parallel.launch import run_ranks
 
-    return run_ranks(_probe, world, mcfg, sizes, points, steps, seed, timeout_s=600.0)
+    sizes = list(range(world, 0, -1))
+    # One chain that moves more experts per rank than the others, so that the fixed cost of a shrink
+    # and the cost per expert moved can be told apart.
+    chains = [c for c in dict.fromkeys([tuple(range(world, floor - 1, -1)), (world, floor), (world, 1)]) if len(c) > 1]
+    return run_ranks(_probe, world, mcfg, sizes, steps, seed, chains, timeout_s=600.0)
 
 
 def real_run(policy: str, ranks: int, floor: int, out: Path) -> tuple[dict, Plan]:
+    """One `flexfloor rollout`; leaves ledger.json and plan.json in `out`."""
     cmd = [sys.executable, "-m", "megatron_rl.cli", "rollout", "--ranks", str(ranks), "--policy", policy,
            "--floor", str(floor), "--out", str(out), "--json", str(out / "ledger.json"), "--quiet"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"real rollout failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
+    return load_run(out)
+
+
+def load_run(out: Path) -> tuple[dict, Plan]:
     report = json.loads((out / "ledger.json").read_text())
     return report, Plan.from_dict(json.loads((out / "plan.json").read_text()))
 
@@ -138,44 +214,71 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="vanilla,lengthsort,planned")
     ap.add_argument("--fit-on", default="vanilla,lengthsort",
                     help="policies whose measured ledgers fit the model (the rest are predictions; '' for none)")
+    ap.add_argument("--fit", choices=("whole-step", "per-part"), default="whole-step",
+                    help="one factor for the whole step (default), or one each for overhead, compute and "
+                         "all-to-all (ill-conditioned on runs of one group size: see elastic/simcalib.py)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per probe point")
     ap.add_argument("--repeats", type=int, default=2, help="real runs per policy (the median is compared)")
+    keep = ap.add_mutually_exclusive_group()
+    keep.add_argument("--save", type=Path, help="keep the probe samples and the real runs' outputs here")
+    keep.add_argument("--reuse", type=Path, help="replay the probes and real runs kept by --save in this folder")
     args = ap.parse_args(argv)
     cfg = RolloutConfig(ranks=args.ranks)
     mcfg = cfg.model
     # All ranks share this host's cores (the launcher gives each rank one thread).
     base = tiny_cost(mcfg, 8 if cfg.dtype == "float64" else 4, ranks_per_node=args.ranks,
                      host_cores=os.cpu_count() or 1)
-    points = [(b, c) for b in (1, 4, 16) for c in (8, 160, 320)]
-    sizes = sorted({args.ranks >> i for i in range(args.ranks.bit_length())} | {args.floor}, reverse=True)
-    t0 = time.perf_counter()
-    samples = measure(mcfg, args.ranks, sizes, points, args.steps, cfg.seed)
-    cost = calibrate(samples, base)
-    print(f"probe: {len(samples)} step-time samples, groups of {sizes} in a world of {args.ranks}, "
-          f"{time.perf_counter() - t0:.0f} s; calibrated: overhead {cost.step_overhead_s * 1e3:.2f} ms, "
-          f"all-to-all {cost.a2a_intra_latency_s * 1e3:.3f} ms/layer + {cost.a2a_intra_per_peer_s * 1e3:.3f} "
-          f"ms/layer per extra peer, {cost.hbm_bytes_per_s / 1e9:.2f} GB/s, {cost.flops_per_s / 1e9:.2f} GFLOP/s; "
-          f"mean step-time error {fit_error(cost, samples):.1%}")
     batch = replay_batch(cfg)
     sim_cfg = SimConfig(check_every=cfg.status_interval)
     policies = args.policies.split(",")
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     plans: dict[str, Plan] = {}
-    # Interleaved repeats: this shared machine's speed drifts, so every policy sees the same drift.
+    samples, shrinks, restores = [], [], []
+    # Interleaved repeats of the probe and of every policy: this shared machine's speed drifts, so
+    # every policy and the probes see the same drift.
     for rep in range(args.repeats):
+        t1 = time.perf_counter()
+        if args.reuse:
+            probe = json.loads((args.reuse / f"probe{rep}.json").read_text())
+        else:
+            probe = measure(mcfg, args.ranks, args.floor, args.steps, cfg.seed)
+        if args.save:
+            args.save.mkdir(parents=True, exist_ok=True)
+            (args.save / f"probe{rep}.json").write_text(json.dumps(probe))
+        samples += [tuple(s) for s in probe[0]]
+        shrinks += [([tuple(m) for m in moves], secs) for moves, secs in probe[1]]
+        restores += [([tuple(m) for m in moves], secs) for moves, secs in probe[2]]
+        print(f"probe {rep + 1}/{args.repeats}{' (reused)' if args.reuse else ''}: {len(probe[0])} step times "
+              f"of groups of {args.ranks}..1, {len(probe[1])} shrinks, {len(probe[2])} restores "
+              f"({time.perf_counter() - t1:.0f} s)", flush=True)
         for policy in policies:
-            with tempfile.TemporaryDirectory() as tmp:
-                t1 = time.perf_counter()
-                report, plans[policy] = real_run(policy, args.ranks, args.floor, Path(tmp))
+            t1 = time.perf_counter()
+            if args.reuse:
+                report, plans[policy] = load_run(args.reuse / policy / str(rep))
+            elif args.save:
+                report, plans[policy] = real_run(policy, args.ranks, args.floor, args.save / policy / str(rep))
+            else:
+                with tempfile.TemporaryDirectory() as tmp:
+                    report, plans[policy] = real_run(policy, args.ranks, args.floor, Path(tmp))
             runs[policy].append(report)
-            print(f"real run {rep + 1}/{args.repeats} {policy}: {report['rollout_time_s']:.2f} s rollout "
-                  f"({time.perf_counter() - t1:.0f} s with start-up)", flush=True)
+            print(f"real run {rep + 1}/{args.repeats} {policy}{' (reused)' if args.reuse else ''}: "
+                  f"{report['rollout_time_s']:.2f} s rollout ({time.perf_counter() - t1:.0f} s with start-up)",
+                  flush=True)
+    cost = calibrate_transitions(shrinks, restores, calibrate(samples, base))
+    print(f"calibrated: overhead {cost.step_overhead_s * 1e3:.2f} ms, all-to-all {cost.a2a_intra_latency_s * 1e3:.3f} "
+          f"ms/layer + {cost.a2a_intra_per_peer_s * 1e3:.3f} ms/layer per extra peer, "
+          f"{cost.hbm_bytes_per_s / 1e9:.2f} GB/s, {cost.flops_per_s / 1e9:.2f} GFLOP/s, {cost.host_cores:g} "
+          f"effective cores; mean step-time error {fit_error(cost, samples):.1%}; "
+          f"shrink {cost.shrink_fixed_s * 1e3:.1f} ms + "
+          f"{cost.expert_bytes / cost.transfer_intra_bytes_per_s * 1e3:.2f} ms per expert, restore "
+          f"+{cost.restore_extra_s * 1e3:.1f} ms")
     real = {p: {s: float(np.median([r["rank_seconds"][s] for r in runs[p]])) for s in STATES} for p in policies}
     wall = {p: float(np.median([r["rollout_time_s"] for r in runs[p]])) for p in policies}
     fit_on = [p for p in args.fit_on.split(",") if p in policies]
     if fit_on:
-        cost, factors = fit_to_ledgers([(plans[p], batch, real[p]) for p in fit_on], cost, sim_cfg)
-        print(f"fitted the probed model's overhead/compute/all-to-all by "
+        groups = WHOLE_STEP if args.fit == "whole-step" else PER_PART
+        cost, factors = fit_to_ledgers([(plans[p], batch, real[p]) for p in fit_on], cost, sim_cfg, groups)
+        print(f"fitted the probed model's step times by "
               f"{', '.join(f'{k} x{v:.2f}' for k, v in factors.items())} to the median ledgers of "
               f"{', '.join(fit_on)}; {', '.join(p for p in policies if p not in fit_on) or 'nothing'} predicted")
     failures, noisy = 0, False

@@ -174,3 +174,25 @@ def test_fit_to_ledgers_recovers_the_scale_of_each_step_part():
     assert factors == pytest.approx({"overhead": 3.0, "compute": 0.5, "a2a": 2.0}, rel=1e-3)
     again = simulate_rollout(runs[2][0], batch, fitted, config=cfg).ledger.rank_seconds()
     assert again == pytest.approx(runs[2][2], rel=1e-3)
+
+
+def test_whole_step_fit_on_static_runs_predicts_a_shrinking_plan():
+    # One group size cannot tell overhead from all-to-all; a single factor for the whole step
+    # keeps the model's shape, so a machine uniformly slower in its steps is predicted exactly.
+    from elastic.simcalib import WHOLE_STEP, fit_to_ledgers
+
+    batch = tailed_batch(seed=6)
+    cfg = SimConfig(check_every=4)
+    slow = DEFAULT_COST.scaled(1.7)
+    truth = dataclasses.replace(slow, shrink_fixed_s=DEFAULT_COST.shrink_fixed_s,
+                                transfer_intra_bytes_per_s=DEFAULT_COST.transfer_intra_bytes_per_s,
+                                transfer_inter_bytes_per_s=DEFAULT_COST.transfer_inter_bytes_per_s)
+    static = vanilla(batch, 16)
+    measured = simulate_rollout(static, batch, truth, config=cfg).ledger.rank_seconds()
+    fitted, factors = fit_to_ledgers([(static, batch, measured)], DEFAULT_COST, cfg, WHOLE_STEP)
+    assert factors == pytest.approx({"overhead+compute+a2a": 1.7}, rel=1e-6)
+    shrinking = halving_plan(batch, 16, 2)
+    want = simulate_rollout(shrinking, batch, truth, config=cfg).ledger.rank_seconds()
+    assert simulate_rollout(shrinking, batch, fitted, config=cfg).ledger.rank_seconds() == pytest.approx(want, rel=1e-6)
+    with pytest.raises(ValueError, match="disjoint"):
+        fit_to_ledgers([(static, batch, measured)], DEFAULT_COST, cfg, (("overhead",), ("overhead", "a2a")))
