@@ -76,6 +76,11 @@ class CostModel:
     # host). NVLink kernels write to every peer at once, so 0 on H100 (assumption).
     a2a_intra_per_peer_s: float = 0.0
     a2a_intra_bytes_per_s: float = 153e9
+    # Ranks sharing a CPU host (`host_cores` > 0): the in-node latency per MoE layer measured for each
+    # EP size, [[ep_size, seconds], ...], interpolated between sizes; it replaces latency + per-peer,
+    # since a group larger than the free cores time-shares them and does not grow by peers. Empty
+    # (no host table) on accelerators; `calibrate` measures it.
+    a2a_host_latency_s: tuple[tuple[float, float], ...] = ()
     # Across nodes (RDMA): latency per EP size from the DeepEP table above (log-interpolated),
     # bandwidth chosen so latency + reference traffic / bandwidth reproduces DeepEP's EP16 figure.
     a2a_inter_latency_s: tuple[tuple[float, float], ...] = tuple(
@@ -111,6 +116,12 @@ class CostModel:
         _require([p[0] for p in pts] == sorted({p[0] for p in pts}),
                  "a2a_inter_latency_s ep sizes must be strictly increasing")
         object.__setattr__(self, "a2a_inter_latency_s", tuple((int(e), float(s)) for e, s in pts))
+        host = [tuple(p) for p in self.a2a_host_latency_s]
+        _require(all(len(p) == 2 and p[0] > 1 and p[1] >= 0 for p in host),
+                 "a2a_host_latency_s must be a list of [ep_size > 1, seconds] pairs")
+        _require([p[0] for p in host] == sorted({p[0] for p in host}),
+                 "a2a_host_latency_s ep sizes must be strictly increasing")
+        object.__setattr__(self, "a2a_host_latency_s", tuple((int(e), float(s)) for e, s in host))
 
     # ---- derived sizes ----------------------------------------------------------------------------
     @property
@@ -147,10 +158,18 @@ class CostModel:
         eps = np.array([p[0] for p in self.a2a_inter_latency_s], dtype=np.float64)
         lats = np.array([p[1] for p in self.a2a_inter_latency_s], dtype=np.float64)
         inter = np.interp(np.log2(np.maximum(g, 1.0)), np.log2(eps), lats) + traffic / self.a2a_inter_bytes_per_s
-        intra = self.a2a_intra_latency_s + self.a2a_intra_per_peer_s * np.maximum(g - 2, 0) \
-            + traffic / self.a2a_intra_bytes_per_s
+        intra = self.intra_latency_s(g) + traffic / self.a2a_intra_bytes_per_s
         per_layer = np.where(g > self.ranks_per_node, inter, intra)
         return np.where(g > 1, per_layer * self.num_layers, 0.0)
+
+    def intra_latency_s(self, ep_size):
+        """In-node all-to-all latency per MoE layer: the host table where there is one, else
+        latency + per-peer growth."""
+        g = np.asarray(ep_size, dtype=np.float64)
+        if self.a2a_host_latency_s:
+            eps, lats = zip(*self.a2a_host_latency_s)
+            return np.interp(g, np.array(eps, dtype=np.float64), np.array(lats, dtype=np.float64))
+        return self.a2a_intra_latency_s + self.a2a_intra_per_peer_s * np.maximum(g - 2, 0)
 
     def contention(self, busy_ranks):
         """Slow-down of per-rank work when `busy_ranks` ranks compute at once (1 with accelerators)."""
@@ -221,11 +240,13 @@ class CostModel:
         times = {f: getattr(self, f) * factor for f in (
             "step_overhead_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s", "shrink_fixed_s", "restore_extra_s")}
         return replace(self, a2a_inter_latency_s=tuple((e, s * factor) for e, s in self.a2a_inter_latency_s),
+                       a2a_host_latency_s=tuple((e, s * factor) for e, s in self.a2a_host_latency_s),
                        **rates, **times)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["a2a_inter_latency_s"] = [list(p) for p in self.a2a_inter_latency_s]
+        d["a2a_host_latency_s"] = [list(p) for p in self.a2a_host_latency_s]
         return d
 
 
@@ -233,7 +254,8 @@ DEFAULT_COST = CostModel()
 
 
 # ---- calibration from measured step times ---------------------------------------------------------
-# Fitted fields, in feature order: each is a feature's coefficient or its inverse (a rate).
+# Fitted fields, in feature order: each is a feature's coefficient or its inverse (a rate); on a
+# CPU host the in-node all-to-all features are one latency per EP size instead (`a2a_host_latency_s`).
 _FITTED = ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s")
 _RATES = ("hbm_bytes_per_s", "flops_per_s")
 
@@ -259,9 +281,11 @@ def _sample(s: Sequence[float]) -> tuple[float, float, int, float, int]:
     return float(b), float(c), int(g), float(secs), int(rest[0]) if rest else int(g)
 
 
-def _features(base: CostModel, batch: float, context: float, ep_size: int, busy: int) -> list[float]:
-    """A step's time is linear in these five, with coefficients [overhead, 1/hbm, 1/flops, intra
-    all-to-all latency per layer, and per extra peer], plus `_unfitted_s`."""
+def _features(base: CostModel, batch: float, context: float, ep_size: int, busy: int,
+              host_sizes: Sequence[int] = ()) -> list[float]:
+    """A step's time is linear in these, with coefficients [overhead, 1/hbm, 1/flops] and then
+    [in-node all-to-all latency per layer, and per extra peer], or with `host_sizes` one latency
+    per layer for each of those EP sizes; plus `_unfitted_s`."""
     g, n = float(ep_size), float(batch)
     kv, own, big_n = n * context, base.num_experts / g, n * busy
     hit = 1.0 - (1.0 - base.topk / base.num_experts) ** big_n
@@ -271,21 +295,27 @@ def _features(base: CostModel, batch: float, context: float, ep_size: int, busy:
         + 2.0 * big_n * base.topk * own / base.num_experts * base.expert_params_per_layer * base.num_layers
     intra_layers = float(base.num_layers) if 1 < g <= base.ranks_per_node else 0.0
     c = float(base.contention(busy))
+    if host_sizes:
+        return [c, c * mem, c * flops] + [intra_layers * (g == h) for h in host_sizes]
     return [c, c * mem, c * flops, intra_layers, intra_layers * max(g - 2.0, 0.0)]
 
 
 def _unfitted_s(base: CostModel, batch: float, ep_size: int) -> float:
     """The all-to-all terms `calibrate` keeps at `base`: traffic, and the inter-node latency."""
-    f = _features(base, batch, 0.0, ep_size, ep_size)
-    return float(base.a2a_s(ep_size, batch)) - f[3] * base.a2a_intra_latency_s - f[4] * base.a2a_intra_per_peer_s
+    intra = float(base.num_layers * base.intra_latency_s(ep_size)) if 1 < ep_size <= base.ranks_per_node else 0.0
+    return float(base.a2a_s(ep_size, batch)) - intra
 
 
 def _fit_steps(samples: list[tuple[float, float, int, float, int]], base: CostModel) -> CostModel:
-    x = np.array([_features(base, b, c, g, k) for b, c, g, _, k in samples], dtype=np.float64)
+    host_sizes = sorted({g for _b, _c, g, _s, _k in samples if 1 < g <= base.ranks_per_node}) \
+        if base.host_cores else []
+    x = np.array([_features(base, b, c, g, k, host_sizes) for b, c, g, _, k in samples], dtype=np.float64)
     y = np.array([s - _unfitted_s(base, b, g) for b, _c, g, s, _k in samples], dtype=np.float64)
-    coef = nonneg_lstsq(x, y)
+    # Relative errors: a short step's miss counts as much as a long one's.
+    w = 1.0 / np.array([s for _b, _c, _g, s, _k in samples], dtype=np.float64)
+    coef = nonneg_lstsq(x * w[:, None], y * w)
     fitted = {}
-    for j, name in enumerate(_FITTED):
+    for j, name in enumerate(_FITTED[:3] if host_sizes else _FITTED):
         if x[:, j].max() <= 0:  # a feature the samples do not exercise keeps base's value
             continue
         if name in _RATES:
@@ -293,6 +323,8 @@ def _fit_steps(samples: list[tuple[float, float, int, float, int]], base: CostMo
             fitted[name] = 1.0 / float(coef[j]) if coef[j] > 0 else 1e30
         else:
             fitted[name] = float(coef[j])
+    if host_sizes:
+        fitted["a2a_host_latency_s"] = tuple((g, float(c)) for g, c in zip(host_sizes, coef[3:]))
     return replace(base, name=f"{base.name}+calibrated", **fitted)
 
 
@@ -303,12 +335,15 @@ def calibrate(samples: Sequence[Sequence[float]], base: CostModel = DEFAULT_COST
 
     The shape fields (layers, experts, bytes per parameter and per KV token) stay those of `base`, so
     pass a `base` that describes the measured model (e.g. the tiny CPU model with `ranks_per_node`
-    set to the ranks of the machine). Least squares with every coefficient kept non-negative
-    (`nonneg_lstsq`). A feature absent from the samples (e.g. no multi-rank group) keeps its `base`
-    value; one fitted to zero becomes negligible. With `base.host_cores` > 0 (ranks sharing a
-    host) and samples with fewer busy members than others, the effective cores are fitted too: the
-    count in 0.5..host_cores (steps of 1/8) whose fit has the least mean relative error, since
-    other load on the host leaves the ranks fewer cores than it has.
+    set to the ranks of the machine). Least squares on relative errors with every coefficient kept
+    non-negative (`nonneg_lstsq`). A feature absent from the samples (e.g. no multi-rank group)
+    keeps its `base` value; one fitted to zero becomes negligible.
+
+    With `base.host_cores` > 0 (ranks sharing a CPU host) the in-node all-to-all is fitted as one
+    latency per sampled EP size (`a2a_host_latency_s`), and, given samples with fewer busy members
+    than others, the effective cores too: the count in 0.5..host_cores (steps of 1/8) whose fit has
+    the least mean relative error, since other load on the host leaves the ranks fewer cores than
+    it has.
     """
     if len(samples) < 2:
         raise ValueError(f"calibrate needs at least 2 step-time samples, got {len(samples)}")

@@ -49,7 +49,8 @@ def _scale_part(cost: CostModel, part: str, factor: float) -> dict:
             "a2a_intra_per_peer_s": cost.a2a_intra_per_peer_s * factor,
             "a2a_intra_bytes_per_s": rate(cost.a2a_intra_bytes_per_s),
             "a2a_inter_bytes_per_s": rate(cost.a2a_inter_bytes_per_s),
-            "a2a_inter_latency_s": tuple((e, s * factor) for e, s in cost.a2a_inter_latency_s)}
+            "a2a_inter_latency_s": tuple((e, s * factor) for e, s in cost.a2a_inter_latency_s),
+            "a2a_host_latency_s": tuple((e, s * factor) for e, s in cost.a2a_host_latency_s)}
 
 
 def _only(cost: CostModel, parts: Sequence[str] | None) -> CostModel:

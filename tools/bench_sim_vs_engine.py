@@ -218,7 +218,7 @@ def main(argv=None) -> int:
                     help="one factor for the whole step (default), or one each for overhead, compute and "
                          "all-to-all (ill-conditioned on runs of one group size: see elastic/simcalib.py)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per probe point")
-    ap.add_argument("--repeats", type=int, default=2, help="real runs per policy (the median is compared)")
+    ap.add_argument("--repeats", type=int, default=3, help="probes and real runs per policy (the median is compared)")
     keep = ap.add_mutually_exclusive_group()
     keep.add_argument("--save", type=Path, help="keep the probe samples and the real runs' outputs here")
     keep.add_argument("--reuse", type=Path, help="replay the probes and real runs kept by --save in this folder")
@@ -265,8 +265,8 @@ def main(argv=None) -> int:
                   f"{report['rollout_time_s']:.2f} s rollout ({time.perf_counter() - t1:.0f} s with start-up)",
                   flush=True)
     cost = calibrate_transitions(shrinks, restores, calibrate(samples, base))
-    print(f"calibrated: overhead {cost.step_overhead_s * 1e3:.2f} ms, all-to-all {cost.a2a_intra_latency_s * 1e3:.3f} "
-          f"ms/layer + {cost.a2a_intra_per_peer_s * 1e3:.3f} ms/layer per extra peer, "
+    print(f"calibrated: overhead {cost.step_overhead_s * 1e3:.2f} ms, all-to-all per layer "
+          f"{', '.join(f'{s * 1e3:.2f} ms at {g}' for g, s in cost.a2a_host_latency_s)}, "
           f"{cost.hbm_bytes_per_s / 1e9:.2f} GB/s, {cost.flops_per_s / 1e9:.2f} GFLOP/s, {cost.host_cores:g} "
           f"effective cores; mean step-time error {fit_error(cost, samples):.1%}; "
           f"shrink {cost.shrink_fixed_s * 1e3:.1f} ms + "
