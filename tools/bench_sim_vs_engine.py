@@ -7,17 +7,22 @@ step times, then compare its predicted ledger with real 4-rank rollouts of the s
 `--save DIR` keeps the probe samples and every real run's ledger and plan; `--reuse DIR` replays
 them instead of measuring again (the real runs are the expensive part; the model is not).
 
-1. Probe: in a world of W gloo ranks, EP groups of W, W/2, ..., 1 ranks run the real model and
-   `RolloutEngine` on balanced batches of b requests at context c, with the runtime's status
-   all-reduce after every step; the slowest member's mean step time is one
-   `(b, c, ep_size, seconds)` sample. `elastic.costmodel.calibrate` fits the step constants of a
-   cost model that has the tiny model's shape.
+1. Probe (repeated before every round of real runs): in a world of W gloo ranks, EP groups of
+   every size W..1 run the real model and `RolloutEngine` on batches of b requests at context c
+   held by k of the g members (the others run dummy steps, as drained members do), with the
+   runtime's status all-reduce after every step; the slowest member's mean step time is one
+   `(b, c, g, seconds, k)` sample. `elastic.costmodel.calibrate` fits a cost model with the tiny
+   model's shape: overhead, compute rates, the effective cores the ranks share and one all-to-all
+   latency per group size. Then `ElasticRuntime` carries out plans of the chains W -> ... -> floor,
+   W -> floor and W -> 1 on a small batch: the measured shrinks and restores fit the transition
+   costs (`calibrate_transitions`).
 2. Real runs: `flexfloor rollout --ranks W --policy P --floor F --out DIR` on the built-in tiny CPU
-   example (a DeepScaleR-like trace replay, lengths scaled for CPU).
-3. Fit: the probed model's overhead, compute and all-to-all terms are scaled
-   (`elastic.simcalib.fit_to_ledgers`) to the measured ledgers of the static policies (vanilla,
-   lengthsort), run interleaved with the others: this shared 2-core machine's speed drifts with
-   other load, so probes taken minutes earlier do not describe the runs.
+   example (a DeepScaleR-like trace replay, lengths scaled for CPU), every policy once per round.
+3. Fit: the probed model's step is scaled by one factor (`elastic.simcalib.fit_to_ledgers`,
+   `WHOLE_STEP`) to the median ledgers of the static policies (vanilla, lengthsort): this shared
+   2-core machine's speed drifts with other load, and the probes are not the runs. One factor, not
+   one per part: the static runs have a single group size, which cannot tell the per-step overhead
+   from the all-to-all (`--fit per-part` shows what that fit extrapolates to smaller groups).
 4. Replay: the same plan (DIR/plan.json) and batch through `elastic.simulate`; the ledger is compared
    state by state with the median of the real runs (issue 7: within 15% per state). `planned`,
    which shrinks, is a prediction: nothing of its runs went into the model.
