@@ -241,6 +241,10 @@ def main(argv=None) -> int:
     samples, shrinks, restores = [], [], []
     # Interleaved repeats of the probe and of every policy: this shared machine's speed drifts, so
     # every policy and the probes see the same drift.
+    if args.reuse:
+        args.repeats = len(list(args.reuse.glob("probe*.json")))
+        if not args.repeats:
+            raise SystemExit(f"--reuse {args.reuse}: no probe*.json there (write them with --save)")
     for rep in range(args.repeats):
         t1 = time.perf_counter()
         if args.reuse:
