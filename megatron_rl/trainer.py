@@ -50,12 +50,9 @@ def check_init(cfg: TrainerConfig) -> None:
     """`init` must be a HuggingFace checkpoint of exactly the configured model shape."""
     if cfg.init is None:
         return
-    from megatron_rl.models.hf import read_hf_config
+    from megatron_rl.models.hf import check_same_shape
 
-    have, want = read_hf_config(cfg.init).to_dict(), cfg.model.to_dict()
-    diff = [f"{k}: checkpoint {have[k]!r}, config {want[k]!r}" for k in want if have[k] != want[k]]
-    if diff:
-        raise CheckpointError(f"{cfg.init}: checkpoint is for another model shape ({'; '.join(diff[:4])})")
+    check_same_shape(cfg.init, cfg.model)
 
 
 def build_model(cfg: TrainerConfig, rank: int, world: int):

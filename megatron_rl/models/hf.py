@@ -183,6 +183,14 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     return model
 
 
+def check_same_shape(path: str | Path, configured: MoEModelConfig, where: str = "config") -> None:
+    """The checkpoint at `path` must be of exactly the `configured` model shape."""
+    have, want = read_hf_config(path).to_dict(), configured.to_dict()
+    diff = [f"{k}: checkpoint {have[k]!r}, {where} {want[k]!r}" for k in want if have[k] != want[k]]
+    if diff:
+        raise CheckpointError(f"{path}: checkpoint is for another model shape ({'; '.join(diff[:4])})")
+
+
 def check_hf_checkpoint(path: str | Path) -> MoEModelConfig:
     """Every check `load_hf_checkpoint` makes, from config.json and the safetensors headers only.
 

@@ -81,22 +81,25 @@ class ExpertBank(nn.Module):
         fc1 as [E, D, 2F] and fc2 as [E, F, D] (transposed views of [E, 2F, D] / [E, D, F]).
 
         A copy of the parameters (they stay the truth for training, checkpoints and expert moves),
-        rebuilt when the held set changes or any weight is written: a parameter's identity and its
-        in-place version counter (bumped by optimizer steps, weight sync and `copy_`) key the copy.
-        It costs a second copy of the local expert weights while a rollout runs.
+        rebuilt when the held modules change or any weight is written: in-place writes (optimizer
+        steps, weight sync, `copy_`) bump a tensor's version counter, which only grows, so the sum
+        of the versions changes with any write. It costs a second copy of the local expert weights
+        while a rollout runs.
         """
-        modules = tuple(self.local_experts[str(e)] for e in self.held())
+        modules = tuple(self.local_experts._modules.values())
         if getattr(self, "_stacked_of", None) != modules:
             self._stacked_of = modules
-            self._stacked_params = [(ex.linear_fc1.weight, ex.linear_fc2.weight) for ex in modules]
-            self._stacked_key = None
-        key = tuple((id(w1), w1._version, id(w2), w2._version) for w1, w2 in self._stacked_params)
-        if self._stacked_key != key:
+            held = [self.get(e) for e in self.held()]
+            self._stacked_params = [ex.linear_fc1.weight for ex in held] + [ex.linear_fc2.weight for ex in held]
+            self._stacked_version = -1
+        version = sum(w._version for w in self._stacked_params)
+        if self._stacked_version != version:
+            n = len(self._stacked_params) // 2
             with torch.no_grad():
-                fc1_E2FD = torch.stack([w1 for w1, _ in self._stacked_params])
-                fc2_EDF = torch.stack([w2 for _, w2 in self._stacked_params])
+                fc1_E2FD = torch.stack(self._stacked_params[:n]) if n else torch.empty(0, 2 * self.ffn, self.hidden)
+                fc2_EDF = torch.stack(self._stacked_params[n:]) if n else torch.empty(0, self.hidden, self.ffn)
             self._stacked = (fc1_E2FD.transpose(1, 2), fc2_EDF.transpose(1, 2))
-            self._stacked_key = key
+            self._stacked_version = version
         return self._stacked
 
     def compute(self, x_TD: torch.Tensor, expert_T: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,8 @@ class RMSNorm(nn.Module):
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dim, without the weight; the casts are skipped when they are no-ops."""
     xf = x.float() if widens(x.dtype) else x
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    # In place on the [.., 1] statistic only (fewer allocations; autograd-safe: nothing saved is modified).
+    xf = xf * (xf * xf).mean(-1, keepdim=True).add_(eps).rsqrt_()
     return xf.to(x.dtype) if widens(x.dtype) else xf
 
 
@@ -92,7 +93,9 @@ class SelfAttention(nn.Module):
         cfg = self.cfg
         B, S, _ = x_BSD.shape
         c, g, hpg = cfg.kv_channels, cfg.num_query_groups, cfg.heads_per_group
-        qkv_BSGNC = self.linear_qkv(x_BSD).view(B, S, g, hpg + 2, c)
+        # F.linear on the weight, not the Linear module: a module call's bookkeeping costs as much
+        # as a tiny decode matmul on CPU (no hooks are used on these layers).
+        qkv_BSGNC = F.linear(x_BSD, self.linear_qkv.weight).view(B, S, g, hpg + 2, c)
         # Every group's H/G query heads and its key head are normalised and rotated in one pass:
         # both are per-head, elementwise ops, so the numbers equal separate q and k passes.
         w_NC = torch.cat([self.q_layernorm.weight.expand(hpg, c), self.k_layernorm.weight[None]])
@@ -113,7 +116,7 @@ class SelfAttention(nn.Module):
         out_BHSC = F.scaled_dot_product_attention(q_BHSC, k_BGLC, v_BGLC, attn_mask=mask_B1SL,
                                                   is_causal=mask_B1SL is None, enable_gqa=True)
         out_BSHC = out_BHSC.transpose(1, 2)
-        return self.linear_proj(out_BSHC.reshape(B, S, -1))
+        return F.linear(out_BSHC.reshape(B, S, -1), self.linear_proj.weight)
 
 
 class DecoderLayer(nn.Module):

@@ -60,6 +60,9 @@ class SlotKVCache:
         # batch keeps its order) are read as a view, with no gather.
         first = slots[0]
         self._run = slice(first, first + B) if slots == list(range(first, first + B)) else None
+        if self._run is not None:  # and written with one scatter along the position axis
+            G, C = self.k[0].shape[1], self.k[0].shape[3]
+            self._write_idx_BGSC = self._write_pos_BS[:, None, :, None].expand(B, G, S, C)
         self._slots_B = slots_B
         return q_pos_BS
 
@@ -69,10 +72,13 @@ class SlotKVCache:
             self.lengths[s] += n
 
     def update(self, layer: int, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor):
+        if self._run is not None:
+            k_BGLC, v_BGLC = self.k[layer][self._run], self.v[layer][self._run]
+            k_BGLC.scatter_(2, self._write_idx_BGSC, k_BGSC)
+            v_BGLC.scatter_(2, self._write_idx_BGSC, v_BGSC)
+            return k_BGLC[:, :, :self._L], v_BGLC[:, :, :self._L], self._mask_BSL
         self.k[layer][self._write_b_BS, :, self._write_pos_BS] = k_BGSC.transpose(1, 2)
         self.v[layer][self._write_b_BS, :, self._write_pos_BS] = v_BGSC.transpose(1, 2)
-        if self._run is not None:
-            return self.k[layer][self._run, :, :self._L], self.v[layer][self._run, :, :self._L], self._mask_BSL
         # index_select copies whole rows; advanced indexing takes a slower generic path on CPU.
         k_BGLC = self.k[layer][:, :, :self._L].index_select(0, self._slots_B)
         v_BGLC = self.v[layer][:, :, :self._L].index_select(0, self._slots_B)

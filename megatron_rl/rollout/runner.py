@@ -34,11 +34,15 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def model_config(cfg: RolloutConfig) -> MoEModelConfig:
-    """The model's configuration; a checkpoint is checked here (headers only), before any rank starts."""
+    """The model's configuration; a checkpoint is checked here (headers only), before any rank starts.
+    With a checkpoint its config.json decides; a `model:` other than the built-in default must then
+    equal it, so a config never silently runs another model than it names."""
     if cfg.checkpoint is None:
         return cfg.model
-    from megatron_rl.models.hf import check_hf_checkpoint
+    from megatron_rl.models.hf import check_hf_checkpoint, check_same_shape
 
+    if cfg.model != MoEModelConfig():
+        check_same_shape(cfg.checkpoint, cfg.model, where="model:")
     mcfg = check_hf_checkpoint(cfg.checkpoint)
     check_experts_over_ranks(mcfg.num_moe_experts, cfg.ranks, f"num_experts of {cfg.checkpoint}")
     return mcfg

@@ -96,6 +96,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
                                         [f"{torn}/model.safetensors", "unreadable safetensors file"]),
         "checkpoint_missing_tensor": (cfg("c4.yaml", f"checkpoint: {incomplete}\n"),
                                       ["'model.layers.1.mlp.experts.5.up_proj.weight' is missing"]),
+        "checkpoint_other_model": (cfg("c5.yaml", f"checkpoint: {tmp / 'ckpt'}\nmodel:\n  num_layers: 3\n"),
+                                   [f"{tmp / 'ckpt'}: checkpoint is for another model shape",
+                                    "num_layers: checkpoint 2, model: 3"]),
         "trace_bad_json": (trace("t1.jsonl", good + "{oops\n"), ["t1.jsonl:2:", "not valid JSON"]),
         "trace_missing_field": (trace("t2.jsonl", good + '{"prompt_id": "b", "epoch": 0, "sample": 0}\n'),
                                 ["t2.jsonl:2:", "missing field 'prompt_len'"]),
@@ -106,7 +109,8 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
 
 CASES = ["unknown_key", "wrong_type", "experts_not_divisible", "more_ranks_than_experts",
          "checkpoint_empty_dir", "checkpoint_is_a_file", "checkpoint_torn_safetensors",
-         "checkpoint_missing_tensor", "trace_bad_json", "trace_missing_field", "trace_negative_length"]
+         "checkpoint_missing_tensor", "checkpoint_other_model", "trace_bad_json", "trace_missing_field",
+         "trace_negative_length"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,102 @@
+"""The rollout fast paths compute the same numbers as the plain ones: the grouped expert GEMM over
+stacked weights equals the per-expert matmuls, the stacked copy follows every weight write and
+expert move, and the KV cache's view path (slots in a run) equals its gather path."""
+import torch
+
+from megatron_rl.models import MoEModelConfig
+from megatron_rl.models.moe import ExpertBank
+from megatron_rl.rollout.kv_cache import SlotKVCache
+
+CFG = MoEModelConfig()
+
+
+def bank(experts, dtype=torch.float32, seed=0):
+    b = ExpertBank(CFG, experts, dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=dtype))
+    return b
+
+
+def routed(experts, n=37, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, CFG.hidden_size, generator=g, dtype=dtype)
+    pick = torch.tensor(experts)[torch.randint(0, len(experts), (n,), generator=g)]
+    return x, pick
+
+
+def test_grouped_gemm_equals_per_expert_matmuls():
+    held = [1, 2, 5, 6]  # a subset with gaps, as a rank holds after a shrink
+    b = bank(held)
+    x, e = routed([2, 5, 6])  # expert 1 receives nothing: an empty group
+    with torch.inference_mode():
+        grouped = b.compute(x, e)
+    loop = b.compute(x, e)  # autograd on: the per-expert path training uses
+    assert loop.requires_grad
+    assert torch.equal(grouped, loop.detach())
+
+
+def test_float64_uses_per_expert_path_and_agrees():
+    b = bank([0, 3], dtype=torch.float64)
+    x, e = routed([0, 3], dtype=torch.float64)
+    with torch.inference_mode():
+        out = b.compute(x, e)
+    ref = torch.empty_like(out)
+    for ex in (0, 3):
+        w1, w2 = b.get(ex).linear_fc1.weight, b.get(ex).linear_fc2.weight
+        gate, up = (x[e == ex] @ w1.T).detach().chunk(2, dim=-1)
+        ref[e == ex] = (torch.nn.functional.silu(gate) * up) @ w2.T.detach()
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_stacked_copy_follows_weight_writes_and_moves():
+    b = bank([0, 1, 2])
+    x, e = routed([0, 2])
+    with torch.inference_mode():
+        before = b.compute(x, e)
+    with torch.no_grad():
+        b.get(2).linear_fc2.weight.mul_(2.0)  # an optimizer step or weight sync writes in place
+    with torch.inference_mode():
+        after = b.compute(x, e)
+    changed = e == 2
+    assert torch.equal(after[~changed], before[~changed])
+    assert not torch.equal(after[changed], before[changed])
+
+    other = bank([4], seed=5)
+    b.drop(1)
+    b.add(4, other.get(4).linear_fc1.weight.detach(), other.get(4).linear_fc2.weight.detach())
+    x4, e4 = routed([0, 4])
+    with torch.inference_mode():
+        moved = b.compute(x4, e4)
+        alone = other.compute(x4[e4 == 4], e4[e4 == 4])
+    assert b.held() == [0, 2, 4]
+    assert torch.equal(moved[e4 == 4], alone)
+
+
+def test_kv_cache_view_path_equals_gather_path():
+    G, C, layers = 2, 4, 1
+    g = torch.Generator().manual_seed(0)
+    run_cache = SlotKVCache(layers, 4, G, 16, C, torch.float64)
+    gather_cache = SlotKVCache(layers, 4, G, 16, C, torch.float64)
+    for cache in (run_cache, gather_cache):
+        for _ in range(4):
+            cache.alloc()
+    order = {"run": [1, 2, 3], "gather": [3, 1, 2]}
+    lens = {1: 3, 2: 5, 3: 2}
+    for step in range(3):
+        new = [lens[s] if step == 0 else 1 for s in order["run"]]
+        k = torch.randn(3, G, max(new), C, generator=g, dtype=torch.float64)
+        v = torch.randn(3, G, max(new), C, generator=g, dtype=torch.float64)
+        perm = [order["run"].index(s) for s in order["gather"]]
+        pos_r = run_cache.select(order["run"], new)
+        pos_g = gather_cache.select(order["gather"], [new[i] for i in perm])
+        assert run_cache._run is not None and gather_cache._run is None
+        kr, vr, mr = run_cache.update(0, k, v)
+        kg, vg, mg = gather_cache.update(0, k[perm], v[perm])
+        for i, j in enumerate(perm):
+            assert torch.equal(pos_g[i], pos_r[j]) and torch.equal(mg[i], mr[j])
+            L = int(pos_r[j].max()) + 1
+            assert torch.equal(kg[i, :, :L], kr[j, :, :L]) and torch.equal(vg[i, :, :L], vr[j, :, :L])
+        run_cache.commit()
+        gather_cache.commit()
