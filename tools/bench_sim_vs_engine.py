@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -162,12 +160,6 @@ def _probe_shrinks(ctx, mcfg: MoEModelConfig, chains, seed: int):
     return shrinks, restores
 
 
-def _probe(ctx, mcfg: MoEModelConfig, sizes, steps: int, seed: int, chains):
-    samples = _probe_steps(ctx, mcfg, sizes, probe_points, steps, seed)
-    shrinks, restores = _probe_shrinks(ctx, mcfg, chains, seed)
-    return (samples, shrinks, restores) if ctx.rank == 0 else None
-
-
 def probe_points(g: int) -> list[tuple[int, int, int]]:
     """(requests per busy member, context, busy members): every batch shape with all members busy,
     and two with fewer (drained members run dummy steps)."""
@@ -175,29 +167,41 @@ def probe_points(g: int) -> list[tuple[int, int, int]]:
     return full + [(b, c, k) for b, c in ((4, 160), (16, 320)) for k in range(1, g)]
 
 
-def measure(mcfg: MoEModelConfig, world: int, floor: int, steps: int, seed: int):
-    """Step-time samples of every group size and the measured shrinks and restores of the chains
-    W -> W-1 -> ... -> floor, W -> floor and W -> 1."""
-    from megatron_rl.parallel.launch import run_ranks
+def _round(ctx, mcfg: MoEModelConfig, sizes, steps: int, seed: int, chains, jobs):
+    """One round in one world of ranks: the probes, then every job's rollout (what `flexfloor
+    rollout` runs). Rank 0 returns `((samples, shrinks, restores), reports)`."""
+    from megatron_rl.rollout.runner import _rank_jobs
 
+    samples = _probe_steps(ctx, mcfg, sizes, probe_points, steps, seed)
+    shrinks, restores = _probe_shrinks(ctx, mcfg, chains, seed)
+    done = _rank_jobs(ctx, jobs, True)
+    return ((samples, shrinks, restores), [d[0] for d in done]) if ctx.rank == 0 else None
+
+
+def measure_round(cfgs: list[RolloutConfig], floor: int, steps: int, out_dirs: list[str | None]):
+    """Probe step times of every group size and the shrinks and restores of the chains
+    W -> W-1 -> ... -> floor, W -> floor and W -> 1, then run the rollouts of `cfgs`, all in one
+    world: the probes and the runs share the processes and the moment they are measured in.
+    Returns (probe, reports, plans); with an out dir, each run leaves plan.json and ledger.json."""
+    from megatron_rl.parallel.launch import run_ranks
+    from megatron_rl.rollout.runner import prepare
+
+    world, mcfg = cfgs[0].ranks, cfgs[0].model
     sizes = list(range(world, 0, -1))
     # One chain that moves more experts per rank than the others, so that the fixed cost of a shrink
     # and the cost per expert moved can be told apart.
     chains = [c for c in dict.fromkeys([tuple(range(world, floor - 1, -1)), (world, floor), (world, 1)]) if len(c) > 1]
-    return run_ranks(_probe, world, mcfg, sizes, steps, seed, chains, timeout_s=600.0)
-
-
-def real_run(policy: str, ranks: int, floor: int, out: Path) -> tuple[dict, Plan]:
-    """One `flexfloor rollout`; leaves ledger.json and plan.json in `out`."""
-    cmd = [sys.executable, "-m", "megatron_rl.cli", "rollout", "--ranks", str(ranks), "--policy", policy,
-           "--floor", str(floor), "--out", str(out), "--json", str(out / "ledger.json"), "--quiet"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"real rollout failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-    return load_run(out)
+    jobs = [prepare(c, d) for c, d in zip(cfgs, out_dirs)]
+    probe, reports = run_ranks(_round, world, mcfg, sizes, steps, cfgs[0].seed, chains, jobs,
+                               timeout_s=sum(c.timeout_s for c in cfgs) + 600.0)
+    for report, d in zip(reports, out_dirs):
+        if d is not None:
+            (Path(d) / "ledger.json").write_text(json.dumps(report))
+    return probe, reports, [j.plan for j in jobs]
 
 
 def load_run(out: Path) -> tuple[dict, Plan]:
+    """A run kept by --save: its report (ledger.json) and plan."""
     report = json.loads((out / "ledger.json").read_text())
     return report, Plan.from_dict(json.loads((out / "plan.json").read_text()))
 
@@ -247,32 +251,28 @@ def main(argv=None) -> int:
             raise SystemExit(f"--reuse {args.reuse}: no probe*.json there (write them with --save)")
     for rep in range(args.repeats):
         t1 = time.perf_counter()
+        # Each round in another order, so that no policy always runs right after the probes.
+        order = policies[rep % len(policies):] + policies[:rep % len(policies)]
         if args.reuse:
             probe = json.loads((args.reuse / f"probe{rep}.json").read_text())
+            done = [load_run(args.reuse / p / str(rep)) for p in order]
         else:
-            probe = measure(mcfg, args.ranks, args.floor, args.steps, cfg.seed)
+            dirs = [str(args.save / p / str(rep)) if args.save else None for p in order]
+            cfgs = [RolloutConfig(ranks=args.ranks, policy=p, floor=args.floor) for p in order]
+            probe, reports, round_plans = measure_round(cfgs, args.floor, args.steps, dirs)
+            done = list(zip(reports, round_plans))
         if args.save:
-            args.save.mkdir(parents=True, exist_ok=True)
             (args.save / f"probe{rep}.json").write_text(json.dumps(probe))
         samples += [tuple(s) for s in probe[0]]
         shrinks += [([tuple(m) for m in moves], secs) for moves, secs in probe[1]]
         restores += [([tuple(m) for m in moves], secs) for moves, secs in probe[2]]
-        print(f"probe {rep + 1}/{args.repeats}{' (reused)' if args.reuse else ''}: {len(probe[0])} step times "
-              f"of groups of {args.ranks}..1, {len(probe[1])} shrinks, {len(probe[2])} restores "
-              f"({time.perf_counter() - t1:.0f} s)", flush=True)
-        for policy in policies:
-            t1 = time.perf_counter()
-            if args.reuse:
-                report, plans[policy] = load_run(args.reuse / policy / str(rep))
-            elif args.save:
-                report, plans[policy] = real_run(policy, args.ranks, args.floor, args.save / policy / str(rep))
-            else:
-                with tempfile.TemporaryDirectory() as tmp:
-                    report, plans[policy] = real_run(policy, args.ranks, args.floor, Path(tmp))
+        for policy, (report, plan) in zip(order, done):
             runs[policy].append(report)
-            print(f"real run {rep + 1}/{args.repeats} {policy}{' (reused)' if args.reuse else ''}: "
-                  f"{report['rollout_time_s']:.2f} s rollout ({time.perf_counter() - t1:.0f} s with start-up)",
-                  flush=True)
+            plans[policy] = plan
+        walls = ", ".join(f"{p} {report['rollout_time_s']:.2f} s" for p, (report, _plan) in zip(order, done))
+        print(f"round {rep + 1}/{args.repeats}{' (reused)' if args.reuse else ''}: {len(probe[0])} step times "
+              f"of groups of {args.ranks}..1, {len(probe[1])} shrinks, {len(probe[2])} restores; rollouts "
+              f"{walls} ({time.perf_counter() - t1:.0f} s)", flush=True)
     cost = calibrate_transitions(shrinks, restores, calibrate(samples, base))
     print(f"calibrated: overhead {cost.step_overhead_s * 1e3:.2f} ms, all-to-all per layer "
           f"{', '.join(f'{s * 1e3:.2f} ms at {g}' for g, s in cost.a2a_host_latency_s)}, "
