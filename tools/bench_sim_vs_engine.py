@@ -7,17 +7,20 @@ step times, then compare its predicted ledger with real 4-rank rollouts of the s
 `--save DIR` keeps the probe samples and every real run's ledger and plan; `--reuse DIR` replays
 them instead of measuring again (the real runs are the expensive part; the model is not).
 
-1. Probe (repeated before every round of real runs): in a world of W gloo ranks, EP groups of
-   every size W..1 run the real model and `RolloutEngine` on batches of b requests at context c
-   held by k of the g members (the others run dummy steps, as drained members do), with the
-   runtime's status all-reduce after every step; the slowest member's mean step time is one
-   `(b, c, g, seconds, k)` sample. `elastic.costmodel.calibrate` fits a cost model with the tiny
-   model's shape: overhead, compute rates, the effective cores the ranks share and one all-to-all
-   latency per group size. Then `ElasticRuntime` carries out plans of the chains W -> ... -> floor,
-   W -> floor and W -> 1 on a small batch: the measured shrinks and restores fit the transition
-   costs (`calibrate_transitions`).
-2. Real runs: `flexfloor rollout --ranks W --policy P --floor F --out DIR` on the built-in tiny CPU
-   example (a DeepScaleR-like trace replay, lengths scaled for CPU), every policy once per round.
+1. Probe, in every round: in a world of W gloo ranks, EP groups of every size W..1 run the real
+   model and `RolloutEngine` on batches of b requests at context c held by k of the g members (the
+   others run dummy steps, as drained members do), with the runtime's status all-reduce after
+   every step; the slowest member's mean step time is one `(b, c, g, seconds, k)` sample.
+   `elastic.costmodel.calibrate` fits a cost model with the tiny model's shape: overhead, compute
+   rates, the effective cores the ranks share and one all-to-all latency per group size. Then
+   `ElasticRuntime` carries out plans of the chains W -> ... -> floor, W -> floor and W -> 1 on a
+   small batch: the measured shrinks and restores fit the transition costs (`calibrate_transitions`).
+2. Real runs, in the same round and world of ranks: the rollout `flexfloor rollout --ranks W
+   --policy P --floor F` runs (`megatron_rl.rollout.runner`: plan, engine, `ElasticRuntime`, ledger)
+   on the built-in tiny CPU example (a DeepScaleR-like trace replay, lengths scaled for CPU), every
+   policy once per round in a rotating order. One world for probes and runs: rollouts started as
+   separate `flexfloor rollout` processes measured 6-19% slower per step than probes taken in
+   their own world minutes apart, and the fit below carried that bias into the prediction.
 3. Fit: the probed model's step is scaled by one factor (`elastic.simcalib.fit_to_ledgers`,
    `WHOLE_STEP`) to the median ledgers of the static policies (vanilla, lengthsort): this shared
    2-core machine's speed drifts with other load, and the probes are not the runs. One factor, not
@@ -276,7 +279,7 @@ def main(argv=None) -> int:
     cost = calibrate_transitions(shrinks, restores, calibrate(samples, base))
     print(f"calibrated: overhead {cost.step_overhead_s * 1e3:.2f} ms, all-to-all per layer "
           f"{', '.join(f'{s * 1e3:.2f} ms at {g}' for g, s in cost.a2a_host_latency_s)}, "
-          f"{cost.hbm_bytes_per_s / 1e9:.2f} GB/s, {cost.flops_per_s / 1e9:.2f} GFLOP/s, {cost.host_cores:g} "
+          f"{cost.hbm_bytes_per_s / 1e9:.3g} GB/s, {cost.flops_per_s / 1e9:.3g} GFLOP/s, {cost.host_cores:g} "
           f"effective cores; mean step-time error {fit_error(cost, samples):.1%}; "
           f"shrink {cost.shrink_fixed_s * 1e3:.1f} ms + "
           f"{cost.expert_bytes / cost.transfer_intra_bytes_per_s * 1e3:.2f} ms per expert, restore "
