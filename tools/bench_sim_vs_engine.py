@@ -173,11 +173,11 @@ def probe_points(g: int) -> list[tuple[int, int, int]]:
 def _round(ctx, mcfg: MoEModelConfig, sizes, steps: int, seed: int, chains, jobs):
     """One round in one world of ranks: the probes, then every job's rollout (what `flexfloor
     rollout` runs). Rank 0 returns `((samples, shrinks, restores), reports)`."""
-    from megatron_rl.rollout.runner import _rank_jobs
+    from megatron_rl.rollout.runner import rank_jobs
 
     samples = _probe_steps(ctx, mcfg, sizes, probe_points, steps, seed)
     shrinks, restores = _probe_shrinks(ctx, mcfg, chains, seed)
-    done = _rank_jobs(ctx, jobs, True)
+    done = rank_jobs(ctx, jobs, True)
     return ((samples, shrinks, restores), [d[0] for d in done]) if ctx.rank == 0 else None
 
 

@@ -240,7 +240,10 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     return RolloutJob(cfg, mcfg, requests, plan, out_dir)
 
 
-def _rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
+def rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
+    """This rank's part of every prepared job, in order, inside an existing world (what
+    `run_rollouts` runs on each rank; benchmarks call it to share a world with other measurements).
+    Returns (report, responses) per job on rank 0, None per job on the other ranks."""
     return [_rank_main(ctx, j.cfg, j.mcfg, j.requests, j.plan, j.out_dir, quiet) for j in jobs]
 
 
@@ -254,7 +257,7 @@ def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = 
     ranks = {c.ranks for c in cfgs}
     if len(ranks) != 1:
         raise FlexFloorError(f"rollouts in one world must share the rank count, got {sorted(ranks)}")
-    return run_ranks(_rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs))
+    return run_ranks(rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs))
 
 
 def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):

@@ -66,7 +66,7 @@ def test_misprediction_delays_the_stage_and_never_cuts():
     """A leaving rank that holds the longest response keeps its stage waiting, busy, to the end."""
     from elastic.plan import Assignment, Plan, Stage, block_owners
     from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.rollout.runner import RolloutJob, _rank_jobs, prepare
+    from megatron_rl.rollout.runner import RolloutJob, prepare, rank_jobs
 
     cfg = config(policy="vanilla")
     vanilla = prepare(cfg)
@@ -83,7 +83,7 @@ def test_misprediction_delays_the_stage_and_never_cuts():
               Stage((0, 1), (2, 3), block_owners(8, (0, 1)))]
     plan = Plan(4, 2, 8, "planned", False, assign, stages)
     job = RolloutJob(cfg, vanilla.mcfg, others + [longest, late], plan, None)
-    (report, responses), (vreport, _) = run_ranks(_rank_jobs, 4, [job, vanilla], True, timeout_s=60.0)
+    (report, responses), (vreport, _) = run_ranks(rank_jobs, 4, [job, vanilla], True, timeout_s=60.0)
     assert report["responses_sha256"] == vreport["responses_sha256"]
     assert report["final_stage"] == 1
     r2, r3 = report["per_rank"][2]["steps"], report["per_rank"][3]["steps"]
