@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease", action="store_true", help="detached ranks run side work under leases")
     p.add_argument("--migrate", type=int, default=0, metavar="N",
                    help="also simulate migrating the last N straggler responses a shrink waits for, "
-                        "with their KV, to resident ranks, and report what that saves")
+                        "with their KV, to resident ranks, and report what that saves (a what-if: the "
+                        "runtime does not migrate)")
     p.add_argument("--epochs", default=None, help="comma-separated epochs to simulate (default: all but the first)")
     p.add_argument("--compare", action="store_true",
                    help="every policy side by side (floors 2, 4, 8; with and without TailGuard), each "
