@@ -51,7 +51,8 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_table(dim: int, base: float, dtype: torch.dtype, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_table(dim: int, base: float, dtype: torch.dtype, positions: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [positions, dim] for positions 0..positions-1, angles in float64; the
     first half of sin is negated (see `apply_rope`). A normal tensor (not an inference one), so
     training can use it under autograd too."""
@@ -61,14 +62,14 @@ def _rope_table(dim: int, base: float, dtype: torch.dtype, positions: int) -> tu
         ang = torch.cat([ang, ang], dim=-1)
         sin = ang.sin()
         sin[:, : dim // 2] *= -1
-        return ang.cos().to(dtype), sin.to(dtype)
+        return ang.cos().to(device, dtype), sin.to(device, dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
     """cos and signed sin [*positions.shape, dim]: rows of a table that grows in powers of two, so a decode
     step indexes it instead of recomputing its angles."""
     need = int(positions.max()) + 1 if positions.numel() else 1
-    cos, sin = _rope_table(dim, base, dtype, max(256, 1 << (need - 1).bit_length()))
+    cos, sin = _rope_table(dim, base, dtype, max(256, 1 << (need - 1).bit_length()), positions.device)
     return cos[positions], sin[positions]
 
 
