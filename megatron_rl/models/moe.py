@@ -14,7 +14,7 @@ Two ways to compute, one result: with autograd on (training) each expert's two m
 own parameters; without it (rollout) the bank runs one grouped GEMM per matmul (`torch._grouped_mm`,
 as torchtitan's GroupedExperts) over a stacked copy of the weights. `_grouped_mm` equals the
 per-expert `F.linear` bit for bit (tests/unit/test_moe_grouped.py); float64 has no CPU grouped GEMM,
-so float64 keeps the per-expert loop.
+so float64 keeps the per-expert loop, as do accelerators (see GROUPED_MM_DTYPES).
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from torch import nn
 from megatron_rl.models.config import MoEModelConfig
 
 # Dtypes `torch._grouped_mm` takes on CPU (torch 2.13); float64 falls back to one matmul per expert.
+# Only the CPU kernel is used and tested here: on CUDA it has other dtype, architecture and
+# alignment rules, and GPU runs use megatron-core's grouped GEMM (megatron_backend.py) anyway.
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -83,8 +85,10 @@ class ExpertBank(nn.Module):
         A copy of the parameters (they stay the truth for training, checkpoints and expert moves),
         rebuilt when the held modules change or any weight is written: in-place writes (optimizer
         steps, weight sync, `copy_`) bump a tensor's version counter, which only grows, so the sum
-        of the versions changes with any write. It costs a second copy of the local expert weights
-        while a rollout runs.
+        of the versions changes with any write. A parameter *object* swapped for another under the
+        same expert module (`load_state_dict(assign=True)`) would go unnoticed; nothing in the
+        project does that, expert moves replace whole modules. It costs a second copy of the local
+        expert weights while a rollout runs.
         """
         modules = tuple(self.local_experts._modules.values())
         if getattr(self, "_stacked_of", None) != modules:
@@ -119,7 +123,7 @@ class ExpertBank(nn.Module):
         if missing:
             raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {held})")
         x_TD = x_TD.index_select(0, order_T)
-        if not torch.is_grad_enabled() and x_TD.dtype in GROUPED_MM_DTYPES:
+        if not torch.is_grad_enabled() and x_TD.dtype in GROUPED_MM_DTYPES and x_TD.device.type == "cpu":
             # Group i is the i-th held expert's rows, offs[i-1]:offs[i]; unrouted experts are empty groups.
             offs_E = torch.tensor(list(itertools.accumulate(count.get(e, 0) for e in held)), dtype=torch.int32)
             fc1_ED2F, fc2_EFD = self.stacked()

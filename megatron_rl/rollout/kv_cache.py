@@ -53,17 +53,18 @@ class SlotKVCache:
         # Padding positions past a request's real tokens are written too, then masked and later
         # overwritten: cheaper than a ragged scatter, and never attended to.
         self._write_pos_BS = q_pos_BS.clamp(max=self.max_len - 1) if self._L > self.max_len else q_pos_BS
-        slots_B = torch.tensor(slots)
-        self._write_b_BS = slots_B[:, None].expand(B, S)
         self._mask_BSL = torch.arange(self._L)[None, None, :] <= q_pos_BS[:, :, None]
         # Slots s0, s0+1, ... in order (the usual case: slots are handed out lowest first and a
-        # batch keeps its order) are read as a view, with no gather.
+        # batch keeps its order) are read as a view, with no gather, and written with one scatter
+        # along the position axis; only the path taken gets its index tensors.
         first = slots[0]
         self._run = slice(first, first + B) if slots == list(range(first, first + B)) else None
-        if self._run is not None:  # and written with one scatter along the position axis
+        if self._run is not None:
             G, C = self.k[0].shape[1], self.k[0].shape[3]
             self._write_idx_BGSC = self._write_pos_BS[:, None, :, None].expand(B, G, S, C)
-        self._slots_B = slots_B
+        else:
+            self._slots_B = torch.tensor(slots)
+            self._write_b_BS = self._slots_B[:, None].expand(B, S)
         return q_pos_BS
 
     def commit(self) -> None:
