@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic.plan import block_owners
 from elastic.trace import Trace
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
@@ -31,49 +30,17 @@ from megatron_rl.metrics import MetricsLogger, length_stats
 from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
-    gather_full_state,
     load_checkpoint,
     read_trainer_state,
     save_checkpoint,
 )
 from megatron_rl.rl.grpo import group_advantages
+from megatron_rl.rl.model_setup import build_model, check_init, export_hf
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, make_optimizer
 from megatron_rl.rl.update import PolicyUpdate
 from megatron_rl.trainer_config import TrainerConfig
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def check_init(cfg: TrainerConfig) -> None:
-    """`init` must be a HuggingFace checkpoint of exactly the configured model shape."""
-    if cfg.init is None:
-        return
-    from megatron_rl.models.hf import check_same_shape
-
-    check_same_shape(cfg.init, cfg.model)
-
-
-def build_model(cfg: TrainerConfig, rank: int, world: int):
-    """This rank's model: dense weights and the experts Megatron's contiguous blocks give it."""
-    from megatron_rl.models.moe import LocalDispatcher
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-    from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
-
-    owners = block_owners(cfg.model.num_moe_experts, range(world))
-    held = [e for e, rs in owners.items() if rank in rs]
-    dtype = DTYPES[cfg.dtype]
-    if cfg.init is not None:
-        from megatron_rl.models.hf import load_hf_checkpoint
-
-        model = load_hf_checkpoint(cfg.init, dtype, experts=held)
-    else:
-        model = Qwen3MoeModel(cfg.model, held, dtype)
-        model.init_weights(cfg.seed)
-    model.set_dispatcher(LocalDispatcher() if world == 1 else
-                         AllToAllDispatcher(dist.group.WORLD, [owners[e][0] for e in sorted(owners)]))
-    return model
 
 
 class Trainer:
@@ -199,19 +166,6 @@ class Trainer:
                 self.logger.close()
         return {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,
                 "wall_s": time.perf_counter() - t0}
-
-
-def export_hf(model, model_cfg, path: str | Path, rank: int, world: int) -> None:
-    """Write the whole model (every rank's experts) as a HuggingFace checkpoint from rank 0."""
-    from megatron_rl.models.hf import save_hf_checkpoint
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-
-    full = gather_full_state(model, rank, world)
-    if rank == 0:
-        whole = Qwen3MoeModel(model_cfg, None, model.dtype)
-        whole.load_state_dict(full, strict=True)
-        save_hf_checkpoint(whole, path)
-    dist.barrier()
 
 
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):

@@ -19,8 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic.plan import Plan, Stage, block_owners
-from elastic.runtime import _move_experts
+from elastic.planning.plan import Plan, Stage, block_owners
+from elastic.runtime.runtime import _move_experts
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import Request, RolloutEngine

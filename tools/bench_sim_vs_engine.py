@@ -11,7 +11,7 @@ them instead of measuring again (the real runs are the expensive part; the model
    model and `RolloutEngine` on batches of b requests at context c held by k of the g members (the
    others run dummy steps, as drained members do), with the runtime's status all-reduce after
    every step; the slowest member's mean step time is one `(b, c, g, seconds, k)` sample.
-   `elastic.costmodel.calibrate` fits a cost model with the tiny model's shape: overhead, compute
+   `elastic.sim.costmodel.calibrate` fits a cost model with the tiny model's shape: overhead, compute
    rates, the effective cores the ranks share and one all-to-all latency per group size. Then
    `ElasticRuntime` carries out plans of the chains W -> ... -> floor, W -> floor and W -> 1 on a
    small batch: the measured shrinks and restores fit the transition costs (`calibrate_transitions`).
@@ -21,12 +21,12 @@ them instead of measuring again (the real runs are the expensive part; the model
    policy once per round in a rotating order. One world for probes and runs: rollouts started as
    separate `flexfloor rollout` processes measured 6-19% slower per step than probes taken in
    their own world minutes apart, and the fit below carried that bias into the prediction.
-3. Fit: the probed model's step is scaled by one factor (`elastic.simcalib.fit_to_ledgers`,
+3. Fit: the probed model's step is scaled by one factor (`elastic.sim.calibrate.fit_to_ledgers`,
    `WHOLE_STEP`) to the median ledgers of the static policies (vanilla, lengthsort): this shared
    2-core machine's speed drifts with other load, and the probes are not the runs. One factor, not
    one per part: the static runs have a single group size, which cannot tell the per-step overhead
    from the all-to-all (`--fit per-part` shows what that fit extrapolates to smaller groups).
-4. Replay: the same plan (DIR/plan.json) and batch through `elastic.simulate`; the ledger is compared
+4. Replay: the same plan (DIR/plan.json) and batch through `elastic.sim.simulate`; the ledger is compared
    state by state with the median of the real runs (issue 7: within 15% per state). `planned`,
    which shrinks, is a prediction: nothing of its runs went into the model.
 """
@@ -44,11 +44,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from elastic.costmodel import CostModel, calibrate, calibrate_transitions, fit_error  # noqa: E402
 from elastic.ledger import STATES  # noqa: E402
-from elastic.plan import Plan  # noqa: E402
-from elastic.simcalib import PER_PART, WHOLE_STEP, fit_to_ledgers  # noqa: E402
-from elastic.simulate import SimConfig, simulate_rollout  # noqa: E402
+from elastic.planning.plan import Plan  # noqa: E402
+from elastic.sim.calibrate import PER_PART, WHOLE_STEP, fit_to_ledgers  # noqa: E402
+from elastic.sim.costmodel import CostModel, calibrate, calibrate_transitions, fit_error  # noqa: E402
+from elastic.sim.simulate import SimConfig, simulate_rollout  # noqa: E402
 from elastic.trace import TraceRecord  # noqa: E402
 from megatron_rl.models.config import MoEModelConfig  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
@@ -93,7 +93,7 @@ def _probe_steps(ctx, mcfg: MoEModelConfig, sizes, points, steps: int, seed: int
     import torch
     import torch.distributed as dist
 
-    from elastic.schedule import contiguous_owners
+    from elastic.planning.schedule import contiguous_owners
     from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
@@ -133,9 +133,9 @@ def _probe_shrinks(ctx, mcfg: MoEModelConfig, chains, seed: int):
     import torch
     import torch.distributed as dist
 
-    from elastic.plan import Assignment
-    from elastic.runtime import ElasticRuntime
-    from elastic.schedule import build_stages
+    from elastic.planning.plan import Assignment
+    from elastic.planning.schedule import build_stages
+    from elastic.runtime.runtime import ElasticRuntime
     from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                     help="policies whose measured ledgers fit the model (the rest are predictions; '' for none)")
     ap.add_argument("--fit", choices=("whole-step", "per-part"), default="whole-step",
                     help="one factor for the whole step (default), or one each for overhead, compute and "
-                         "all-to-all (ill-conditioned on runs of one group size: see elastic/simcalib.py)")
+                         "all-to-all (ill-conditioned on runs of one group size: see elastic/sim/calibrate.py)")
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per probe point")
     ap.add_argument("--repeats", type=int, default=3, help="probes and real runs per policy (the median is compared)")
     keep = ap.add_mutually_exclusive_group()

@@ -15,11 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.costmodel import CostModel
-from elastic.shape import ModelShape
-from elastic.simtrace import Policy, make_policy_plan
-from elastic.simulate import SimConfig, simulate_rollout
-from elastic.synth import generate, preset
+from elastic.planning.shape import ModelShape
+from elastic.sim.costmodel import CostModel
+from elastic.sim.replay import Policy, make_policy_plan
+from elastic.sim.simulate import SimConfig, simulate_rollout
+from elastic.sim.synth import generate, preset
 
 LIMIT_S = 30.0
 

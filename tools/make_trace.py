@@ -4,7 +4,7 @@
     python tools/make_trace.py --preset nosignal --prompts 64 --epochs 4 --out ns.jsonl
 
 Every `SynthParams` field is a flag (`--prompt-share 0.5`, `--hard-share 0.1`, ...); the
-parameters and presets are described in docs/planner.md. In-process: `elastic.synth.generate`.
+parameters and presets are described in docs/planner.md. In-process: `elastic.sim.synth.generate`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.synth import PRESETS, generate, preset
+from elastic.sim.synth import PRESETS, generate, preset
 from elastic.trace import write_trace
 
 

@@ -3,7 +3,7 @@
     flexfloor plan --trace dsr.jsonl --ranks 16 --floor 4 --tailguard --layout planned --json
 
 The batch is the trace's epoch `--epoch` (default: the last one), planned from the epochs before
-it only. `--json` prints the plan as one JSON object (`elastic.plan.Plan.to_dict`); without it, a
+it only. `--json` prints the plan as one JSON object (`elastic.planning.plan.Plan.to_dict`); without it, a
 summary: the quorum schedule, the per-rank load and the predicted release area.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from megatron_rl.errors import FlexFloorError
 
 
 def register(subparsers) -> None:
-    from elastic.shape import QWEN3_30B_A3B_H100, SHAPES
+    from elastic.planning.shape import QWEN3_30B_A3B_H100, SHAPES
 
     p = subparsers.add_parser("plan", help="plan one rollout of a length trace",
                               description=__doc__.split("\n\n")[0],
@@ -44,9 +44,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from elastic.plan import PlanError
-    from elastic.planner import plan_epoch
-    from elastic.shape import SHAPES
+    from elastic.planning.plan import PlanError
+    from elastic.planning.planner import plan_epoch
+    from elastic.planning.shape import SHAPES
     from elastic.trace import TraceError, read_trace
 
     try:

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from elastic.guard import report
+    from elastic.planning.guard import report
     from elastic.trace import TraceError, read_trace
 
     if not 0 < args.alpha < 1:

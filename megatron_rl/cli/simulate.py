@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how the planner picks the chain of stages: fewest occupied rank-seconds "
                         "(capacity, default) or shortest predicted rollout (latency)")
     p.add_argument("--ranks", type=int, default=16, help="ranks (accelerators) W (default 16)")
-    p.add_argument("--model", default=None, help="model and hardware shape (elastic.shape.SHAPES)")
+    p.add_argument("--model", default=None, help="model and hardware shape (elastic.planning.shape.SHAPES)")
     p.add_argument("--cost", default=None, metavar="YAML", help="cost-model fields to override (YAML mapping)")
     p.add_argument("--check-every", type=int, default=16, metavar="K",
                    help="decode steps between drain-status checks (default 16)")
@@ -43,9 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _setup(args):
-    from elastic.costmodel import CostModel
-    from elastic.shape import SHAPES, ModelShape
-    from elastic.simulate import SimConfig
+    from elastic.planning.shape import SHAPES, ModelShape
+    from elastic.sim.costmodel import CostModel
+    from elastic.sim.simulate import SimConfig
     from elastic.trace import TraceError, read_trace
     from megatron_rl.config import load_dataclass
 
@@ -87,7 +87,7 @@ def _setup(args):
                 raise FlexFloorError(f"--epochs: epoch {bad[0]} is not in {args.trace} or has no earlier epoch "
                                      f"(epochs: {trace.epochs})")
         else:
-            from elastic.simtrace import rollout_epochs
+            from elastic.sim.replay import rollout_epochs
             epochs = rollout_epochs(trace)
     except TraceError as e:
         raise FlexFloorError(str(e)) from None
@@ -95,7 +95,7 @@ def _setup(args):
 
 
 def run(args) -> int:
-    from elastic.plan import PlanError
+    from elastic.planning.plan import PlanError
 
     try:
         return _run(args)
@@ -107,8 +107,8 @@ def run(args) -> int:
 def _run(args) -> int:
     from dataclasses import replace
 
-    from elastic.simreport import compare_table, run_compare, single_report
-    from elastic.simtrace import Policy, compare_policies, simulate_trace
+    from elastic.sim.replay import Policy, compare_policies, simulate_trace
+    from elastic.sim.report import compare_table, run_compare, single_report
 
     trace, epochs, shape, cost, config = _setup(args)
     if args.compare:
@@ -142,7 +142,7 @@ def _run(args) -> int:
         print(json.dumps(summary) if args.json else single_report(summary))
         results = [result]
     if args.plot:
-        from elastic.simplot import write_plots
+        from elastic.sim.plot import write_plots
 
         for path in write_plots(results, args.plot):
             print(f"wrote {path}", file=sys.stderr)

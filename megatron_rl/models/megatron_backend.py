@@ -12,7 +12,7 @@ Every layer is built against a *passed* `ProcessGroupCollection` (never megatron
 `parallel_state`), so `elastic/` can rebuild the layers over a smaller, pre-created EP group
 (`rebuild_ep`) when ranks leave, and over the full group on restore. Megatron owns experts in
 contiguous blocks: EP rank i of n holds experts [i*E/n, (i+1)*E/n), so a shrink stage must use
-`elastic.plan.block_owners` and E must divide by the group size.
+`elastic.planning.plan.block_owners` and E must divide by the group size.
 
 megatron-core 0.16.1's router and alltoall/flex dispatchers call CUDA directly, so the backend runs
 on GPUs only; `require_backend("megatron")` says so on a CPU machine. The layer can still be

@@ -75,7 +75,7 @@ def _worker(rank, world, port, timeout_s, fn, args, queue):
         out = fn(_make_context(timeout_s), *args)
         queue.put((rank, "ok", out if rank == 0 else None))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
-        from elastic.runtime import ElasticFault
+        from elastic.runtime.runtime import ElasticFault
 
         # Expected failures travel as their one-line message (a user error as itself, even when
         # the runtime wrapped it); bugs keep their traceback.

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from elastic.plan import block_owners
+from elastic.planning.plan import block_owners
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
@@ -102,7 +102,7 @@ class RolloutPhase:
         return plan
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
-        from elastic.runtime import ElasticRuntime, ledger_of
+        from elastic.runtime.runtime import ElasticRuntime, ledger_of
 
         cfg, G = self.cfg, self.cfg.grpo.group_size
         t0 = time.perf_counter()

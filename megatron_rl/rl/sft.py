@@ -65,7 +65,7 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
 
 def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
     from megatron_rl.data.tokenizer import build_tokenizer
-    from megatron_rl.trainer import build_model, export_hf
+    from megatron_rl.rl.model_setup import build_model, export_hf
 
     model = build_model(cfg, ctx.rank, ctx.world)
     losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), data, ctx.rank, ctx.world)
@@ -77,7 +77,7 @@ def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
     """SFT-only run on `cfg.ranks` ranks; writes a HuggingFace checkpoint usable as `init:`."""
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.trainer import check_init
+    from megatron_rl.rl.model_setup import check_init
 
     check_init(cfg)
     data = load_prompts(cfg.data)

@@ -22,7 +22,7 @@ def load_trace(cfg: BatchConfig, seed: int) -> Trace:
             return read_trace(cfg.trace)
         except TraceError as e:
             raise FlexFloorError(str(e)) from None
-    from elastic.synth import generate, preset
+    from elastic.sim.synth import generate, preset
 
     try:
         params = preset(cfg.preset, prompts=cfg.prompts, samples=cfg.samples, epochs=cfg.epochs)

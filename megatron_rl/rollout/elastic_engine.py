@@ -1,4 +1,4 @@
-"""The rollout engine seen through `elastic.interface.ElasticEngine`: what `elastic/` may touch.
+"""The rollout engine seen through `elastic.runtime.interface.ElasticEngine`: what `elastic/` may touch.
 
 Holds the model (with the experts this rank holds now) and the rank's `RolloutEngine`; moves an
 expert as one flat tensor of its weights in every layer; swaps the EP group by building a new

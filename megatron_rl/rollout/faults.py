@@ -14,7 +14,7 @@ import signal
 import time
 from typing import Callable
 
-from elastic.plan import Plan
+from elastic.planning.plan import Plan
 
 FAULTS = ("kill-leased-rank", "fail-transfer", "stuck-lease")
 

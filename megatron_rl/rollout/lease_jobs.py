@@ -1,4 +1,4 @@
-"""Side work a detached rank can lease (see `elastic/pool.py`), both real and both reporting.
+"""Side work a detached rank can lease (see `elastic/runtime/pool.py`), both real and both reporting.
 
 - `RewardScoringJob`: scores this rank's already finished responses while the tail still decodes,
   so the reward phase after the rollout has less left to do. The score function is the caller's

@@ -1,18 +1,18 @@
-"""The rollout engine with the `megatron` MoE backend, seen through `elastic.interface.ElasticEngine`.
+"""The rollout engine with the `megatron` MoE backend, seen through `elastic.runtime.interface.ElasticEngine`.
 
 megatron-core's MoELayer cannot gain or lose one expert: its experts are fixed at construction as
 the EP rank's contiguous block. So expert moves are collected (`import_expert` keeps the weights,
 `drop_expert` forgets them) and `use_group` rebuilds every MoE layer over the new group with them
 (`megatron_backend.rebuild_ep`), in the order the elastic runtime calls them: moves, drops, switch.
 The first `use_group` turns the torch-backend layers the model was built with into megatron ones.
-Stage owners must be megatron's blocks (`elastic.plan.block_owners` of the stage's members).
+Stage owners must be megatron's blocks (`elastic.planning.plan.block_owners` of the stage's members).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from elastic.plan import block_owners
+from elastic.planning.plan import block_owners
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.megatron_backend import (
     ExpertWeights,
@@ -65,7 +65,7 @@ class MegatronElasticEngine(ElasticRolloutEngine):
         if owners != blocks:
             raise FlexFloorError(
                 f"backend 'megatron': the plan's stage on ranks {members} places experts off megatron-core's "
-                "contiguous blocks; plan it with elastic.plan.block_owners or use `backend: torch`")
+                "contiguous blocks; plan it with elastic.planning.plan.block_owners or use `backend: torch`")
         pgc = moe_pg_collection(group, self.self_group)
         if self._built():
             rebuild_ep(self.model, pgc, self.incoming, self.dropped)

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic.layout import natural
-from elastic.plan import Plan, static_plan
-from elastic.shape import ModelShape
+from elastic.planning.layout import natural
+from elastic.planning.plan import Plan, static_plan
+from elastic.planning.shape import ModelShape
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
@@ -77,8 +77,8 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
     keys = [(r.prompt_id, r.sample) for r in batch]
     if policy == "vanilla":
         return static_plan("natural", natural(keys, W), W, E)
-    from elastic.planner import PlanError, make_plan
-    from elastic.release import ShapeCost
+    from elastic.planning.planner import PlanError, make_plan
+    from elastic.planning.release import ShapeCost
 
     floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
     shape = tiny_shape(mcfg, dtype_bytes)
@@ -121,8 +121,8 @@ def lease_jobs(cfg: RolloutConfig, engine: RolloutEngine, rank: int) -> list:
 
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
                plan: Plan, out_dir: str | None, quiet: bool):
-    from elastic.pool import IdlePool
-    from elastic.runtime import ElasticRuntime, ledger_of
+    from elastic.runtime.pool import IdlePool
+    from elastic.runtime.runtime import ElasticRuntime, ledger_of
 
     rank, dtype = ctx.rank, DTYPES[cfg.dtype]
     held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]

@@ -37,9 +37,9 @@ def _batch():
 def _grads(ctx, ranks):
     import torch.distributed as dist
 
+    from megatron_rl.rl.model_setup import build_model
     from megatron_rl.rl.train_step import frozen_copy, make_optimizer
     from megatron_rl.rl.update import PolicyUpdate
-    from megatron_rl.trainer import build_model
 
     cfg = _cfg(ranks)
     model = build_model(cfg, ctx.rank, ctx.world)

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _fails_on_rank_1(ctx):
-    from elastic.runtime import ElasticFault
+    from elastic.runtime.runtime import ElasticFault
 
     if ctx.rank == 1:
         try:

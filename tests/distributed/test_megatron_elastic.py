@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.plan import Plan, Stage, block_owners
+from elastic.planning.plan import Plan, Stage, block_owners
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.parallel.launch import run_ranks
@@ -33,7 +33,7 @@ def _check(model: Qwen3MoeModel, reference: Qwen3MoeModel, group, experts: list[
 
 
 def _rank(ctx, mcfg: MoEModelConfig):
-    from elastic.runtime import _move_experts
+    from elastic.runtime.runtime import _move_experts
     from megatron_rl.rollout.engine import RolloutEngine
     from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
     from megatron_rl.rollout.sampling import SamplingParams

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.synth import generate, preset
+from elastic.sim.synth import generate, preset
 from elastic.trace import write_trace
 
 ROOT = Path(__file__).resolve().parents[2]

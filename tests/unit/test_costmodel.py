@@ -3,7 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from elastic.costmodel import DEFAULT_COST, CostModel, calibrate, calibrate_transitions, fit_error
+from elastic.sim.costmodel import DEFAULT_COST, CostModel, calibrate, calibrate_transitions, fit_error
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import ConfigError
 

@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from elastic.guard import TailGuard, miss_rate, report
-from elastic.predict import Predictor
-from elastic.synth import generate, preset
+from elastic.planning.guard import TailGuard, miss_rate, report
+from elastic.planning.predict import Predictor
+from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
 
 

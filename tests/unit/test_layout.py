@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.layout import natural
-from elastic.plan import PlanError
-from elastic.planner import make_plan
-from elastic.schedule import contiguous_owners, held_counts
-from elastic.shape import ModelShape
-from elastic.synth import generate, preset
+from elastic.planning.layout import natural
+from elastic.planning.plan import PlanError
+from elastic.planning.planner import make_plan
+from elastic.planning.schedule import contiguous_owners, held_counts
+from elastic.planning.shape import ModelShape
+from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
 
 KV_BYTES = 64

@@ -5,11 +5,11 @@ access; planning epoch E must still work, and give the same plan as with the rea
 """
 import pytest
 
-from elastic.guard import TailGuard
-from elastic.planner import plan_epoch
-from elastic.predict import Predictor
-from elastic.shape import ModelShape
-from elastic.synth import generate, preset
+from elastic.planning.guard import TailGuard
+from elastic.planning.planner import plan_epoch
+from elastic.planning.predict import Predictor
+from elastic.planning.shape import ModelShape
+from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
 
 

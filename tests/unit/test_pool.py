@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from elastic.pool import IdlePool, LeaseTimeout
+from elastic.runtime.pool import IdlePool, LeaseTimeout
 
 
 class Counter:

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from elastic.predict import Predictor, score, spearman
-from elastic.synth import generate, preset
+from elastic.planning.predict import Predictor, score, spearman
+from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
 
 

@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from elastic.plan import Assignment, Plan, PlanError, block_owners
-from elastic.planner import FixedCost, ShapeCost, make_plan, plan_epoch
-from elastic.release import replay
-from elastic.schedule import (
+from elastic.planning.plan import Assignment, Plan, PlanError, block_owners
+from elastic.planning.planner import FixedCost, ShapeCost, make_plan, plan_epoch
+from elastic.planning.release import replay
+from elastic.planning.schedule import (
     build_stages,
     candidate_sizes,
     chains,
@@ -16,8 +16,8 @@ from elastic.schedule import (
     held_counts,
     shrink_owners,
 )
-from elastic.shape import ModelShape
-from elastic.synth import generate, preset
+from elastic.planning.shape import ModelShape
+from elastic.sim.synth import generate, preset
 
 QWEN = ModelShape()
 

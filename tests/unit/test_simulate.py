@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic.costmodel import DEFAULT_COST
-from elastic.layout import natural
-from elastic.plan import Plan, Stage, block_owners, static_plan
-from elastic.simulate import SimConfig, lower_bound_s, simulate_rollout
+from elastic.planning.layout import natural
+from elastic.planning.plan import Plan, Stage, block_owners, static_plan
+from elastic.sim.costmodel import DEFAULT_COST
+from elastic.sim.simulate import SimConfig, lower_bound_s, simulate_rollout
 from elastic.trace import TraceRecord
 
 E = 128
@@ -155,7 +155,7 @@ def test_no_policy_beats_the_lower_bound(lengths, ranks, floor_div, k, migrate):
 
 
 def test_fit_to_ledgers_recovers_the_scale_of_each_step_part():
-    from elastic.simcalib import fit_to_ledgers
+    from elastic.sim.calibrate import fit_to_ledgers
 
     batch = tailed_batch(seed=5)
     cfg = SimConfig(check_every=4)
@@ -179,7 +179,7 @@ def test_fit_to_ledgers_recovers_the_scale_of_each_step_part():
 def test_whole_step_fit_on_static_runs_predicts_a_shrinking_plan():
     # One group size cannot tell overhead from all-to-all; a single factor for the whole step
     # keeps the model's shape, so a machine uniformly slower in its steps is predicted exactly.
-    from elastic.simcalib import WHOLE_STEP, fit_to_ledgers
+    from elastic.sim.calibrate import WHOLE_STEP, fit_to_ledgers
 
     batch = tailed_batch(seed=6)
     cfg = SimConfig(check_every=4)

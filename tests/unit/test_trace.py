@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from elastic.synth import PRESETS, SynthParams, generate, preset
+from elastic.sim.synth import PRESETS, SynthParams, generate, preset
 from elastic.trace import Trace, TraceError, TraceRecord, read_trace, write_trace
 from tools.make_trace import main as make_trace
 

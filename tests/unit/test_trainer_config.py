@@ -38,7 +38,7 @@ def test_mistakes_name_the_field(override, message):
 def test_init_checkpoint_of_another_shape_is_refused(tmp_path):
     from megatron_rl.errors import FlexFloorError
     from megatron_rl.models import Qwen3MoeModel, save_hf_checkpoint
-    from megatron_rl.trainer import check_init
+    from megatron_rl.rl.model_setup import check_init
 
     cfg = load_dataclass(TrainerConfig, EXAMPLES / "tiny_cpu_grpo.yaml")
     model = Qwen3MoeModel(cfg.model)

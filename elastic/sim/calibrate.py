@@ -23,10 +23,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from elastic.costmodel import CostModel, nonneg_lstsq
 from elastic.ledger import STATES
-from elastic.plan import Plan
-from elastic.simulate import SimConfig, simulate_rollout
+from elastic.planning.plan import Plan
+from elastic.sim.costmodel import CostModel, nonneg_lstsq
+from elastic.sim.simulate import SimConfig, simulate_rollout
 from elastic.trace import TraceRecord
 
 _OFF_RATE = 1e30  # a rate that makes its term vanish (rates must stay > 0)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from elastic.predict import LengthDist, norm_ppf
+from elastic.planning.predict import LengthDist, norm_ppf
 
 GRID = 40
 

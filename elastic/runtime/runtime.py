@@ -32,9 +32,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from elastic.interface import ElasticEngine
 from elastic.ledger import Ledger, RankLedger
-from elastic.plan import Plan
+from elastic.planning.plan import Plan
+from elastic.runtime.interface import ElasticEngine
 
 TAG_EXPERT = 0
 _rollout_ids = itertools.count()  # every rank builds its runtimes in the same order

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from elastic.kv import RankKV
-from elastic.plan import Assignment, PlanError
+from elastic.planning.kv import RankKV
+from elastic.planning.plan import Assignment, PlanError
 
 
 def natural(batch: Sequence[tuple[str, int]], ranks: int) -> list[Assignment]:

@@ -1,11 +1,11 @@
 """Simulate policies over a whole length trace: the plans come from the planner, the rollouts from
-`elastic.simulate`, and the figures are summed over rollouts.
+`elastic.sim.simulate`, and the figures are summed over rollouts.
 
 By default every epoch of the trace that has an earlier epoch is one rollout (its history is every
 earlier epoch, `Trace.before`). `vanilla` is verl's placement with nobody leaving and needs no
-planner; every other policy is `elastic.planner.make_plan` with the layout it names, and `oracle` is
+planner; every other policy is `elastic.planning.planner.make_plan` with the layout it names, and `oracle` is
 the planned layout given the true lengths (the bound a predictor could reach). A policy's
-`objective` is the planner's chain criterion (`elastic.planner.OBJECTIVES`): `occupied`, the
+`objective` is the planner's chain criterion (`elastic.planning.planner.OBJECTIVES`): `occupied`, the
 capacity-oriented default (fewest occupied rank-seconds), or `rollout`, the latency-oriented one
 (shortest predicted rollout). It only matters where the group may shrink (natural, planned, oracle).
 """
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic.costmodel import CostModel
-from elastic.layout import natural
 from elastic.ledger import STATES, Ledger, RankLedger
-from elastic.plan import Plan
-from elastic.planner import OBJECTIVES, make_plan
-from elastic.schedule import build_stages
-from elastic.shape import ModelShape
-from elastic.simulate import RolloutResult, SimConfig, simulate_rollout
+from elastic.planning.layout import natural
+from elastic.planning.plan import Plan
+from elastic.planning.planner import OBJECTIVES, make_plan
+from elastic.planning.schedule import build_stages
+from elastic.planning.shape import ModelShape
+from elastic.sim.costmodel import CostModel
+from elastic.sim.simulate import RolloutResult, SimConfig, simulate_rollout
 from elastic.trace import Trace, TraceError, TraceRecord
 
 POLICIES = ("vanilla", "lengthsort", "natural", "planned", "oracle")

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from elastic.costmodel import CostModel
 from elastic.ledger import STATES, Ledger, RankLedger
-from elastic.plan import Plan
-from elastic.shape import ModelShape
+from elastic.planning.plan import Plan
+from elastic.planning.shape import ModelShape
+from elastic.sim.costmodel import CostModel
 from elastic.trace import TraceRecord
 
 _BUSY, _DUMMY, _TRANS, _LEASED, _IDLE = (STATES.index(s) for s in ("busy", "dummy", "transition", "leased", "idle"))

@@ -1,13 +1,13 @@
 """Policies over whole traces: the planner's plans through the simulator."""
 import pytest
 
-from elastic.costmodel import DEFAULT_COST
-from elastic.planner import make_plan
-from elastic.shape import ModelShape
-from elastic.simreport import run_compare
-from elastic.simtrace import POLICIES, Policy, compare_policies, simulate_trace
-from elastic.simulate import SimConfig
-from elastic.synth import generate, preset
+from elastic.planning.planner import make_plan
+from elastic.planning.shape import ModelShape
+from elastic.sim.costmodel import DEFAULT_COST
+from elastic.sim.replay import POLICIES, Policy, compare_policies, simulate_trace
+from elastic.sim.report import run_compare
+from elastic.sim.simulate import SimConfig
+from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceError, TraceRecord
 
 SHAPE = ModelShape()

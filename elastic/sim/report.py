@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from elastic.costmodel import CostModel
 from elastic.ledger import format_report
-from elastic.shape import ModelShape
-from elastic.simtrace import Policy, compare_policies, decomposition, simulate_trace
-from elastic.simulate import SimConfig
+from elastic.planning.shape import ModelShape
+from elastic.sim.costmodel import CostModel
+from elastic.sim.replay import Policy, compare_policies, decomposition, simulate_trace
+from elastic.sim.simulate import SimConfig
 from elastic.trace import Trace
 
 

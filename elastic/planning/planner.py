@@ -27,14 +27,14 @@ from typing import Protocol
 
 import numpy as np
 
-from elastic import layout as layouts
-from elastic.guard import TailGuard
-from elastic.kv import Demand, RankKV
-from elastic.plan import Assignment, Plan, PlanError
-from elastic.predict import LengthDist, Predictor
-from elastic.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
-from elastic.schedule import build_stages, candidate_sizes, chains, held_counts
-from elastic.shape import ModelShape
+from elastic.planning import layout as layouts
+from elastic.planning.guard import TailGuard
+from elastic.planning.kv import Demand, RankKV
+from elastic.planning.plan import Assignment, Plan, PlanError
+from elastic.planning.predict import LengthDist, Predictor
+from elastic.planning.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
+from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
+from elastic.planning.shape import ModelShape
 from elastic.trace import Trace
 
 __all__ = ["LAYOUTS", "OBJECTIVES", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]

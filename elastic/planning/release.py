@@ -23,8 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
-from elastic.plan import Plan
-from elastic.shape import ModelShape
+from elastic.planning.plan import Plan
+from elastic.planning.shape import ModelShape
 
 
 class StepCost(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from elastic.ledger import STATES
-from elastic.simtrace import TraceResult
+from elastic.sim.replay import TraceResult
 
 _COLOURS = {"busy": "#2b8cbe", "dummy": "#e34a33", "transition": "#fdbb84", "leased": "#31a354", "idle": "#bdbdbd"}
 

@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterator
 from itertools import combinations
 
-from elastic.plan import Stage, block_owners
+from elastic.planning.plan import Stage, block_owners
 
 MAX_CANDIDATES = 6
 FINE_SPAN = 16

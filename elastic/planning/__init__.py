@@ -1,0 +1,1 @@
+"""What the planner decides: pure Python over dataclasses, no torch and no torch.distributed."""

@@ -1,0 +1,1 @@
+"""The same plans on a cluster cost model: simulator, trace replay, calibration, reports, plots."""
