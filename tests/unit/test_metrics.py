@@ -98,3 +98,17 @@ def test_wandb_mode_from_environment_is_checked(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "sometimes")
     with pytest.raises(FlexFloorError, match="WANDB_MODE"):
         MetricsLogger(tmp_path, LoggingConfig())
+
+
+def test_examples_log_offline():
+    """Online is an explicit opt-in (WANDB_MODE=online): no example waits on W&B from a compute node."""
+    from pathlib import Path
+
+    from megatron_rl.config import load_dataclass
+    from megatron_rl.trainer_config import TrainerConfig
+
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*grpo*.yaml"))
+    examples += sorted((Path(__file__).resolve().parents[2] / "examples").glob("qwen3*.yaml"))
+    assert len(examples) >= 2
+    for path in examples:
+        assert load_dataclass(TrainerConfig, path).logging.wandb_mode == "offline", path.name
