@@ -31,8 +31,6 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.project), "logging.project: expected a W&B project name")
-        require(self.wandb_mode in WANDB_MODES,
-                f"logging.wandb_mode: expected one of {WANDB_MODES}, got {self.wandb_mode!r}")
 
 
 def resolve_mode(cfg: LoggingConfig) -> str:

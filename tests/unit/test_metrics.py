@@ -45,6 +45,8 @@ def test_jsonl_and_offline_wandb_both_hold_the_grouped_metrics(tmp_path, monkeyp
     assert metrics.get("*") == "trainer/step"
     run = wandb_records(run_file, "run")[0]
     assert run.display_name == "exp" and run.run_group == "exp" and list(run.tags) == ["policy:planned", "floor:4"]
+    config = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert config["seed"] == 1  # the resolved config the trainer passes
 
 
 def test_wandb_steps_only_increase_across_resumes(tmp_path, monkeypatch):
