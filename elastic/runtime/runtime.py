@@ -84,7 +84,6 @@ def ledger_of(outcomes: list[RankOutcome]) -> Ledger:
     return Ledger([o.ledger for o in outcomes], wall_s=end - start, total_steps=outcomes[0].total_steps)
 
 
-
 def transitions_of(outcomes: list[RankOutcome]) -> dict:
     """The stage reached and the slowest rank's time per shrink (by stage entered) and restore."""
     shrink: dict[int, float] = {}
@@ -94,6 +93,7 @@ def transitions_of(outcomes: list[RankOutcome]) -> dict:
     return {"final_stage": max(o.final_stage for o in outcomes),
             "shrink_latency_s": {str(k): v for k, v in sorted(shrink.items())},
             "restore_s": max(o.restore_s for o in outcomes)}
+
 
 class IdlePoolLike:
     def serve(self, should_stop: Callable[[], bool]) -> tuple[float, dict]:
