@@ -43,11 +43,10 @@ setup(
         ],
         "gpu": [
             # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): the H100 image
-            # builds it from its git tag (docker/versions.env). deepspeed is listed because the
-            # user's stack pins it; no FlexFloor code imports it yet.
+            # builds it from its git tag (docker/versions.env). No deepspeed: nothing here uses it
+            # (docs/cluster.md says why).
             "transformer-engine[pytorch]",
             "sglang",
-            "deepspeed",
         ],
     },
     entry_points={"console_scripts": ["flexfloor=megatron_rl.cli:main"]},

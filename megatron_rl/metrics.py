@@ -1,39 +1,32 @@
 """Per-step metrics: a plain JSONL file (always) and Weights & Biases (offline unless asked).
 
-`DIR/metrics.jsonl` holds one JSON object per step, nested as the trainer produced it (the ledger's
-`rank_seconds` stays a dict of the five states). W&B gets the same numbers flattened to
-`a/b/c` keys. W&B runs offline by default, writing under `DIR/wandb/`; the user turns it online
-with `WANDB_MODE=online` in the environment (which wins) or `logging.wandb_mode: online`, and off
-with `disabled`. Only rank 0 logs.
+Both carry the same grouped names (`reward/mean`, `timing_s/gen`, `actor/lr`, ...; the table is
+`megatron_rl/metric_keys.py`, documented in docs/training.md). `DIR/metrics.jsonl` holds one JSON
+object per step with every leaf, strings and lists included; W&B gets the numbers. Only rank 0 logs.
+W&B modes, names, groups and tags: `megatron_rl/wandb_run.py`.
 
-On resume, lines for steps after the checkpoint are dropped from the JSONL file first: those steps
-are about to be recomputed, and the file must read as one uninterrupted run.
+Resume. Lines for steps after the checkpoint are dropped from the JSONL file first: those steps
+are about to be recomputed, and the file must read as one uninterrupted run. W&B keeps every row
+it was sent and refuses a row whose W&B step is not above the run's last one, so recomputed steps
+logged at their own step numbers would be dropped and the dashboard would keep the values of the
+run that died. So the W&B step (`_step`) is a counter that only increases across every attempt of
+the run (kept in `DIR/wandb_run.json` with the run id), and the trainer step is the logged metric
+`trainer/step`, declared with `define_metric` as the x-axis of every chart.
 """
 from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from megatron_rl.config import require
+from megatron_rl.metric_keys import grouped, numeric
+from megatron_rl.wandb_run import LoggingConfig, finish, resolve_mode, start_run
 
-WANDB_MODES = ("offline", "online", "disabled")
-
-
-@dataclass
-class LoggingConfig:
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "flexfloor"
-    run_name: str | None = None
-
-    def __post_init__(self) -> None:
-        require(bool(self.project), "logging.project: expected a W&B project name")
+STEP_METRIC = "trainer/step"
 
 
 def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str, float]:
@@ -50,15 +43,16 @@ def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str,
     }
 
 
-def flatten(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """{'a': {'b': 1}} -> {'a/b': 1}; non-numeric leaves are left out (W&B charts numbers)."""
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{name}/"))
-        elif isinstance(value, (bool, int, float, np.integer, np.floating)):
-            out[name] = float(value)
+def gpu_memory() -> dict[str, float]:
+    """Peak GPU memory of this process since the last call (empty without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    gb = 1024 ** 3
+    out = {"max_memory_allocated_gb": torch.cuda.max_memory_allocated() / gb,
+           "max_memory_reserved_gb": torch.cuda.max_memory_reserved() / gb}
+    torch.cuda.reset_peak_memory_stats()
     return out
 
 
@@ -82,6 +76,7 @@ class MetricsLogger:
         cfg: LoggingConfig,
         run_config: dict[str, Any] | None = None,
         resume_step: int | None = None,
+        tags: Sequence[str] = (),
     ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,49 +86,48 @@ class MetricsLogger:
         else:
             _drop_steps_after(self.path, resume_step)
         self._fh = self.path.open("a", encoding="utf-8")
-        self.mode = os.environ.get("WANDB_MODE") or cfg.wandb_mode
-        require(self.mode in WANDB_MODES,
-                f"WANDB_MODE / logging.wandb_mode: expected one of {WANDB_MODES}, got {self.mode!r}")
+        self.mode = resolve_mode(cfg)
         self._run = None
+        self._state_file = self.out_dir / "wandb_run.json"
         if self.mode != "disabled":
-            self._run = self._start_wandb(cfg, run_config or {}, resume_step is not None)
+            self._start_wandb(cfg, run_config or {}, resume_step is not None, list(tags))
 
-    def _start_wandb(self, cfg: LoggingConfig, run_config: dict, resuming: bool):
-        import wandb
+    def _start_wandb(self, cfg: LoggingConfig, run_config: dict, resuming: bool, tags: list[str]) -> None:
+        # The run id lives beside the metrics, so a resumed run continues the same W&B run, and
+        # with it the last W&B step sent, so the next one is above it.
+        state = {}
+        if resuming and self._state_file.exists():
+            state = json.loads(self._state_file.read_text(encoding="utf-8"))
+        self._run = start_run(self.out_dir, cfg, self.mode, config=run_config, tags=tags,
+                              run_id=state.get("id") or os.urandom(4).hex())
+        self._run_id = self._run.id
+        # Online, W&B knows the resumed run's next step; offline it starts at 0.
+        self._last_wandb_step = max(state.get("last_step", -1), self._run.step - 1)
+        self._run.define_metric(STEP_METRIC)
+        self._run.define_metric("*", step_metric=STEP_METRIC)
+        self._save_state()
 
-        # The run id lives beside the metrics so a resumed run continues the same W&B run.
-        id_file = self.out_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if resuming and id_file.exists() else uuid.uuid4().hex[:8]
-        id_file.write_text(run_id)
-        return wandb.init(
-            project=cfg.project,
-            name=cfg.run_name,
-            id=run_id,
-            resume="allow",
-            mode=self.mode,
-            dir=str(self.out_dir),
-            config=run_config,
-            settings=wandb.Settings(silent=True, console="off"),
-        )
+    def _save_state(self) -> None:
+        tmp = self._state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"id": self._run_id, "last_step": self._last_wandb_step}), encoding="utf-8")
+        tmp.replace(self._state_file)
 
     @property
     def wandb_dir(self) -> Path | None:
         return Path(self._run.dir).parent if self._run is not None else None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        record = {"step": step, **metrics}
-        self._fh.write(json.dumps(record, default=float) + "\n")
+        flat = grouped(metrics)
+        self._fh.write(json.dumps({"step": step, **flat}, default=float) + "\n")
         self._fh.flush()
         if self._run is not None:
-            self._run.log(flatten(metrics), step=step)
+            # A fresh run logs trainer step k at W&B step k; after a resume, above the last one sent.
+            self._last_wandb_step = max(step, self._last_wandb_step + 1)
+            self._run.log({**numeric(flat), STEP_METRIC: step}, step=self._last_wandb_step)
+            self._save_state()
 
     def close(self) -> None:
         self._fh.close()
         if self._run is not None:
-            import wandb
-
-            self._run.finish()
-            # finish() returns before the W&B service has written the run file; teardown waits
-            # for it, so the offline run is complete on disk when close() returns.
-            wandb.teardown()
+            finish(self._run)
             self._run = None

@@ -26,7 +26,7 @@ from elastic.trace import Trace
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
-from megatron_rl.metrics import MetricsLogger, length_stats
+from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats
 from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
@@ -41,6 +41,7 @@ from megatron_rl.rl.sft import sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, make_optimizer
 from megatron_rl.rl.update import PolicyUpdate
 from megatron_rl.trainer_config import TrainerConfig
+from megatron_rl.wandb_run import policy_tags
 
 
 class Trainer:
@@ -72,14 +73,15 @@ class Trainer:
         self.logger = None
         if rank == 0:
             self.logger = MetricsLogger(self.out_dir, cfg.logging, run_config=asdict(cfg),
-                                        resume_step=self.start_step if resume is not None else None)
+                                        resume_step=self.start_step if resume is not None else None,
+                                        tags=policy_tags(cfg.elastic.policy, cfg.elastic.floor))
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, G = self.cfg, self.cfg.grpo.group_size
         torch.manual_seed(step_seed(cfg.seed, step))
         times: dict[str, float] = {}
-        t = time.perf_counter()
+        t = t_step = time.perf_counter()
         batch = self.iterator.next_batch()
         prompts = [self.data[i] for i in batch.indices]
 
@@ -114,8 +116,11 @@ class Trainer:
             "layout": rollout.layout,
             "placement": rollout.placement,
             "phase_s": times,
+            "step_s": time.perf_counter() - t_step,
             "tokens_per_s": sum(lengths) / max(times["rollout"], 1e-9),
+            "lr": self.optimizer.param_groups[0]["lr"],
             **stats,
+            **gpu_memory(),
         }
 
     def score(self, prompts, responses) -> tuple[torch.Tensor, dict[str, int]]:

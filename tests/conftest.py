@@ -49,26 +49,47 @@ def one_rank_group(request):
         dist.destroy_process_group()
 
 
-def wandb_history(run_file):
-    """The `history` rows of an offline W&B run file (LevelDB log framing, W&B header)."""
+def wandb_records(run_file, kind):
+    """The records of one type (`history`, `metric`, `run`, ...) of an offline W&B run file.
+
+    wandb 0.31 reads these files only in its Go core; this follows their LevelDB log framing
+    (32 KiB blocks, 7-byte chunk headers) behind the `:W&B` header and parses the chunks with
+    wandb's own protobuf classes.
+    """
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = run_file.read_bytes()
     assert data[:4] == b":W&B"
-    rows, pending, pos, block = [], b"", 7, 32768
+    out, pending, pos, block = [], b"", 7, 32768
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block tail too short for a header is padding
             pos += block - pos % block
             continue
-        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        length, chunk_type = struct.unpack("<HB", data[pos + 4 : pos + 7])
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 0:
+        if chunk_type == 0:
             break
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
+        pending = chunk if chunk_type in (1, 2) else pending + chunk
+        if chunk_type in (1, 4):
             rec = pb.Record()
             rec.ParseFromString(pending)
-            if rec.WhichOneof("record_type") == "history":
-                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-                             for i in rec.history.item})
-    return rows
+            if rec.WhichOneof("record_type") == kind:
+                out.append(getattr(rec, kind))
+    return out
+
+
+def wandb_history(run_file):
+    """The `history` rows of an offline W&B run file, as {key: value} dicts."""
+    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in h.item}
+            for h in wandb_records(run_file, "history")]
+
+
+def documented_keys():
+    """The metric keys of docs/training.md's table, as fnmatch patterns (`<state>` -> `*`)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    first_cells = re.findall(r"^\| (`[^|]+)\|", section, re.M)
+    return [re.sub(r"<[^>]+>", "*", key) for cell in first_cells for key in re.findall(r"`([^`]+)`", cell)]

@@ -84,6 +84,17 @@ def ledger_of(outcomes: list[RankOutcome]) -> Ledger:
     return Ledger([o.ledger for o in outcomes], wall_s=end - start, total_steps=outcomes[0].total_steps)
 
 
+def transitions_of(outcomes: list[RankOutcome]) -> dict:
+    """The stage reached and the slowest rank's time per shrink (by stage entered) and restore."""
+    shrink: dict[int, float] = {}
+    for o in outcomes:
+        for st, s in o.shrink_s.items():
+            shrink[st] = max(shrink.get(st, 0.0), s)
+    return {"final_stage": max(o.final_stage for o in outcomes),
+            "shrink_latency_s": {str(k): v for k, v in sorted(shrink.items())},
+            "restore_s": max(o.restore_s for o in outcomes)}
+
+
 class IdlePoolLike:
     def serve(self, should_stop: Callable[[], bool]) -> tuple[float, dict]:
         """Run leases until `should_stop()`; return (leased seconds, report)."""

@@ -11,8 +11,12 @@
 #   FLEXFLOOR_HOME     checkout holding examples/ (default: the folder sbatch was called from)
 #   FF_RUN_DIR         run folder for reports, metrics and checkpoints (default runs/JOBNAME-JOBID)
 #   NPROC_PER_NODE     ranks per node (default: GPUs per node of the allocation, else 1)
-#   FF_CONTAINER_IMAGE run each node's torchrun in this image through pyxis (`srun --container-image`)
+#   FF_CONTAINER_IMAGE, FF_CONTAINER_RUNTIME, FF_CONTAINER_MOUNTS
+#                      run each node's torchrun in a container (pyxis, apptainer or docker; container.sh)
 #   FLEXFLOOR_DRY_RUN  1: print the launch command instead of running it
+
+# shellcheck source=examples/slurm/container.sh
+source "$(dirname "${BASH_SOURCE[0]}")/container.sh"
 
 ff_log() {
     echo "flexfloor-slurm: $*"
@@ -44,11 +48,8 @@ ff_launch() {
     if [[ -n ${SLURM_CPUS_PER_TASK:-} ]]; then
         srun_opts+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
     fi
-    if [[ -n ${FF_CONTAINER_IMAGE:-} ]]; then
-        srun_opts+=(--container-image="$FF_CONTAINER_IMAGE" --container-mounts="$PWD:$PWD"
-                    --container-workdir="$PWD")
-    fi
-    local cmd=(srun "${srun_opts[@]}"
+    ff_container_wrap "${FLEXFLOOR_HOME:-$PWD}"
+    local cmd=(srun "${srun_opts[@]}" "${FF_SRUN_CONTAINER[@]}" "${FF_IN_CONTAINER[@]}"
                torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"
                --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
                --max-restarts=0 --no-python "${FF_CMD[@]}" "$@")

@@ -72,12 +72,32 @@ def run(args) -> int:
         (Path(out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    if args.wandb:
+        log_rollout_wandb(args, cfg, report)
     sys.stdout.flush()
     return 0
+
+
+def log_rollout_wandb(args, cfg, report: dict) -> None:
+    """The report as one offline (unless WANDB_MODE=online) W&B run under --out (or `.`)."""
+    from dataclasses import asdict
+
+    from megatron_rl.metric_keys import grouped, numeric
+    from megatron_rl.wandb_run import LoggingConfig, log_report, policy_tags
+
+    logging = LoggingConfig(project=args.wandb, experiment=Path(args.config).stem if args.config else "rollout")
+    metrics = numeric(grouped({k: v for k, v in report.items() if k != "per_rank"}))
+    folder = log_report(args.out or ".", logging, job_type="rollout", config=asdict(cfg),
+                        tags=policy_tags(report["policy"], report["floor"]), metrics=metrics)
+    if folder is not None:
+        print(f"wandb: {folder}", file=sys.stderr)
 
 
 def register(sub) -> None:
     p = sub.add_parser("rollout", help="run one rollout on CPU ranks and print the rank-time ledger",
                        description=__doc__)
     add_rollout_args(p, default_config=None)
+    p.add_argument("--wandb", nargs="?", const="flexfloor", metavar="PROJECT",
+                   help="log the report to W&B project PROJECT (default flexfloor), offline under --out "
+                        "(or .) unless WANDB_MODE=online")
     p.set_defaults(func=run)

@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "beside its oracle and the lower bound, with the dummy-run decomposition")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures to DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--wandb", nargs="?", const="flexfloor", metavar="PROJECT",
+                   help="log the summary (--compare: the table) and the figures (--plot, or made for "
+                        "W&B when matplotlib is installed) to W&B project PROJECT (default flexfloor), "
+                        "offline under ./wandb unless WANDB_MODE=online")
     p.set_defaults(func=run)
 
 
@@ -120,9 +124,10 @@ def _run(args) -> int:
                               "rows": rows}))
         else:
             print(compare_table(rows))
-        results = [r["_result"] for r in rows] if args.plot else []
+        results = [r["_result"] for r in rows] if args.plot or args.wandb else []
         for r in rows:
             r.pop("_result", None)
+        table = rows
     else:
         policy = Policy(args.policy, args.floor, args.tailguard, objective=args.objective)
         result = simulate_trace(trace, policy, ranks=args.ranks, cost=cost, shape=shape, config=config,
@@ -140,10 +145,40 @@ def _run(args) -> int:
                 "dummy_rank_s_saved": summary["rank_seconds"]["dummy"] - moved["rank_seconds"]["dummy"],
             }
         print(json.dumps(summary) if args.json else single_report(summary))
-        results = [result]
+        results, table = [result], [{"label": args.policy, **summary}]
+    plots = []
     if args.plot:
         from elastic.sim.plot import write_plots
 
-        for path in write_plots(results, args.plot):
+        plots = write_plots(results, args.plot)
+        for path in plots:
             print(f"wrote {path}", file=sys.stderr)
+    if args.wandb:
+        _log_wandb(args, table, results, plots)
     return 0
+
+
+def _log_wandb(args, table: list[dict], results: list, plots: list) -> None:
+    """One W&B run: the first row's numbers as metrics, every row as a W&B table, the figures."""
+    import tempfile
+
+    from megatron_rl.metric_keys import grouped, numeric
+    from megatron_rl.wandb_run import LoggingConfig, log_report, policy_tags
+
+    flat = [grouped(r) for r in table]
+    columns = ["label", *sorted({k for f in flat for k in numeric(f)})]
+    rows = [[str(f.get("label", "")), *(numeric(f).get(c) for c in columns[1:])] for f in flat]
+    with tempfile.TemporaryDirectory() as tmp:
+        if not plots:
+            try:
+                from elastic.sim.plot import write_plots
+
+                plots = write_plots(results, tmp)
+            except ImportError:
+                print("simulate: matplotlib is not installed; W&B gets no figures", file=sys.stderr)
+        logging = LoggingConfig(project=args.wandb, experiment=f"simulate-{args.ranks}ranks")
+        folder = log_report(".", logging, job_type="simulate", config=vars(args) | {"func": None},
+                            tags=policy_tags("compare" if args.compare else args.policy, args.floor),
+                            metrics=numeric(flat[0]), tables={"compare": (columns, rows)}, images=plots)
+    if folder is not None:
+        print(f"wandb: {folder}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """`flexfloor train`: GRPO post-training on W CPU ranks (spawned here, or joined under torchrun).
 
-Writes DIR/metrics.jsonl (one object per step), DIR/wandb/ (offline unless WANDB_MODE=online),
+Writes DIR/metrics.jsonl (one object per step), DIR/wandb/ (offline unless WANDB_MODE=online;
+upload later with `wandb sync DIR/wandb/offline-run-*`),
 DIR/checkpoints/step_<N>/ and, after the last step, DIR/hf/. Rerunning with the same --out resumes
 from the latest checkpoint.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 
 def run(args) -> int:
@@ -24,6 +26,7 @@ def run(args) -> int:
     if under_torchrun():
         overrides["ranks"] = int(os.environ["WORLD_SIZE"])
     cfg = load_dataclass(TrainerConfig, args.config, overrides)
+    cfg.logging.experiment = cfg.logging.experiment or Path(args.config).stem  # the W&B group
     summary = run_training(cfg, args.out)
     if summary is None:  # a non-zero rank under torchrun
         return 0

@@ -102,7 +102,7 @@ class RolloutPhase:
         return plan
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
-        from elastic.runtime.runtime import ElasticRuntime, ledger_of
+        from elastic.runtime.runtime import ElasticRuntime, ledger_of, transitions_of
 
         cfg, G = self.cfg, self.cfg.grpo.group_size
         t0 = time.perf_counter()
@@ -135,6 +135,7 @@ class RolloutPhase:
         ledger = ledger_of(outcomes)
         ledger.check()
         summary = ledger.summary(sum(len(r.tokens) for r in responses))
+        summary.update(transitions_of(outcomes))
         ranks = [0] * len(items)
         for a in plan.assignments:
             ranks[index[(a.prompt_id, a.sample)]] = a.rank

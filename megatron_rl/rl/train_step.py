@@ -55,12 +55,15 @@ def pack(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Packed:
     return Packed(ids[:, :-1], ids[:, 1:].clone(), loss, real)
 
 
+def policy_logits(model, packed: Packed, temperature: float = 1.0) -> torch.Tensor:
+    """Logits at every position [B, S, V], scaled by the sampling temperature."""
+    logits = model(packed.input_ids, token_mask_BS=packed.token_mask)
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def sequence_logprobs(model, packed: Packed, temperature: float = 1.0) -> torch.Tensor:
     """log p(target) at every position [B, S], logits scaled by the sampling temperature."""
-    logits = model(packed.input_ids, token_mask_BS=packed.token_mask)
-    if temperature != 1.0:
-        logits = logits / temperature
-    return token_logprobs(logits, packed.targets)
+    return token_logprobs(policy_logits(model, packed, temperature), packed.targets)
 
 
 def chunks(items: list, size: int) -> list[list]:

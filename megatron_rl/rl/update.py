@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss
+from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss, token_entropy, token_logprobs
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.rl.train_step import (
     Packed,
@@ -20,6 +20,7 @@ from megatron_rl.rl.train_step import (
     chunks,
     clip_global_grad_norm,
     pack,
+    policy_logits,
     sequence_logprobs,
 )
 from megatron_rl.trainer_config import TrainerConfig
@@ -72,10 +73,14 @@ class PolicyUpdate:
         g, T = self.cfg.grpo, self.cfg.generation.temperature
         sums = {k: torch.zeros((), dtype=torch.float64) for k in STAT_KEYS}
         loss_total, norms = torch.zeros((), dtype=torch.float64), []
+        entropy_sum = torch.zeros((), dtype=torch.float64)
         for micro, tokens in batches:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in micro:
-                logp = sequence_logprobs(self.model, mb.packed, T)
+                logits = policy_logits(self.model, mb.packed, T)
+                logp = token_logprobs(logits, mb.packed.targets)
+                # The policy's entropy on the response tokens, from the forward the update makes anyway.
+                entropy_sum += (token_entropy(logits) * mb.packed.loss_mask).sum().double()
                 loss, stats = policy_loss(
                     logp, mb.old_logp, mb.advantages, mb.packed.loss_mask,
                     clip_low=g.clip_low, clip_high=g.clip_high,
@@ -89,8 +94,9 @@ class PolicyUpdate:
             allreduce_dense_grads(self.model, self.world)
             norms.append(clip_global_grad_norm(self.model, self.cfg.optim.grad_clip, self.world))
             self.optimizer.step()
-        flat = torch.stack([loss_total] + [sums[k] for k in STAT_KEYS])
+        flat = torch.stack([loss_total, entropy_sum] + [sums[k] for k in STAT_KEYS])
         if self.world > 1:
             dist.all_reduce(flat)
-        stats = finalize_stats(dict(zip(STAT_KEYS, flat[1:])))
-        return {"loss": float(flat[0]) / len(batches), "grad_norm": sum(norms) / len(norms), **stats}
+        totals = dict(zip(STAT_KEYS, flat[2:]))
+        return {"loss": float(flat[0]) / len(batches), "grad_norm": sum(norms) / len(norms),
+                "entropy": float(flat[1]) / max(float(totals["tokens"]), 1.0), **finalize_stats(totals)}

@@ -122,7 +122,7 @@ def lease_jobs(cfg: RolloutConfig, engine: RolloutEngine, rank: int) -> list:
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
                plan: Plan, out_dir: str | None, quiet: bool):
     from elastic.runtime.pool import IdlePool
-    from elastic.runtime.runtime import ElasticRuntime, ledger_of
+    from elastic.runtime.runtime import ElasticRuntime, ledger_of, transitions_of
 
     rank, dtype = ctx.rank, DTYPES[cfg.dtype]
     held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]
@@ -189,16 +189,10 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     all_responses = [r for g in gathered for r in g[1]]
     ledger = ledger_of(outcomes)
     ledger.check()
-    shrink = {}
-    for o in outcomes:
-        for st, s in o.shrink_s.items():
-            shrink[st] = max(shrink.get(st, 0.0), s)
     report = ledger.summary(sum(len(r["tokens"]) for r in all_responses))
     report.update(
         policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
-        stages=[list(s.members) for s in plan.stages], final_stage=max(o.final_stage for o in outcomes),
-        shrink_latency_s={str(k): v for k, v in sorted(shrink.items())},
-        restore_s=max(o.restore_s for o in outcomes),
+        stages=[list(s.members) for s in plan.stages], **transitions_of(outcomes),
         responses=len(all_responses), responses_sha256=responses_sha256(all_responses),
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},

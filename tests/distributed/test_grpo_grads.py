@@ -87,4 +87,6 @@ def test_ep_gradients_match_single_process(reference, ranks):
     assert any(float(abs(g).max()) > 1e-7 for n, g in grads.items() if ".local_experts." in n)
     assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-9)
     assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-9)
+    # entropy (float32, like the log-probs) is summed over each rank's tokens, then divided by the global count
+    assert stats["entropy"] == pytest.approx(ref_stats["entropy"], rel=1e-6) and stats["entropy"] > 0
     assert 0 < stats["clip_frac"] < 1 and stats["kl"] > 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import wandb_history, wandb_records
 
 REPO = Path(__file__).resolve().parents[2]
 STATES = {"busy", "dummy", "transition", "leased", "idle"}
@@ -23,7 +24,7 @@ def test_rollout_writes_report_json_and_out_dir(tailed_trace, tmp_path):
     out_json, out_dir = tmp_path / "report.json", tmp_path / "run"
     # Long enough (~1-3 s) that the ranks' clock skew stays well inside the ledger's 1% check.
     r = cli("rollout", "--trace", tailed_trace, "--ranks", 2, "--length-scale", 0.02,
-            "--json", out_json, "--out", out_dir)
+            "--json", out_json, "--out", out_dir, "--wandb", "t")
     assert r.returncode == 0, r.stderr
     assert "[rollout]" in r.stderr and "unfinished 0" in r.stderr  # the progress line
     assert "dummy share" in r.stdout and "responses_sha256" in r.stdout
@@ -43,6 +44,13 @@ def test_rollout_writes_report_json_and_out_dir(tailed_trace, tmp_path):
     for x in sorted(responses, key=lambda x: (x["prompt_id"], x["sample"])):
         h.update(json.dumps([x["prompt_id"], x["sample"], x["tokens"]]).encode() + b"\n")
     assert h.hexdigest() == report["responses_sha256"]
+    # --wandb: the report as one offline W&B run under --out, with the trainer's grouped keys
+    run_file = next((out_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    (row,) = wandb_history(run_file)
+    assert row["elastic/rank_seconds/dummy"] == pytest.approx(report["rank_seconds"]["dummy"])
+    assert row["elastic/tokens_per_occupied_rank_s"] == pytest.approx(report["tokens_per_occupied_rank_s"])
+    run = wandb_records(run_file, "run")[0]
+    assert run.project == "t" and run.display_name == "rollout" and "policy:vanilla" in run.tags
 
 
 def _tiny_checkpoint(path: Path) -> Path:

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import wandb_history, wandb_records
 
 from elastic.sim.synth import generate, preset
 from elastic.trace import write_trace
@@ -14,8 +15,8 @@ KEYS = {"policy", "floor", "tailguard", "objective", "ranks", "rollouts", "rollo
         "response_tokens", "tokens_per_occupied_rank_s"}
 
 
-def cli(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "simulate", *args], cwd=ROOT,
+def cli(*args, check=True, cwd=ROOT):
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "simulate", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=240, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -51,7 +52,8 @@ def test_objective_flag(trace):
 
 
 def test_compare_table_and_plots(trace, tmp_path):
-    proc = cli("--trace", str(trace), "--ranks", "8", "--compare", "--plot", str(tmp_path / "plots"))
+    proc = cli("--trace", str(trace), "--ranks", "8", "--compare", "--plot", str(tmp_path / "plots"),
+               "--wandb", "t", cwd=tmp_path)
     text = proc.stdout
     for label in ("vanilla", "lengthsort +TailGuard", "natural floor2", "planned floor4 +TailGuard",
                   "planned floor8"):
@@ -59,6 +61,24 @@ def test_compare_table_and_plots(trace, tmp_path):
     assert "oracle s" in text and "lower bound s" in text and "shortening" in text
     for png in ("active_ranks.png", "ledger.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000
+    # --wandb: the table as a W&B table and the figures as images, offline under ./wandb
+    run_file = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    (row,) = wandb_history(run_file)
+    assert row["compare/_type"] == "table-file"
+    assert row["plots/active_ranks/_type"] == row["plots/ledger/_type"] == "image-file"
+    table = json.loads((run_file.parent / "files" / row["compare/path"]).read_text())
+    assert table["columns"][0] == "label" and "elastic/rank_seconds/dummy" in table["columns"]
+    labels = [r[0] for r in table["data"]]
+    assert len(labels) == row["compare/nrows"] and {"vanilla", "planned floor4 +TailGuard"} <= set(labels)
+    assert wandb_records(run_file, "run")[0].display_name == "simulate-8ranks"
+
+
+def test_wandb_without_plot_still_gets_the_figures(trace, tmp_path):
+    cli("--trace", str(trace), "--policy", "planned", "--floor", "2", "--ranks", "8", "--wandb", "t", cwd=tmp_path)
+    run_file = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    (row,) = wandb_history(run_file)
+    assert row["plots/ledger/_type"] == "image-file" and row["elastic/rank_seconds/dummy"] >= 0
+    assert not (tmp_path / "plots").exists()
 
 
 def test_migration_report_and_lease(trace):
@@ -95,3 +115,4 @@ def test_a_plan_that_cannot_fit_is_a_clear_error(tmp_path):
                                         "response_len": 1000, "truncated": False}) + "\n" for e in (0, 1)))
     proc = cli("--trace", str(path), "--policy", "planned", "--ranks", "4", "--floor", "2", check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("flexfloor simulate: error: planner:"), proc.stderr
+

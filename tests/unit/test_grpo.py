@@ -84,3 +84,10 @@ def test_global_normalizer_makes_shards_sum_to_the_whole():
     parts = [policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2],
                          normalizer=mask.sum())[0] for i in (0, 2)]
     assert torch.allclose(whole, parts[0] + parts[1])
+
+
+def test_token_entropy():
+    from megatron_rl.rl.grpo import token_entropy
+
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
+    assert torch.allclose(token_entropy(logits), torch.tensor([math.log(4.0), 0.0]), atol=1e-6)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ SLURM_DIR = REPO / "examples" / "slurm"
 SCRIPTS = sorted(SLURM_DIR.glob("*.sbatch"))
 
 
-def _dry_run(tmp_path: Path, script: str, *args: str, **env: str) -> str:
+def _dry_run(tmp_path: Path, script: str, *args: str, expect: int = 0, **env: str) -> str:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     scontrol = bin_dir / "scontrol"
@@ -32,8 +33,8 @@ def _dry_run(tmp_path: Path, script: str, *args: str, **env: str) -> str:
     }
     res = subprocess.run(["bash", str(SLURM_DIR / script), *args], env={**base, **env}, cwd=tmp_path,
                          capture_output=True, text=True, timeout=30)
-    assert res.returncode == 0, res.stderr
-    return res.stdout
+    assert res.returncode == expect, res.stdout + res.stderr
+    return res.stdout + res.stderr
 
 
 def _launch_line(out: str) -> str:
@@ -74,11 +75,90 @@ def test_sbatch_header_asks_for_the_16_gpu_allocation_and_requeue():
         assert f"#SBATCH {option}" in header
 
 
-def test_container_image_and_cpus_reach_srun(tmp_path):
-    line = _launch_line(_dry_run(tmp_path, "train.sbatch", "cfg.yaml", FF_CONTAINER_IMAGE="flexfloor:h100",
-                                 SLURM_CPUS_PER_TASK="64"))
-    assert "--cpus-per-task=64 --container-image=flexfloor:h100" in line
-    assert f"--container-mounts={tmp_path}:{tmp_path}" in line
+MOUNTS = "/lustre/models:/models,/lustre/data:/data"
+TORCHRUN = "torchrun --nnodes=2"
+
+
+def test_pyxis_runs_the_mounted_checkout_in_the_image(tmp_path):
+    line = _launch_line(_dry_run(tmp_path, "train.sbatch", "cfg.yaml", SLURM_CPUS_PER_TASK="64",
+                                 FF_CONTAINER_IMAGE="registry.example.org#me/flexfloor:h100",
+                                 FF_CONTAINER_MOUNTS=MOUNTS))
+    assert ("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --cpus-per-task=64 "
+            "--container-image=registry.example.org#me/flexfloor:h100 "
+            f"--container-mounts={REPO}:{REPO},{tmp_path}:{tmp_path},{MOUNTS} --container-workdir={tmp_path} "
+            f"env PYTHONPATH={REPO} {TORCHRUN}") in line
+
+
+def test_pyxis_takes_an_enroot_file_and_refuses_a_local_docker_tag(tmp_path):
+    sqsh = tmp_path / "flexfloor-h100.sqsh"
+    sqsh.write_bytes(b"hsqs")
+    line = _launch_line(_dry_run(tmp_path, "train.sbatch", "cfg.yaml", FF_CONTAINER_IMAGE=str(sqsh)))
+    assert f"--container-image={sqsh} " in line
+    for image, message in (("flexfloor:h100", "looks like a local Docker tag"),
+                           (str(tmp_path / "missing.sqsh"), "no such enroot image")):
+        res = _dry_run(tmp_path, "train.sbatch", "cfg.yaml", FF_CONTAINER_IMAGE=image, expect=2)
+        assert message in res and "torchrun" not in res
+
+
+def test_apptainer_runs_with_nv_and_the_mounts(tmp_path):
+    line = _launch_line(_dry_run(tmp_path, "rollout.sbatch", "cfg.yaml", FF_CONTAINER_RUNTIME="apptainer",
+                                 FF_CONTAINER_IMAGE="/shared/flexfloor-h100.sif", FF_CONTAINER_MOUNTS=MOUNTS))
+    assert ("--kill-on-bad-exit=1 apptainer exec --nv "
+            f"--bind {REPO}:{REPO},{tmp_path}:{tmp_path},{MOUNTS} --pwd {tmp_path} /shared/flexfloor-h100.sif "
+            f"env PYTHONPATH={REPO} {TORCHRUN}") in line
+
+
+def test_docker_runs_on_every_node_with_the_environment_passed_by_name(tmp_path):
+    line = _launch_line(_dry_run(tmp_path, "rollout.sbatch", "cfg.yaml", FF_CONTAINER_RUNTIME="docker",
+                                 FF_CONTAINER_IMAGE="flexfloor:h100", FF_CONTAINER_MOUNTS=MOUNTS,
+                                 NCCL_SOCKET_IFNAME="ib0", WANDB_MODE="offline"))
+    assert ("--kill-on-bad-exit=1 docker run --rm --gpus all --ipc=host --network=host --ulimit memlock=-1 "
+            f"--workdir {tmp_path} --volume {REPO}:{REPO} --volume {tmp_path}:{tmp_path} "
+            "--volume /lustre/models:/models --volume /lustre/data:/data ") in line
+    env = line.split(" flexfloor:h100 ")[0] + " "
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME", "WANDB_MODE", "SLURM_JOB_ID"):
+        assert f"--env {var} " in env
+    assert f" flexfloor:h100 env PYTHONPATH={REPO} {TORCHRUN}" in line
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"FF_CONTAINER_RUNTIME": "podman"}, "expected one of pyxis apptainer docker"),
+    ({"FF_CONTAINER_MOUNTS": "models:/models"}, "FF_CONTAINER_MOUNTS: expected SRC:DST"),
+])
+def test_bad_container_settings_stop_before_srun(tmp_path, env, message):
+    out = _dry_run(tmp_path, "train.sbatch", "cfg.yaml", FF_CONTAINER_IMAGE="r.example.org#me/ff:1", **env,
+                   expect=2)
+    assert message in out and "torchrun" not in out
+
+
+def test_the_composed_command_runs(tmp_path):
+    """Not a dry run: stand-ins for srun, apptainer and torchrun run what the line says, so its
+    quoting holds and the ranks' flexfloor imports the checkout through PYTHONPATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {
+        # drop srun's options; drop apptainer's up to the image; drop torchrun's up to --no-python
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
+        "apptainer": 'shift; while [ "${1#-}" != "$1" ]; do case $1 in --nv) shift;; *) shift 2;; esac; done; '
+                     'shift; exec "$@"',
+        "torchrun": 'while [ "$1" != --no-python ]; do shift; done; shift; exec "$@"',
+    }
+    for name, body in stand_ins.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys, megatron_rl\nprint('ranks run', megatron_rl.__file__, sys.argv[1:])\n")
+    out = _dry_run(tmp_path, "rollout.sbatch", "cfg.yaml", FLEXFLOOR_DRY_RUN="0", FLEXFLOOR=f"{sys.executable} {probe}",
+                   FF_CONTAINER_RUNTIME="apptainer", FF_CONTAINER_IMAGE="img.sif", PYTHONPATH="")
+    assert f"ranks run {REPO}/megatron_rl/__init__.py ['rollout', '--config', 'cfg.yaml'" in out
+
+
+def test_gpu_scripts_ask_for_all_node_memory_and_leave_site_placeholders():
+    for name in ("train.sbatch", "rollout.sbatch", "qwen3_30b_a3b_16xh100.sbatch"):
+        text = (SLURM_DIR / name).read_text()
+        assert "\n#SBATCH --mem=0\n" in text, name
+        assert "\n##SBATCH --partition=PARTITION\n" in text and "\n##SBATCH --account=ACCOUNT\n" in text, name
+        assert "NCCL_SOCKET_IFNAME" in text and "NCCL_IB_HCA" in text, name
 
 
 def test_flexfloor_command_may_be_several_words(tmp_path):
@@ -94,10 +174,35 @@ def test_outside_slurm_the_scripts_say_how_to_submit(tmp_path):
     assert res.returncode != 0 and "submit this script with sbatch" in res.stderr
 
 
-def test_scripts_pass_shellcheck():
+def _shell_scripts() -> list[Path]:
+    """Every shell script of the checkout (git's files, tracked or not, less the ignored ones):
+    *.sh, *.sbatch and files starting with a sh/bash shebang."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
+    found = set()
+    for path in (REPO / name for name in listed):
+        if not path.is_file() or path.suffix in (".py", ".md", ".yaml", ".json", ".jsonl"):
+            continue
+        if path.suffix in (".sh", ".sbatch"):
+            found.add(path)
+            continue
+        with path.open("rb") as fh:
+            first = fh.readline(100)
+        if first.startswith(b"#!") and first.rstrip().endswith((b"/sh", b"bash")):
+            found.add(path)
+    return sorted(found)
+
+
+def test_every_shell_script_parses_and_passes_shellcheck():
+    scripts = _shell_scripts()
+    names = {str(p.relative_to(REPO)) for p in scripts}
+    assert {"docker/build.sh", "docker/export.sh", "examples/slurm/launch.sh", "examples/slurm/container.sh",
+            ".ci/run", "tools/gpu_check.sh"} <= names
+    for path in scripts:
+        res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, f"bash -n {path}: {res.stderr}"
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.fail("shellcheck is missing: install the dev extras (pip install -e '.[dev]')")
-    files = [str(p.relative_to(REPO)) for p in [*SCRIPTS, SLURM_DIR / "launch.sh"]]
-    res = subprocess.run([shellcheck, "-x", *files], cwd=REPO, capture_output=True, text=True, timeout=60)
+    res = subprocess.run([shellcheck, "-x", *sorted(names)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr

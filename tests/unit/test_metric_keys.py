@@ -1,0 +1,27 @@
+"""The grouped metric names: the table in megatron_rl/metric_keys.py and docs/training.md agree."""
+from fnmatch import fnmatch
+
+from conftest import documented_keys
+
+from megatron_rl.metric_keys import KEYS, PHASES, grouped, numeric
+
+
+def test_every_grouped_key_is_documented():
+    documented = documented_keys()
+    sample = {raw: ({"x": 1.0} if raw in ("reward_outcomes", "rank_seconds", "rank_steps", "shrink_latency_s",
+                                          "lease", "pool") else 1.0) for raw in KEYS}
+    sample["phase_s"] = {p: 1.0 for p in PHASES}
+    sample["stages"] = [[0, 1], [0]]
+    sample["lease_jobs"] = 2
+    names = set(grouped(sample))
+    missing = sorted(n for n in names if not any(fnmatch(n, d) for d in documented))
+    assert not missing, f"docs/training.md's metrics table lacks {missing}"
+    assert {"timing_s/gen", "actor/lr", "lease/jobs", "elastic/num_stages", "elastic/floor_ranks"} <= names
+
+
+def test_grouping_renames_phases_and_keeps_unknown_keys():
+    flat = grouped({"reward_mean": 0.5, "phase_s": {"rollout": 2.0, "update": 1.0}, "brand_new": 3,
+                    "rank_seconds": {"dummy": 1.5}, "lease": {"jobs": 2}, "layout": "natural"})
+    assert flat == {"reward/mean": 0.5, "timing_s/gen": 2.0, "timing_s/update_actor": 1.0, "brand_new": 3,
+                    "elastic/rank_seconds/dummy": 1.5, "lease/jobs": 2, "elastic/layout": "natural"}
+    assert numeric(flat) == {k: float(v) for k, v in flat.items() if k != "elastic/layout"}
