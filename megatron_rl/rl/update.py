@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss
+from megatron_rl.rl.mixed_precision import grad_params
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.rl.train_step import (
     Packed,
@@ -61,12 +62,12 @@ class PolicyUpdate:
     @torch.no_grad()
     def recompute_logprobs(self, batches: list[tuple[list[MicroBatch], int]]) -> None:
         """Old-policy (and reference) log-probs under the training numerics, before any update."""
-        T = self.cfg.generation.temperature
+        T, chunk = self.cfg.generation.temperature, self.cfg.logprob_chunk_tokens
         for micro, _ in batches:
             for mb in micro:
-                mb.old_logp = sequence_logprobs(self.model, mb.packed, T)
+                mb.old_logp = sequence_logprobs(self.model, mb.packed, T, chunk)
                 if self.ref_model is not None:
-                    mb.ref_logp = sequence_logprobs(self.ref_model, mb.packed, T)
+                    mb.ref_logp = sequence_logprobs(self.ref_model, mb.packed, T, chunk)
 
     def update(self, batches: list[tuple[list[MicroBatch], int]]) -> dict[str, float]:
         g, T = self.cfg.grpo, self.cfg.generation.temperature
@@ -75,7 +76,7 @@ class PolicyUpdate:
         for micro, tokens in batches:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in micro:
-                logp = sequence_logprobs(self.model, mb.packed, T)
+                logp = sequence_logprobs(self.model, mb.packed, T, self.cfg.logprob_chunk_tokens)
                 loss, stats = policy_loss(
                     logp, mb.old_logp, mb.advantages, mb.packed.loss_mask,
                     clip_low=g.clip_low, clip_high=g.clip_high,
@@ -86,8 +87,9 @@ class PolicyUpdate:
                 loss_total += loss.detach().double()
                 for key in STAT_KEYS:
                     sums[key] += stats[key].double()
-            allreduce_dense_grads(self.model, self.world)
-            norms.append(clip_global_grad_norm(self.model, self.cfg.optim.grad_clip, self.world))
+            named = grad_params(self.model, self.optimizer)
+            allreduce_dense_grads(named, self.world)
+            norms.append(clip_global_grad_norm(named, self.cfg.optim.grad_clip, self.world))
             self.optimizer.step()
         flat = torch.stack([loss_total] + [sums[k] for k in STAT_KEYS])
         if self.world > 1:
