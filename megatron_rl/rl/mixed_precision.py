@@ -116,3 +116,16 @@ def grad_params(model: nn.Module, optimizer) -> list[tuple[str, torch.Tensor]]:
     if isinstance(optimizer, MixedPrecisionOptimizer):
         return optimizer.named_grad_params()
     return list(model.named_parameters())
+
+
+def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | None = None) -> int:
+    """Bytes of training state that stay on the device through the rollout beside the model's
+    weights: under mixed precision the fp32 masters and AdamW's two fp32 moments (12 bytes per
+    parameter), else the two moments in the parameters' dtype; plus the KL reference model's
+    weights. (The trainer frees the gradients before the rollout.) AdamW allocates its moments at
+    the first step; they are counted from the start, as the planner must hold room for them."""
+    tensors = 3 if isinstance(optimizer, MixedPrecisionOptimizer) else 2
+    total = sum(tensors * p.numel() * p.element_size() for _, p in grad_params(model, optimizer))
+    if ref_model is not None:
+        total += sum(p.numel() * p.element_size() for p in ref_model.parameters())
+    return total
