@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+# fp16 would also need loss scaling, which is not here; the trainer offers bfloat16 only.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
