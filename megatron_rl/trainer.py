@@ -35,6 +35,7 @@ from megatron_rl.rl.checkpoint import (
     save_checkpoint,
 )
 from megatron_rl.rl.grpo import group_advantages
+from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import build_model, check_init, export_hf
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_warmstart
@@ -67,7 +68,9 @@ class Trainer:
             self.iterator.load_state_dict(state["data"])
             self.start_step = state["step"]
         self.scorer = Scorer(cfg.reward)
-        self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store)
+        self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store,
+                                    resident_bytes=training_state_bytes(self.model, self.optimizer,
+                                                                        self.ref_model))
         self.update = PolicyUpdate(cfg, self.model, self.optimizer, self.ref_model, self.tok.pad_id,
                                    rank, world)
         self.logger = None
@@ -97,6 +100,7 @@ class Trainer:
         t = self._lap(times, "logprob", t)
 
         stats = self.update.update(batches)
+        self.optimizer.zero_grad(set_to_none=True)  # the rollout's KV gets the gradients' memory
         t = self._lap(times, "update", t)
 
         if cfg.verify_replicas:

@@ -126,6 +126,11 @@ class TrainerConfig:
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     timeout_s: float = 300.0  # every collective's timeout
     verify_replicas: bool = True  # after each update, check the replicated weights agree bitwise
+    # Training memory (docs/training.md): rerun each decoder layer's forward in backward instead of
+    # keeping its activations; and compute log-probs this many positions at a time (0 = all at
+    # once), so a long response never materialises [tokens, vocab] fp32 logits.
+    recompute_activations: bool = False
+    logprob_chunk_tokens: int = 1024
 
     def __post_init__(self):
         W, E = self.ranks, self.model.num_moe_experts
@@ -148,6 +153,8 @@ class TrainerConfig:
                     f"model.vocab_size ({self.model.vocab_size}) is smaller than the character "
                     f"tokenizer's {need} ids")
         require(self.timeout_s > 0, f"timeout_s: expected > 0, got {self.timeout_s}")
+        require(self.logprob_chunk_tokens >= 0,
+                f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")
 
     @property
     def rows_per_rank(self) -> int:

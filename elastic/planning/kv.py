@@ -61,6 +61,12 @@ class Demand:
         self.var = surv * (1.0 - surv) * tokens**2
         self.z = norm_ppf(1.0 - alpha)
 
+    def own_peaks(self) -> np.ndarray:
+        """Each response's peak demand on its own (tokens)."""
+        if not len(self.mean):
+            return np.zeros(0)
+        return np.max(self.mean + self.z * np.sqrt(self.var), axis=1)
+
     def peak(self, idx: Sequence[int]) -> float:
         idx = list(idx)
         if not idx:
@@ -80,10 +86,8 @@ class RankKV:
 
     def __init__(self, demand: Demand, budget: Sequence[float]):
         self.d = demand
-        own = np.max(demand.mean + demand.z * np.sqrt(demand.var), axis=1) \
-            if len(demand.mean) else np.zeros(0)
         # Plain lists: the placing loops index them once per response.
-        self.own = own.tolist()
+        self.own = demand.own_peaks().tolist()
         self.upper = [0.0] * len(budget)
         self.budget = [float(b) for b in budget]
         self.members: list[list[int]] = [[] for _ in budget]

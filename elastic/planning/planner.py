@@ -6,7 +6,9 @@ Order of decisions (each step documented in its own module):
 2. size each response's KV by a length distribution (`kv.Demand`): TailGuard's calibrated one
    (`guard.TailGuard`) with `tailguard=True`, the predictor's own without it, the true length for
    the oracle; its reserved length (the bound, or the (1 - alpha) quantile) orders placement;
-3. reject a floor that cannot hold every expert;
+3. price the floor against the device's memory budget (`shape.MemoryBudget`: weights, experts
+   held, resident state, KV): reject a floor that cannot hold every expert, and raise one whose
+   ranks would have no room left for the largest response's KV cache (`_memory_floor`);
 4. for every quorum chain from W down to at least the floor (`schedule.chains`), build its stages,
    the per-rank KV budgets at the tightest stage each rank belongs to, and the layout under those
    budgets (`natural` and `lengthsort` place once and only check); drop chains whose layout cannot
@@ -34,7 +36,7 @@ from elastic.planning.plan import Assignment, Plan, PlanError
 from elastic.planning.predict import LengthDist, Predictor
 from elastic.planning.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
 from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
-from elastic.planning.shape import ModelShape
+from elastic.planning.shape import MemoryBudget, ModelShape
 from elastic.trace import Trace
 
 __all__ = ["LAYOUTS", "OBJECTIVES", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
@@ -57,15 +59,17 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
               cost: StepCost | None = None,
               true_lengths: dict[tuple[str, int], int] | None = None,
               max_response_len: int | None = None, seed: int = 0,
-              objective: str = "occupied") -> Plan:
+              objective: str = "occupied", budget: MemoryBudget | None = None) -> Plan:
     """Plan one rollout of `batch` (data order) on `ranks` ranks; see the module docstring.
 
     Only `prompt_id`, `sample` and `prompt_len` of the batch are read. `max_response_len` is the
     generation cap; it is inferred from truncated history records when omitted, and is required
-    when the history is empty (nothing else bounds a response's KV then).
+    when the history is empty (nothing else bounds a response's KV then). `budget`: the device
+    memory every check prices weights, experts and KV against (default: `shape.budget`).
     """
     _validate(batch, ranks, floor, shape, layout, alpha, objective)
     cost = cost or ShapeCost(shape)
+    budget = budget or shape.budget
     keys = [(b.prompt_id, b.sample) for b in batch]
     prompt_len = np.array([b.prompt_len for b in batch], float)
     E = shape.num_experts
@@ -105,21 +109,16 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
     # The longest response's bound, in tokens: the runtime turns it into the predicted restoration
     # time that caps every lease.
     meta["predicted_max_len"] = float(reserve.max()) if len(reserve) else 0.0
-    held_floor = math.ceil(E / floor)
-    if shape.kv_budget_bytes(held_floor) <= 0:
-        raise PlanError(
-            f"floor {floor} cannot hold the {E} experts of {shape.name}: {held_floor} experts per "
-            f"rank take {held_floor * shape.expert_bytes / 1e9:.2f} GB beside "
-            f"{shape.dense_bytes / 1e9:.2f} GB of dense weights, over the "
-            f"{shape.usable_bytes / 1e9:.2f} GB usable per rank")
+    demand = Demand(kv_dists, prompt_len, alpha, tail_floor)
+    floor = _memory_floor(floor, ranks, E, budget, demand, shape.name, meta)
 
     effective = "lengthsort" if layout == "planned" and weak else layout
     if effective != layout:
         meta["fallback"] = (f"planned placed as lengthsort: the prompt explains "
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
-    search = _ChainSearch(keys, work, reserve, Demand(kv_dists, prompt_len, alpha, tail_floor),
+    search = _ChainSearch(keys, work, reserve, demand,
                           _samples(dists, true_lengths is not None, seed), float(prompt_len.mean()),
-                          ranks, floor, shape, effective, cost, objective)
+                          ranks, floor, shape, budget, effective, cost, objective)
     est, sizes, stages, rank_of = search.best()
     meta.update({
         "chain": sizes, "chains_feasible": search.feasible, "chains_priced": len(search.cache),
@@ -134,6 +133,36 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
     return plan
 
 
+def _memory_floor(floor: int, ranks: int, E: int, budget: MemoryBudget, demand: Demand, name: str,
+                  meta: dict) -> int:
+    """The floor the chains may go down to, priced against the device's memory budget.
+
+    A floor whose ranks cannot hold their share of the experts (beside the dense weights and any
+    resident state) is refused, naming the smallest floor that can. A floor whose ranks hold the
+    experts but then lack room for the KV cache of the batch's largest single response (its demand
+    peak, `kv.Demand`) is raised to the smallest floor that has it, and `meta["floor_raised"]` says
+    why: the last stage's residents are where the longest responses end.
+    """
+    def fits_experts(f: int) -> bool:
+        return budget.kv_budget_bytes(math.ceil(E / f)) > 0
+
+    if not fits_experts(floor):
+        smallest = next((f for f in range(floor, ranks + 1) if fits_experts(f)), None)
+        hint = (f"; the smallest floor that holds them is {smallest}" if smallest is not None
+                else f"; not even all {ranks} ranks hold them")
+        raise PlanError(f"floor {floor} cannot hold the {E} experts of {name}: a rank would hold "
+                        f"{budget.describe(math.ceil(E / floor))}{hint}")
+    need = float(demand.own_peaks().max()) * budget.kv_bytes_per_token
+    raised = next((f for f in range(floor, ranks) if budget.kv_budget_bytes(math.ceil(E / f)) >= need), ranks)
+    if raised != floor:
+        held = math.ceil(E / floor)
+        meta["floor_raised"] = (
+            f"floor {floor} raised to {raised}: at floor {floor} a rank holds "
+            f"{budget.describe(held)}, leaving {budget.kv_budget_bytes(held) / 1e9:.2f} GB for KV, "
+            f"less than the largest response's {need / 1e9:.2f} GB")
+    return raised
+
+
 class _ChainSearch:
     """Prices quorum chains for one batch and finds the one with the fewest occupied rank-seconds:
     every chain when there are at most `EXHAUSTIVE`, else the one-stage chain against a hill climb
@@ -142,10 +171,11 @@ class _ChainSearch:
     EXHAUSTIVE = 16
 
     def __init__(self, keys, work, reserve, demand, samples, prompt_mean, ranks, floor, shape,
-                 layout, cost, objective):
+                 budget, layout, cost, objective):
         self.keys, self.work, self.demand, self.samples = keys, work, demand, samples
         self.prompt_mean, self.ranks, self.floor, self.shape, self.cost = (
             prompt_mean, ranks, floor, shape, cost)
+        self.budget = budget
         self.E = shape.num_experts
         self.key = OBJECTIVES[objective]
         self.order = layouts.placement_order(reserve, work)
@@ -188,11 +218,11 @@ class _ChainSearch:
         budget = [math.inf] * self.ranks
         for i, st in enumerate(stages):
             for r, h in held_counts(st.owners, st.members).items():
-                room = self.shape.kv_budget_bytes(h)
+                room = self.budget.kv_budget_bytes(h)
                 if room < 0:
                     raise PlanError(f"stage {i}: rank {r} would hold {h} experts, more than its "
-                                    f"memory takes")
-                budget[r] = min(budget[r], room // self.shape.kv_bytes_per_token)
+                                    f"memory takes ({self.budget.describe(h)})")
+                budget[r] = min(budget[r], room // self.budget.kv_bytes_per_token)
         return budget
 
     def price(self, sizes: tuple[int, ...]):

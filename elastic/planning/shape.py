@@ -10,8 +10,57 @@ Defaults describe Qwen3-30B-A3B in bf16 on 80 GB H100s, the setup arXiv 2611.069
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """One device's memory as the runtime knows it, in bytes: what every memory check of the
+    planner reads (`make_plan(budget=...)`; by default a shape's own, `ModelShape.budget`).
+
+    The runtime builds it from the real model and device (megatron_rl/rollout/memory.py); the
+    planner stays pure Python and only does arithmetic on it.
+    """
+
+    device_bytes: int  # one rank's device memory (a GPU's total, or host RAM over its ranks)
+    dense_bytes: int  # weights every rank holds: attention, norms, router, embeddings
+    expert_bytes: int  # one expert over all layers
+    kv_bytes_per_token: int
+    # State that stays on the device through the rollout beside the weights: a trainer's fp32
+    # masters, optimizer moments and gradients. 0 for a rollout on its own.
+    resident_bytes: int = 0
+    # Share of device_bytes for weights, resident state and KV; activations and allocator slack
+    # take the rest (0.9: the vLLM/SGLang `gpu_memory_utilization` neighbourhood).
+    utilization: float = 0.9
+    source: str = ""  # where device_bytes came from, for messages
+
+    def __post_init__(self):
+        for name in ("device_bytes", "expert_bytes", "kv_bytes_per_token"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"MemoryBudget.{name} must be > 0, got {getattr(self, name)}")
+        if self.dense_bytes < 0 or self.resident_bytes < 0:
+            raise ValueError("MemoryBudget.dense_bytes and resident_bytes must be >= 0")
+        if not 0 < self.utilization <= 1:
+            raise ValueError(f"MemoryBudget.utilization must be in (0, 1], got {self.utilization}")
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.device_bytes * self.utilization)
+
+    def kv_budget_bytes(self, experts_held: int) -> int:
+        """KV bytes a rank may hold while it owns `experts_held` experts (may be negative)."""
+        return (self.usable_bytes - self.dense_bytes - self.resident_bytes
+                - experts_held * self.expert_bytes)
+
+    def describe(self, experts_held: int) -> str:
+        """Where a rank holding `experts_held` experts spends its memory, for messages."""
+        resident = f" + {self.resident_bytes / 1e9:.2f} GB resident state" if self.resident_bytes else ""
+        return (f"{experts_held} experts ({experts_held * self.expert_bytes / 1e9:.2f} GB) + "
+                f"{self.dense_bytes / 1e9:.2f} GB dense weights{resident} of "
+                f"{self.usable_bytes / 1e9:.2f} GB usable ({self.utilization:.0%} of "
+                f"{self.device_bytes / 1e9:.2f} GB{', ' + self.source if self.source else ''})")
 
 
 @dataclass(frozen=True)
@@ -51,13 +100,19 @@ class ModelShape:
         """One expert across all layers (gate, up and down projections)."""
         return 3 * self.hidden_size * self.expert_ffn * self.bytes_per_param * self.num_layers
 
+    @cached_property
+    def budget(self) -> MemoryBudget:
+        """This shape's memory as a `MemoryBudget` (the planner's default when the runtime gives none)."""
+        return MemoryBudget(self.memory_per_rank_bytes, self.dense_bytes, self.expert_bytes,
+                            self.kv_bytes_per_token, utilization=self.memory_utilization, source=self.name)
+
     @property
     def usable_bytes(self) -> int:
-        return int(self.memory_per_rank_bytes * self.memory_utilization)
+        return self.budget.usable_bytes
 
     def kv_budget_bytes(self, experts_held: int) -> int:
         """KV bytes a rank may hold while it owns `experts_held` experts (may be negative)."""
-        return self.usable_bytes - self.dense_bytes - experts_held * self.expert_bytes
+        return self.budget.kv_budget_bytes(experts_held)
 
     def to_dict(self) -> dict:
         return asdict(self)

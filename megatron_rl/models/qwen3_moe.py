@@ -20,6 +20,7 @@ from typing import Iterable, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.moe import MoELayer, widens
@@ -161,6 +162,7 @@ class Qwen3MoeModel(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config, self.dtype = config, dtype
+        self.recompute_activations = False  # training switch; see `hidden_states`
         held = range(config.num_moe_experts) if experts is None else experts
         self.embedding = Embedding(config, dtype)
         self.decoder = Decoder(config, held, dtype)
@@ -201,19 +203,33 @@ class Qwen3MoeModel(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
-    def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None,
-                cache: KVCacheLike | None = None, token_mask_BS: torch.Tensor | None = None,
-                logits_at_B: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, S, V]; with `logits_at_B`, only at those positions: [B, V]."""
+    def hidden_states(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None,
+                      cache: KVCacheLike | None = None,
+                      token_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm hidden states [B, S, D] that the output layer turns into logits.
+
+        With `recompute_activations` set and gradients on, each decoder layer keeps only its
+        input for backward and reruns its forward there (`torch.utils.checkpoint`), MoE
+        all-to-all included: every rank reruns the same layers in the same order."""
         B, S = input_ids_BS.shape
         if positions_BS is None:
             positions_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
         cos_BSC, sin_BSC = rope_cos_sin(positions_BS, self.config.kv_channels, self.config.rotary_base, self.dtype)
         cos, sin = cos_BSC[:, :, None, None], sin_BSC[:, :, None, None]  # against [B, S, G, N, C]
         x_BSD = self.embedding.word_embeddings(input_ids_BS)
+        recompute = self.recompute_activations and cache is None and torch.is_grad_enabled()
         for layer in self.decoder.layers:
-            x_BSD = layer(x_BSD, cos, sin, cache, token_mask_BS)
-        x_BSD = self.decoder.final_layernorm(x_BSD)
+            if recompute:
+                x_BSD = checkpoint(layer, x_BSD, cos, sin, None, token_mask_BS, use_reentrant=False)
+            else:
+                x_BSD = layer(x_BSD, cos, sin, cache, token_mask_BS)
+        return self.decoder.final_layernorm(x_BSD)
+
+    def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None,
+                cache: KVCacheLike | None = None, token_mask_BS: torch.Tensor | None = None,
+                logits_at_B: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, V]; with `logits_at_B`, only at those positions: [B, V]."""
+        x_BSD = self.hidden_states(input_ids_BS, positions_BS, cache, token_mask_BS)
         if logits_at_B is not None:
-            x_BSD = x_BSD[torch.arange(B, device=x_BSD.device), logits_at_B]
+            x_BSD = x_BSD[torch.arange(x_BSD.shape[0], device=x_BSD.device), logits_at_B]
         return F.linear(x_BSD, self.output_weight())

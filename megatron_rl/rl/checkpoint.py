@@ -3,6 +3,7 @@
 `DIR/checkpoints/step_<N>/` holds:
   - the DCP shards: model and optimizer state keyed by parameter name (expert parameters by their
     global index, so each is written once by its owner and a resume may use another rank count),
+    under mixed precision the fp32 master weights too (the optimizer state is then the masters'),
     and the frozen reference model when a KL term is used;
   - `trainer_state.json`: step, data position (epoch, position), the seed from which every random
     stream of step N+1 is derived (sampling is keyed by (seed, step, prompt, sample) and torch's
@@ -43,8 +44,13 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 def _state(model, optimizer, ref_model) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    masters = getattr(optimizer, "masters", None)
+    if masters is None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:  # mixed precision (rl/mixed_precision.py): fp32 masters and their AdamW state, by name
+        master_sd, optim_sd = get_state_dict(masters, optimizer.inner)
+        state = {"model": model.state_dict(), "master": master_sd, "optim": optim_sd}
     if ref_model is not None:
         state["ref"] = ref_model.state_dict()
     return state
@@ -99,7 +105,12 @@ def load_checkpoint(path: Path, model, optimizer, ref_model) -> None:
     except Exception as e:  # DCP wraps per-rank failures in its own exception types  # noqa: BLE001
         raise CheckpointError(f"{path}: cannot load the checkpoint shards ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if "master" in state:
+        set_state_dict(optimizer.masters, optimizer.inner, model_state_dict=state["master"],
+                       optim_state_dict=state["optim"])
+        model.load_state_dict(state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if ref_model is not None:
         ref_model.load_state_dict(state["ref"])
 

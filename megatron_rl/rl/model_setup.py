@@ -42,6 +42,7 @@ def build_model(cfg: TrainerConfig, rank: int, world: int):
     else:
         model = Qwen3MoeModel(cfg.model, held, dtype)
         model.init_weights(cfg.seed)
+    model.recompute_activations = cfg.recompute_activations
     model.set_dispatcher(LocalDispatcher() if world == 1 else
                          AllToAllDispatcher(dist.group.WORLD, [owners[e][0] for e in sorted(owners)]))
     return model

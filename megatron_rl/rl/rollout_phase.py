@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.memory import memory_budget, ranks_on_this_host
 from megatron_rl.rollout.runner import plan_rollout
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
@@ -86,15 +87,32 @@ def step_seed(seed: int, step: int) -> int:
 
 class RolloutPhase:
     def __init__(self, cfg: TrainerConfig, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int,
-                 world: int, store):
+                 world: int, store, resident_bytes: int = 0):
+        """`resident_bytes`: training state that stays on the device through the rollout (the
+        optimizer's, `training_state_bytes`); the planner prices it with the weights and KV."""
         self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
         self.store = store  # the job's key-value store: the runtime's restore message goes through it
+        self.budget = self._memory_budget(resident_bytes)
+
+    def _memory_budget(self, resident_bytes: int):
+        """This device's budget. Every rank computes the same plan, so all ranks take the worst
+        case: the least device memory and the most resident state of any rank."""
+        weight = self.model.embedding.word_embeddings.weight
+        budget = memory_budget(self.cfg.model, weight.element_size(), weight.device,
+                               ranks_on_this_host(self.world), resident_bytes)
+        if self.world > 1:
+            worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64,
+                                 device=weight.device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MIN)
+            budget = replace(budget, device_bytes=int(worst[0]), resident_bytes=-int(worst[1]))
+        return budget
 
     def plan(self, items: list[_Item], history: Trace):
         cfg = self.cfg
         plan = plan_rollout(items, history, policy=cfg.elastic.policy, ranks=self.world,
                             floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
                             dtype_bytes=self.model.embedding.word_embeddings.weight.element_size(),
+                            budget=self.budget,
                             max_response_len=cfg.generation.max_response_len,
                             shrink_cost_s=cfg.elastic.shrink_cost_s)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.rl.mixed_precision import MixedPrecisionOptimizer, grad_params
 from megatron_rl.rl.train_step import (
     allreduce_dense_grads,
     chunks,
@@ -48,18 +49,22 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
         total = torch.zeros((), dtype=torch.float64)
         for micro in chunks(rows[rank * per_rank : (rank + 1) * per_rank], cfg.grpo.micro_batch):
             packed = pack(micro, tok.pad_id)
-            loss = -(sequence_logprobs(model, packed) * packed.loss_mask).sum() / tokens
+            logp = sequence_logprobs(model, packed, chunk_tokens=cfg.logprob_chunk_tokens)
+            loss = -(logp * packed.loss_mask).sum() / tokens
             loss.backward()
             total += loss.detach().double()
         if world > 1:
             dist.all_reduce(total)
-        allreduce_dense_grads(model, world)
-        clip_global_grad_norm(model, cfg.optim.grad_clip, world)
+        named = grad_params(model, optimizer)
+        allreduce_dense_grads(named, world)
+        clip_global_grad_norm(named, cfg.optim.grad_clip, world)
         optimizer.step()
         losses.append(float(total))
         if rank == 0 and (step % 20 == 0 or step == ws.sft_steps):
             print(f"[warmstart] step {step}/{ws.sft_steps} loss {float(total):.4f} "
                   f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        optimizer.close()  # else its hooks would take the gradients of the next optimizer's steps
     return losses
 
 

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from megatron_rl.rl.grpo import token_logprobs
+from megatron_rl.rl.grpo import token_entropy, token_logprobs
+from megatron_rl.rl.mixed_precision import MixedPrecisionOptimizer, needs_masters
 
 
 def is_expert_param(name: str) -> bool:
@@ -55,26 +58,65 @@ def pack(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Packed:
     return Packed(ids[:, :-1], ids[:, 1:].clone(), loss, real)
 
 
-def policy_logits(model, packed: Packed, temperature: float = 1.0) -> torch.Tensor:
-    """Logits at every position [B, S, V], scaled by the sampling temperature."""
-    logits = model(packed.input_ids, token_mask_BS=packed.token_mask)
-    return logits / temperature if temperature != 1.0 else logits
+def sequence_logprobs(model, packed: Packed, temperature: float = 1.0, chunk_tokens: int = 0,
+                      entropy: bool = False):
+    """log p(target) at every position [B, S], logits scaled by the sampling temperature; with
+    `entropy`, the pair (log-probs, the policy's entropy at every position [B, S], no gradient).
+
+    `chunk_tokens` > 0 computes them that many positions at a time from the final hidden states
+    (`chunked_logprobs`), so the [B, S, V] logits and their fp32 copy never exist at once."""
+    if chunk_tokens <= 0:
+        logits = model(packed.input_ids, token_mask_BS=packed.token_mask)
+        return _scaled_logprobs(logits, packed.targets, temperature, entropy)
+    hidden = model.hidden_states(packed.input_ids, token_mask_BS=packed.token_mask)
+    return chunked_logprobs(hidden, model.output_weight(), packed.targets, temperature, chunk_tokens,
+                            entropy)
 
 
-def sequence_logprobs(model, packed: Packed, temperature: float = 1.0) -> torch.Tensor:
-    """log p(target) at every position [B, S], logits scaled by the sampling temperature."""
-    return token_logprobs(policy_logits(model, packed, temperature), packed.targets)
+def chunked_logprobs(hidden_BSD: torch.Tensor, weight_VD: torch.Tensor, targets_BS: torch.Tensor,
+                     temperature: float, chunk_tokens: int, entropy: bool = False):
+    """log p(target) [B, S] (and the entropy [B, S] with `entropy`) from hidden states,
+    `chunk_tokens` positions at a time.
+
+    Under autograd each chunk is checkpointed: forward keeps only its slice of the hidden states,
+    and backward recomputes that chunk's logits, so one chunk's [chunk, V] fp32 logits are the
+    most that is ever alive, forward or backward. Same ops per position as the unchunked path."""
+    B, S, D = hidden_BSD.shape
+    h_TD, t_T = hidden_BSD.reshape(B * S, D), targets_BS.reshape(B * S)
+    grad = torch.is_grad_enabled()
+    out = []
+    for i in range(0, B * S, chunk_tokens):
+        args = (h_TD[i : i + chunk_tokens], weight_VD, t_T[i : i + chunk_tokens], temperature, entropy)
+        out.append(checkpoint(_linear_logprobs, *args, use_reentrant=False) if grad
+                   else _linear_logprobs(*args))
+    if entropy:
+        return torch.cat([lp for lp, _ in out]).view(B, S), torch.cat([h for _, h in out]).view(B, S)
+    return torch.cat(out).view(B, S)
+
+
+def _linear_logprobs(h_TD, weight_VD, targets_T, temperature: float, entropy: bool):
+    return _scaled_logprobs(F.linear(h_TD, weight_VD), targets_T, temperature, entropy)
+
+
+def _scaled_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = token_logprobs(logits, targets)
+    return (logp, token_entropy(logits)) if entropy else logp
 
 
 def chunks(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def allreduce_dense_grads(model: torch.nn.Module, world: int) -> None:
-    """Sum the replicated parameters' gradients over the world (one flat all-reduce)."""
+def allreduce_dense_grads(named: list[tuple[str, torch.Tensor]], world: int) -> None:
+    """Sum the replicated parameters' gradients over the world (one flat all-reduce, in the
+    gradients' own dtype: fp32 on the masters under mixed precision).
+
+    `named`: (name, parameter) pairs whose `.grad` the optimizer steps on (`grad_params`)."""
     if world == 1:
         return
-    params = [p for n, p in model.named_parameters() if not is_expert_param(n)]
+    params = [p for n, p in named if not is_expert_param(n)]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -86,7 +128,7 @@ def allreduce_dense_grads(model: torch.nn.Module, world: int) -> None:
         offset += p.numel()
 
 
-def clip_global_grad_norm(model: torch.nn.Module, max_norm: float, world: int) -> float:
+def clip_global_grad_norm(named: list[tuple[str, torch.Tensor]], max_norm: float, world: int) -> float:
     """The gradient norm over the whole model (dense once, every rank's experts) and clip to it.
 
     Dense gradients are identical on every rank after `allreduce_dense_grads`; expert gradients are
@@ -95,7 +137,7 @@ def clip_global_grad_norm(model: torch.nn.Module, max_norm: float, world: int) -
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
     grads = []
-    for name, p in model.named_parameters():
+    for name, p in named:
         if p.grad is None:
             continue
         grads.append(p)
@@ -113,11 +155,18 @@ def clip_global_grad_norm(model: torch.nn.Module, max_norm: float, world: int) -
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+                   weight_decay: float = 0.0):
     """torch AdamW over this rank's parameters: expert state lives with the expert's owner, dense
-    state is replicated like the dense weights (the optimizer is sharded as the weights are)."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps,
-                             weight_decay=weight_decay)
+    state is replicated like the dense weights (the optimizer is sharded as the weights are).
+
+    A bf16/fp16 model gets AdamW over fp32 master weights (`rl/mixed_precision.py`); fp32 and
+    fp64 models step directly."""
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+
+    if needs_masters(model):
+        return MixedPrecisionOptimizer(model, adamw)
+    return adamw(model.parameters())
 
 
 def check_replicas(model: torch.nn.Module, world: int) -> None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss, token_entropy, token_logprobs
+from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss
+from megatron_rl.rl.mixed_precision import grad_params
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.rl.train_step import (
     Packed,
@@ -20,7 +21,6 @@ from megatron_rl.rl.train_step import (
     chunks,
     clip_global_grad_norm,
     pack,
-    policy_logits,
     sequence_logprobs,
 )
 from megatron_rl.trainer_config import TrainerConfig
@@ -62,12 +62,12 @@ class PolicyUpdate:
     @torch.no_grad()
     def recompute_logprobs(self, batches: list[tuple[list[MicroBatch], int]]) -> None:
         """Old-policy (and reference) log-probs under the training numerics, before any update."""
-        T = self.cfg.generation.temperature
+        T, chunk = self.cfg.generation.temperature, self.cfg.logprob_chunk_tokens
         for micro, _ in batches:
             for mb in micro:
-                mb.old_logp = sequence_logprobs(self.model, mb.packed, T)
+                mb.old_logp = sequence_logprobs(self.model, mb.packed, T, chunk)
                 if self.ref_model is not None:
-                    mb.ref_logp = sequence_logprobs(self.ref_model, mb.packed, T)
+                    mb.ref_logp = sequence_logprobs(self.ref_model, mb.packed, T, chunk)
 
     def update(self, batches: list[tuple[list[MicroBatch], int]]) -> dict[str, float]:
         g, T = self.cfg.grpo, self.cfg.generation.temperature
@@ -77,10 +77,10 @@ class PolicyUpdate:
         for micro, tokens in batches:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in micro:
-                logits = policy_logits(self.model, mb.packed, T)
-                logp = token_logprobs(logits, mb.packed.targets)
+                logp, entropy = sequence_logprobs(self.model, mb.packed, T, self.cfg.logprob_chunk_tokens,
+                                                  entropy=True)
                 # The policy's entropy on the response tokens, from the forward the update makes anyway.
-                entropy_sum += (token_entropy(logits) * mb.packed.loss_mask).sum().double()
+                entropy_sum += (entropy * mb.packed.loss_mask).sum().double()
                 loss, stats = policy_loss(
                     logp, mb.old_logp, mb.advantages, mb.packed.loss_mask,
                     clip_low=g.clip_low, clip_high=g.clip_high,
@@ -91,8 +91,9 @@ class PolicyUpdate:
                 loss_total += loss.detach().double()
                 for key in STAT_KEYS:
                     sums[key] += stats[key].double()
-            allreduce_dense_grads(self.model, self.world)
-            norms.append(clip_global_grad_norm(self.model, self.cfg.optim.grad_clip, self.world))
+            named = grad_params(self.model, self.optimizer)
+            allreduce_dense_grads(named, self.world)
+            norms.append(clip_global_grad_norm(named, self.cfg.optim.grad_clip, self.world))
             self.optimizer.step()
         flat = torch.stack([loss_total, entropy_sum] + [sums[k] for k in STAT_KEYS])
         if self.world > 1:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from elastic.planning.layout import natural
 from elastic.planning.plan import Plan, static_plan
-from elastic.planning.shape import ModelShape
+from elastic.planning.shape import MemoryBudget
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
@@ -29,6 +29,7 @@ from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fault_rank
 from megatron_rl.rollout.lease_jobs import RewardScoringJob, SidecarJob, distinct_ngram_reward
+from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -48,28 +49,23 @@ def model_config(cfg: RolloutConfig) -> MoEModelConfig:
     return mcfg
 
 
-def tiny_shape(mcfg: MoEModelConfig, dtype_bytes: int) -> ModelShape:
-    """The planner's view of a CPU model: its real sizes, and memory that never binds."""
-    return ModelShape(
-        name="cpu-tiny", num_experts=mcfg.num_moe_experts, topk=mcfg.moe_router_topk,
-        num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size, expert_ffn=mcfg.moe_ffn_hidden_size,
-        bytes_per_param=dtype_bytes,
-        kv_bytes_per_token=mcfg.num_layers * 2 * mcfg.num_query_groups * mcfg.kv_channels * dtype_bytes,
-        dense_bytes=0, memory_per_rank_bytes=64 * 2**30, ranks_per_node=64,
-    )
-
-
 def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
-    return plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
-                        tailguard=cfg.tailguard, mcfg=mcfg,
-                        dtype_bytes=8 if cfg.dtype == "float64" else 4)
+    dtype_bytes = 8 if cfg.dtype == "float64" else 4
+    # The runner's ranks compute on CPU (see `prepare`), so host RAM is their device memory.
+    budget = memory_budget(mcfg, dtype_bytes, torch.device("cpu"), ranks_on_this_host(cfg.ranks))
+    plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
+                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=dtype_bytes, budget=budget)
+    if "floor_raised" in plan.meta:
+        print(f"[rollout] planner: {plan.meta['floor_raised']}", file=sys.stderr)
+    return plan
 
 
 def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
-                 mcfg: MoEModelConfig, dtype_bytes: int, max_response_len: int | None = None,
-                 shrink_cost_s: float | None = None) -> Plan:
-    """The plan of one rollout under `policy`; `max_response_len` bounds KV when history is empty;
-    `shrink_cost_s` replaces the cost model's fixed cost of a shrink (its default is an H100's)."""
+                 mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
+                 max_response_len: int | None = None, shrink_cost_s: float | None = None) -> Plan:
+    """The plan of one rollout under `policy`, its memory checks priced against `budget`
+    (`rollout/memory.py`); `max_response_len` bounds KV when history is empty; `shrink_cost_s`
+    replaces the cost model's fixed cost of a shrink (its default is an H100's)."""
     W, E = ranks, mcfg.num_moe_experts
     if E % W or W > E:
         raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
@@ -81,11 +77,12 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
     from elastic.planning.release import ShapeCost
 
     floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
-    shape = tiny_shape(mcfg, dtype_bytes)
+    shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=ranks_on_this_host(W))
     cost = None if shrink_cost_s is None else ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     try:
         return make_plan(batch, history, ranks=W, floor=floor, shape=shape, layout=policy,
-                         tailguard=tailguard, max_response_len=max_response_len, cost=cost)
+                         tailguard=tailguard, max_response_len=max_response_len, cost=cost,
+                         budget=budget)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
 

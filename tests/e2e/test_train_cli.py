@@ -6,6 +6,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import documented_keys, wandb_history
 
@@ -99,6 +100,20 @@ def test_resume_matches_uninterrupted_run(straight, tmp_path):
     assert state["step"] == 3 and state["data"]["position"] == 12
     history = (part / "checkpoints" / "step_000003" / "length_history.jsonl").read_text().splitlines()
     assert len(history) == 3 * 4 * 8
+
+
+def test_bf16_with_masters_resumes_bit_identically(tmp_path):
+    """bf16 compute, fp32 masters and AdamW state in the checkpoint, activation recomputation and
+    chunked log-probs on: resuming after step 2 gives the uninterrupted run's step 3 and weights."""
+    cfg = _setup(tmp_path, dtype="bfloat16", seed=2, recompute_activations=True, logprob_chunk_tokens=5)
+    _train(cfg, tmp_path / "full", "--ranks", "2")
+    _train(cfg, tmp_path / "part", "--ranks", "2", "--steps", "2")
+    _train(cfg, tmp_path / "part", "--ranks", "2")
+    a, b = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
+    assert [{k: m[k] for k in LEARNING} for m in a] == [{k: m[k] for k in LEARNING} for m in b]
+    assert a[1]["grad_norm"] > 0 and a[2]["grad_norm"] > 0, "no update before and after the resume"
+    assert _same_weights(tmp_path / "full", tmp_path / "part")
+    assert next(iter(_weights(tmp_path / "full").values())).dtype == torch.bfloat16
 
 
 def test_metrics_jsonl_and_offline_wandb(straight):

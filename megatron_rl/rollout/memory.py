@@ -1,0 +1,79 @@
+"""The memory budget the planner prices a rollout against, from the real model and the real device.
+
+The planner (elastic/planning/, pure Python) only does arithmetic on a `MemoryBudget`; this module
+fills one in from what the runtime knows:
+- weights: the model configuration's exact parameter counts (dense: embeddings, attention, norms,
+  router, output layer; one expert: gate, up and down projections over all layers) times the
+  bytes of the dtype the rollout runs in;
+- KV: layers x (K, V) x KV heads x head dim x dtype bytes per token;
+- the device: a GPU's total memory (`torch.cuda.get_device_properties`), or the host's RAM
+  divided over the ranks that share it;
+- resident state: what else stays on the device through the rollout (the trainer's fp32 masters,
+  optimizer moments and gradients, `training_state_bytes`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from elastic.planning.shape import MemoryBudget, ModelShape
+from megatron_rl.models.config import MoEModelConfig
+
+
+def weight_bytes(mcfg: MoEModelConfig, dtype_bytes: int) -> tuple[int, int]:
+    """(dense bytes every rank holds, bytes of one expert over all layers) of `mcfg`'s Qwen3-MoE."""
+    D, C, G, H = mcfg.hidden_size, mcfg.kv_channels, mcfg.num_query_groups, mcfg.num_attention_heads
+    attention = D * G * (H // G + 2) * C + H * C * D + 2 * C  # fused qkv, output proj, q/k norms
+    per_layer = attention + 2 * D + mcfg.num_moe_experts * D  # two RMSNorms, the router
+    embeddings = mcfg.vocab_size * D * (2 if mcfg.untie_embeddings_and_output_weights else 1)
+    dense = embeddings + mcfg.num_layers * per_layer + D  # + the final norm
+    expert = 3 * D * mcfg.moe_ffn_hidden_size * mcfg.num_layers
+    return dense * dtype_bytes, expert * dtype_bytes
+
+
+def kv_bytes_per_token(mcfg: MoEModelConfig, dtype_bytes: int) -> int:
+    return mcfg.num_layers * 2 * mcfg.num_query_groups * mcfg.kv_channels * dtype_bytes
+
+
+def device_memory_bytes(device: torch.device, ranks_on_host: int) -> tuple[int, str]:
+    """(bytes one rank may use, where the figure comes from) on `device`."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"{props.name} total memory"
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // ranks_on_host, f"host RAM over {ranks_on_host} ranks"
+
+
+def memory_budget(mcfg: MoEModelConfig, dtype_bytes: int, device: torch.device, ranks_on_host: int,
+                  resident_bytes: int = 0, device_bytes: int | None = None) -> MemoryBudget:
+    """The budget of one rank running `mcfg` in a `dtype_bytes` dtype on `device`.
+
+    `device_bytes` replaces the measured device memory (planning for a machine other than this one,
+    e.g. an 80 GB GPU from a laptop)."""
+    dense, expert = weight_bytes(mcfg, dtype_bytes)
+    if device_bytes is None:
+        device_bytes, source = device_memory_bytes(device, ranks_on_host)
+    else:
+        source = "given"
+    return MemoryBudget(device_bytes=device_bytes, dense_bytes=dense, expert_bytes=expert,
+                        kv_bytes_per_token=kv_bytes_per_token(mcfg, dtype_bytes),
+                        resident_bytes=resident_bytes, source=source)
+
+
+def model_shape(mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget, ranks_per_node: int) -> ModelShape:
+    """The planner's view of the model: its real sizes, priced against `budget`."""
+    return ModelShape(
+        name=f"{mcfg.num_layers}-layer {mcfg.num_moe_experts}-expert model", num_experts=mcfg.num_moe_experts,
+        topk=mcfg.moe_router_topk, num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size,
+        expert_ffn=mcfg.moe_ffn_hidden_size, bytes_per_param=dtype_bytes,
+        kv_bytes_per_token=budget.kv_bytes_per_token, dense_bytes=budget.dense_bytes,
+        memory_per_rank_bytes=budget.device_bytes, memory_utilization=budget.utilization,
+        ranks_per_node=ranks_per_node,
+    )
+
+
+def ranks_on_this_host(ranks: int) -> int:
+    """Ranks that share this host's memory: torchrun's LOCAL_WORLD_SIZE, else all of them (the
+    `flexfloor` launcher starts every rank here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
