@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import block_owners
+from elastic.planning.plan import Plan, block_owners
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.megatron_backend import (
     ExpertWeights,
@@ -23,6 +23,18 @@ from megatron_rl.models.megatron_backend import (
 )
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, tensor_digest
 from megatron_rl.rollout.engine import RolloutEngine
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse, before any rank starts, a plan whose stages megatron-core's layers cannot hold."""
+    if plan.ownership != "blocks":
+        raise FlexFloorError(
+            f"backend 'megatron': the plan owns experts {plan.ownership!r}, not in megatron-core's contiguous "
+            "blocks; plan it with ownership 'blocks' (runner.ownership_of('megatron')) or use `backend: torch`")
+    try:
+        plan.check()
+    except ValueError as e:
+        raise FlexFloorError(f"backend 'megatron': {e}") from None
 
 
 class MegatronElasticEngine(ElasticRolloutEngine):

@@ -62,14 +62,20 @@ def tiny_shape(mcfg: MoEModelConfig, dtype_bytes: int) -> ModelShape:
 def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
     return plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
                         tailguard=cfg.tailguard, mcfg=mcfg,
-                        dtype_bytes=8 if cfg.dtype == "float64" else 4)
+                        dtype_bytes=8 if cfg.dtype == "float64" else 4, ownership=ownership_of(cfg.backend))
+
+
+def ownership_of(backend: str) -> str:
+    """The planner's expert ownership a backend can carry out (`elastic.planning.plan.OWNERSHIPS`)."""
+    return "blocks" if backend == "megatron" else "balanced"
 
 
 def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
                  mcfg: MoEModelConfig, dtype_bytes: int, max_response_len: int | None = None,
-                 shrink_cost_s: float | None = None) -> Plan:
+                 shrink_cost_s: float | None = None, ownership: str = "balanced") -> Plan:
     """The plan of one rollout under `policy`; `max_response_len` bounds KV when history is empty;
-    `shrink_cost_s` replaces the cost model's fixed cost of a shrink (its default is an H100's)."""
+    `shrink_cost_s` replaces the cost model's fixed cost of a shrink (its default is an H100's);
+    `ownership` is `ownership_of(backend)`."""
     W, E = ranks, mcfg.num_moe_experts
     if E % W or W > E:
         raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
@@ -85,7 +91,8 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
     cost = None if shrink_cost_s is None else ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     try:
         return make_plan(batch, history, ranks=W, floor=floor, shape=shape, layout=policy,
-                         tailguard=tailguard, max_response_len=max_response_len, cost=cost)
+                         tailguard=tailguard, max_response_len=max_response_len, cost=cost,
+                         ownership=ownership)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
 
