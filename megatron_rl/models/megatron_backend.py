@@ -191,6 +191,15 @@ def install_megatron_moe(model, pg_collection, **options) -> None:
                                 layer_number=i + 1, **options)
 
 
+def uninstall_megatron_moe(model) -> None:
+    """The inverse of `install_megatron_moe`: every MegatronMoE block of `model` becomes the torch
+    backend's block with the same router and experts (weights copied bit for bit)."""
+    for i, layer in enumerate(model.decoder.layers):
+        if not isinstance(layer.mlp, MegatronMoE):
+            raise TypeError(f"layer {i} runs {type(layer.mlp).__name__}, not MegatronMoE")
+        layer.mlp = to_torch_moe(layer.mlp)
+
+
 def to_torch_moe(moe: MegatronMoE) -> TorchMoELayer:
     """The torch-backend block with the same router and this rank's experts (weights copied)."""
     ref = moe.router_weight
