@@ -23,7 +23,8 @@ from megatron_rl.rl.grpo import token_logprobs
 
 
 def is_expert_param(name: str) -> bool:
-    return ".local_experts." in name
+    # `.mlp.layer.experts.`: megatron-core's experts (SequentialMLP or TEGroupedMLP) in MegatronMoE.
+    return ".local_experts." in name or ".mlp.layer.experts." in name
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss
+from megatron_rl.rl.megatron_train import MegatronOptimizer
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.rl.train_step import (
     Packed,
@@ -86,6 +87,9 @@ class PolicyUpdate:
                 loss_total += loss.detach().double()
                 for key in STAT_KEYS:
                     sums[key] += stats[key].double()
+            if isinstance(self.optimizer, MegatronOptimizer):  # its DDP reduced the grads in buckets
+                norms.append(self.optimizer.finish_step())
+                continue
             allreduce_dense_grads(self.model, self.world)
             norms.append(clip_global_grad_norm(self.model, self.cfg.optim.grad_clip, self.world))
             self.optimizer.step()

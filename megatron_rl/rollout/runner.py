@@ -22,6 +22,7 @@ from elastic.planning.plan import Plan, static_plan
 from elastic.planning.shape import ModelShape
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
@@ -161,7 +162,12 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
             sink.flush()
             written[0] = len(engine.finished)
 
-    elastic_engine = ElasticRolloutEngine(engine, ctx.world)
+    if cfg.backend == "megatron":
+        from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
+
+        elastic_engine = MegatronElasticEngine.on_gpu(engine, rank, ctx.world)
+    else:
+        elastic_engine = ElasticRolloutEngine(engine, ctx.world)
     jobs = lease_jobs(cfg, engine, rank)
     hit = cfg.fault is not None and rank == fault_rank(plan)
     if hit and cfg.fault == "fail-transfer":
@@ -209,6 +215,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         responses=len(all_responses), responses_sha256=responses_sha256(all_responses),
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
+        moe=backend_report(cfg.backend),
     )
     return report, all_responses
 
@@ -228,16 +235,16 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     from megatron_rl.models.megatron_backend import require_backend
 
     require_backend(cfg.backend)
-    if cfg.backend == "megatron":
-        # Reached on a CUDA machine only. The runner's ranks are CPU gloo ranks; running the torch
-        # backend instead would hide the user's choice.
-        raise FlexFloorError(
-            "backend 'megatron': `flexfloor rollout` runs CPU gloo ranks in this release; the megatron "
-            "backend runs through MegatronElasticEngine (tools/gpu_check.sh); use `backend: torch` here")
+    if cfg.backend == "megatron" and cfg.dtype == "float64":
+        raise FlexFloorError("backend 'megatron': megatron-core runs bfloat16 or float32, not dtype float64")
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
     plan = build_plan(cfg, mcfg, batch, history)
+    if cfg.backend == "megatron":
+        from megatron_rl.rollout.megatron_elastic_engine import check_plan
+
+        check_plan(plan)
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]

@@ -49,17 +49,6 @@ def test_cli_rollout_with_megatron_backend_fails_with_one_line(tmp_path):
     assert len(lines) == 1 and "use `backend: torch`" in lines[0], res.stderr
 
 
-def test_rollout_runner_never_swaps_the_megatron_backend_for_torch(monkeypatch):
-    # As on a CUDA machine with TransformerEngine, where require_backend passes.
-    from megatron_rl.models import megatron_backend
-    from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import prepare
-
-    monkeypatch.setattr(megatron_backend, "require_backend", lambda name: None)
-    with pytest.raises(FlexFloorError, match="runs CPU gloo ranks in this release"):
-        prepare(RolloutConfig(backend="megatron"))
-
-
 def test_transformer_config_carries_the_model_fields():
     m = MoEModelConfig(num_layers=3, hidden_size=96, num_attention_heads=6, num_query_groups=3, kv_channels=32,
                        num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=48, layernorm_epsilon=1e-5)
