@@ -155,7 +155,7 @@ def moe_pg_collection(ep_group, self_group, dp_group=None):
     )
 
 
-_self_groups: dict[int, list] = {}
+_self_groups: list = [None, []]  # (the world they belong to, its self groups)
 
 
 def self_group(rank: int, world: int):
@@ -164,10 +164,9 @@ def self_group(rank: int, world: int):
     torch.distributed requires of every new group."""
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD)
-    if key not in _self_groups:
-        _self_groups[key] = [dist.new_group([r]) for r in range(world)]
-    return _self_groups[key][rank]
+    if _self_groups[0] is not dist.group.WORLD:  # the object, not its id: a new world may reuse an id
+        _self_groups[:] = [dist.group.WORLD, [dist.new_group([r]) for r in range(world)]]
+    return _self_groups[1][rank]
 
 
 def block_experts(num_experts: int, ep_size: int, ep_rank: int) -> list[int]:
@@ -203,11 +202,11 @@ class MegatronMoE(nn.Module):
         with torch.no_grad():
             self.layer.router.weight.copy_(router_weight)
             for i, e in enumerate(owned):
-                fc1, fc2 = self._expert_params(i)
+                fc1, fc2 = self.expert_params(i)
                 fc1.copy_(experts[e][0])
                 fc2.copy_(experts[e][1])
 
-    def _expert_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
+    def expert_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
         experts = self.layer.experts
         if hasattr(experts, "local_experts"):  # SequentialMLP
             ex = experts.local_experts[i]
@@ -226,7 +225,7 @@ class MegatronMoE(nn.Module):
         """This rank's experts by global index: the torch backend's layout."""
         out = {}
         for i, e in enumerate(self.local_experts):
-            fc1, fc2 = self._expert_params(i)
+            fc1, fc2 = self.expert_params(i)
             out[e] = (fc1.detach(), fc2.detach())
         return out
 

@@ -31,21 +31,27 @@ _DENSE = ("self_attention.linear_qkv.weight", "self_attention.q_layernorm.weight
           "pre_mlp_layernorm.weight", "mlp.router.weight")
 
 
-def canonical_state_dict(model) -> dict[str, torch.Tensor]:
-    """The weights of `model` (a Qwen3MoeModel) under the torch backend's names and global expert
-    indices, whether its MoE layers are the torch backend's or `MegatronMoE`."""
+def canonical_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """The parameters of `model` (a Qwen3MoeModel) under the torch backend's names and global
+    expert indices, whether its MoE layers are the torch backend's or `MegatronMoE`."""
     from megatron_rl.models.megatron_backend import MegatronMoE
 
-    out = {k: v for k, v in model.state_dict().items() if ".mlp.layer." not in k}
+    out = {k: p for k, p in model.named_parameters() if ".mlp.layer." not in k}
     for i, layer in enumerate(model.decoder.layers):
         moe = layer.mlp
         if isinstance(moe, MegatronMoE):
             pre = f"decoder.layers.{i}.mlp."
-            out[pre + "router.weight"] = moe.router_weight.detach()
-            for e, (fc1, fc2) in moe.expert_weights().items():
+            out[pre + "router.weight"] = moe.router_weight
+            for j, e in enumerate(moe.local_experts):
+                fc1, fc2 = moe.expert_params(j)
                 out[pre + f"experts.local_experts.{e}.linear_fc1.weight"] = fc1
                 out[pre + f"experts.local_experts.{e}.linear_fc2.weight"] = fc2
     return out
+
+
+def canonical_state_dict(model) -> dict[str, torch.Tensor]:
+    """`canonical_parameters` as a state dict (the tensors share the parameters' storage)."""
+    return {k: p.detach() for k, p in canonical_parameters(model).items()}
 
 
 def state_digests(sd: Mapping[str, torch.Tensor]) -> dict[str, str]:

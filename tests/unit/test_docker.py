@@ -175,3 +175,19 @@ def test_smoke_test_names_what_does_not_import(tmp_path):
     wrong = subprocess.run([sys.executable, str(DOCKER / "smoke.py")], env={**env, "FLEXFLOOR_TORCH_VERSION": "0.0.1"},
                            capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 1 and "replaced the torch 0.0.1" in wrong.stderr
+
+
+def test_te_image_guard_fails_in_the_image_without_te_and_passes_outside(tmp_path):
+    import sys
+
+    guard = REPO / "tools" / "te_image_guard.sh"
+    assert subprocess.run([_tool("shellcheck"), str(guard)], capture_output=True, timeout=60).returncode == 0
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    outside = subprocess.run(["bash", str(guard)], env=env, capture_output=True, text=True, timeout=120)
+    assert outside.returncode == 0 and "TransformerEngine is optional here" in outside.stdout
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001  (no TransformerEngine here, as in a broken image)
+        inside = subprocess.run(["bash", str(guard)], env={**env, "FLEXFLOOR_IMAGE": "h100"}, capture_output=True,
+                                text=True, timeout=120)
+        assert inside.returncode == 1 and "import transformer_engine.pytorch failed" in inside.stderr
