@@ -16,6 +16,8 @@ from typing import Iterable
 # the torch backend) or `blocks` (megatron-core's MoELayer: every stage is `block_owners` of its
 # members, so only group sizes that divide the expert count; the megatron backend).
 OWNERSHIPS = ("balanced", "blocks")
+# The ownership each MoE backend can carry out.
+BACKEND_OWNERSHIP = {"torch": "balanced", "megatron": "blocks"}
 
 
 @dataclass(frozen=True)

@@ -100,10 +100,6 @@ def _setup(args):
     return trace, epochs, shape, cost, config
 
 
-def _ownership(args) -> str:
-    return "blocks" if args.backend == "megatron" else "balanced"
-
-
 def run(args) -> int:
     from elastic.planning.plan import PlanError
 
@@ -117,13 +113,15 @@ def run(args) -> int:
 def _run(args) -> int:
     from dataclasses import replace
 
+    from elastic.planning.plan import BACKEND_OWNERSHIP
     from elastic.sim.replay import Policy, compare_policies, simulate_trace
     from elastic.sim.report import compare_table, run_compare, single_report
 
     trace, epochs, shape, cost, config = _setup(args)
     if args.compare:
         rows = run_compare(trace, ranks=args.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
-                           policies=compare_policies(objective=args.objective, ownership=_ownership(args)),
+                           policies=compare_policies(objective=args.objective,
+                                                     ownership=BACKEND_OWNERSHIP[args.backend]),
                            progress=lambda label: print(f"simulating {label} ...", file=sys.stderr, flush=True))
         if args.json:
             print(json.dumps({"ranks": args.ranks, "rollouts": len(epochs), "objective": args.objective,
@@ -135,7 +133,7 @@ def _run(args) -> int:
             r.pop("_result", None)
     else:
         policy = Policy(args.policy, args.floor, args.tailguard, objective=args.objective,
-                        ownership=_ownership(args))
+                        ownership=BACKEND_OWNERSHIP[args.backend])
         result = simulate_trace(trace, policy, ranks=args.ranks, cost=cost, shape=shape, config=config,
                                 epochs=epochs)
         summary = result.summary()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.planning.layout import natural
-from elastic.planning.plan import Plan, static_plan
+from elastic.planning.plan import BACKEND_OWNERSHIP, Plan, static_plan
 from elastic.planning.shape import ModelShape
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
@@ -68,7 +68,7 @@ def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan
 
 def ownership_of(backend: str) -> str:
     """The planner's expert ownership a backend can carry out (`elastic.planning.plan.OWNERSHIPS`)."""
-    return "blocks" if backend == "megatron" else "balanced"
+    return BACKEND_OWNERSHIP[backend]
 
 
 def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,

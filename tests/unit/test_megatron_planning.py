@@ -139,6 +139,17 @@ def test_simulate_cli_backend_megatron(tmp_path, trace):
         "(megatron-core owns experts in equal contiguous blocks)"]
 
 
+def test_plan_cli_backend_megatron(tmp_path, trace):
+    path = tmp_path / "dsr.jsonl"
+    write_trace(trace, path)
+    res = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", "--trace", str(path), "--floor", "3",
+                          "--layout", "planned", "--backend", "megatron", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr
+    plan = Plan.from_dict(json.loads(res.stdout))
+    _assert_blocks(plan)
+
+
 def test_runtime_refuses_plans_megatron_cannot_hold(trace):
     from megatron_rl.models import MoEModelConfig
     from megatron_rl.rollout.megatron_elastic_engine import check_plan
