@@ -140,25 +140,34 @@ def goals_table(figures: dict, nosignal) -> list[str]:
 BLOCKS_POLICIES = (Policy("natural", 2, True), Policy("planned", 4, True), LATENCY)
 
 
-def blocks_rows(trace, base: dict, *, cost: CostModel, shape: ModelShape, config: SimConfig) -> list[str]:
-    """Table rows for one trace: each policy under both ownerships, against vanilla's `base` summary."""
-    rows = []
+def blocks_runs(trace, base: dict, *, cost: CostModel, shape: ModelShape, config: SimConfig) -> list[dict]:
+    """Each policy of BLOCKS_POLICIES under both ownerships on one trace, against vanilla's `base`."""
+    out = []
     for policy in BLOCKS_POLICIES:
         for ownership in ("balanced", "blocks"):
             res = simulate_trace(trace, dataclasses.replace(policy, ownership=ownership), ranks=RANKS, cost=cost,
                                  shape=shape, config=config)
             s = res.summary()
             shrinks = [(p, t) for p, r in zip(res.plans, res.rollouts) for t in r.transitions if t[2] != 0]
-            moved = sum(len(p.transfers(t[1], t[2])) for p, t in shrinks)
-            sizes = sorted({len(st.members) for p in res.plans for st in p.stages[1:]}, reverse=True)
-            rows.append(
-                f"| {policy.label} | {ownership} | {s['rollout_time_s']:.1f} "
-                f"| {_pct(1 - s['rollout_time_s'] / base['rollout_time_s'])} "
-                f"| {_pct(1 - s['rank_seconds']['dummy'] / base['rank_seconds']['dummy'])} "
-                f"| {s['tokens_per_occupied_rank_s'] / base['tokens_per_occupied_rank_s']:.3f}x "
-                f"| {s['rank_seconds']['transition']:.1f} | {s['shrinks']} "
-                f"| {moved / len(shrinks) if shrinks else 0:.0f} | {', '.join(map(str, sizes)) or '—'} |")
-    return rows
+            out.append({
+                "label": policy.label, "ownership": ownership, "rollout_s": s["rollout_time_s"],
+                "time_cut": 1 - s["rollout_time_s"] / base["rollout_time_s"],
+                "dummy_cut": 1 - s["rank_seconds"]["dummy"] / base["rank_seconds"]["dummy"],
+                "tok_gain": s["tokens_per_occupied_rank_s"] / base["tokens_per_occupied_rank_s"],
+                "transition_rank_s": s["rank_seconds"]["transition"], "shrinks": s["shrinks"],
+                "moved": sum(len(p.transfers(t[1], t[2])) for p, t in shrinks) / len(shrinks) if shrinks else 0,
+                "sizes": sorted({len(st.members) for p in res.plans for st in p.stages[1:]}, reverse=True)})
+    return out
+
+
+def blocks_summary(runs: list[dict]) -> str:
+    """One sentence per policy: what `blocks` changes against `balanced`."""
+    parts = []
+    for bal, blk in zip(runs[::2], runs[1::2]):
+        parts.append(f"{bal['label']}: dummy cut {_pct(bal['dummy_cut'])} → {_pct(blk['dummy_cut'])}, "
+                     f"rollout-time cut {_pct(bal['time_cut'])} → {_pct(blk['time_cut'])}, tokens per "
+                     f"occupied rank-s {bal['tok_gain']:.3f}x → {blk['tok_gain']:.3f}x")
+    return "Balanced → blocks: " + "; ".join(parts) + "."
 
 
 def blocks_section(traces: dict, results: dict, **kw) -> list[str]:
@@ -175,14 +184,18 @@ def blocks_section(traces: dict, results: dict, **kw) -> list[str]:
         "",
     ]
     for name, trace in traces.items():
-        base = _row(results[name], "vanilla")
+        runs = blocks_runs(trace, _row(results[name], "vanilla"), **kw)
         lines += [
             f"*{TRACES[name]} trace*",
             "",
             ("| policy | ownership | rollout s | rollout cut vs vanilla | dummy cut | tok/occupied rank-s vs "
              "vanilla | transition rank-s | shrinks | experts moved per shrink | stage sizes used |"),
             "|---|---|---|---|---|---|---|---|---|---|",
-            *blocks_rows(trace, base, **kw),
+            *[f"| {r['label']} | {r['ownership']} | {r['rollout_s']:.1f} | {_pct(r['time_cut'])} "
+              f"| {_pct(r['dummy_cut'])} | {r['tok_gain']:.3f}x | {r['transition_rank_s']:.1f} | {r['shrinks']} "
+              f"| {r['moved']:.0f} | {', '.join(map(str, r['sizes'])) or '—'} |" for r in runs],
+            "",
+            blocks_summary(runs),
             "",
         ]
     return lines
