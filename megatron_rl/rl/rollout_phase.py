@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import block_owners
+from elastic.planning.plan import BACKEND_OWNERSHIP, block_owners
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.runner import ownership_of, plan_rollout
+from megatron_rl.rollout.runner import plan_rollout
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -96,7 +96,7 @@ class RolloutPhase:
                             floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
                             dtype_bytes=self.model.embedding.word_embeddings.weight.element_size(),
                             max_response_len=cfg.generation.max_response_len,
-                            shrink_cost_s=cfg.elastic.shrink_cost_s, ownership=ownership_of(cfg.backend))
+                            shrink_cost_s=cfg.elastic.shrink_cost_s, ownership=BACKEND_OWNERSHIP[cfg.backend])
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
         assert dict(plan.stages[0].owners) == block_owners(cfg.model.num_moe_experts, range(self.world))
         return plan
@@ -165,7 +165,6 @@ class RolloutPhase:
                         for p_old, p_new in zip(module.parameters(), now.parameters()):
                             p_old.copy_(p_new)
                     moe.experts.local_experts[str(e)] = module
-
 
     def _reinstall_megatron(self, originals: list) -> None:
         """Put the pre-rollout MegatronMoE blocks back, holding the restored weights (the runtime

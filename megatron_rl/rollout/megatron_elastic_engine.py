@@ -33,7 +33,7 @@ def check_plan(plan: Plan) -> None:
     if plan.ownership != "blocks":
         raise FlexFloorError(
             f"backend 'megatron': the plan owns experts {plan.ownership!r}, not in megatron-core's contiguous "
-            "blocks; plan it with ownership 'blocks' (runner.ownership_of('megatron')) or use `backend: torch`")
+            "blocks; plan it with ownership 'blocks' (BACKEND_OWNERSHIP['megatron']) or use `backend: torch`")
     try:
         plan.check()
     except ValueError as e:

@@ -63,12 +63,7 @@ def tiny_shape(mcfg: MoEModelConfig, dtype_bytes: int) -> ModelShape:
 def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
     return plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
                         tailguard=cfg.tailguard, mcfg=mcfg,
-                        dtype_bytes=8 if cfg.dtype == "float64" else 4, ownership=ownership_of(cfg.backend))
-
-
-def ownership_of(backend: str) -> str:
-    """The planner's expert ownership a backend can carry out (`elastic.planning.plan.OWNERSHIPS`)."""
-    return BACKEND_OWNERSHIP[backend]
+                        dtype_bytes=8 if cfg.dtype == "float64" else 4, ownership=BACKEND_OWNERSHIP[cfg.backend])
 
 
 def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
@@ -76,7 +71,7 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
                  shrink_cost_s: float | None = None, ownership: str = "balanced") -> Plan:
     """The plan of one rollout under `policy`; `max_response_len` bounds KV when history is empty;
     `shrink_cost_s` replaces the cost model's fixed cost of a shrink (its default is an H100's);
-    `ownership` is `ownership_of(backend)`."""
+    `ownership` is the backend's (`elastic.planning.plan.BACKEND_OWNERSHIP`)."""
     W, E = ranks, mcfg.num_moe_experts
     if E % W or W > E:
         raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.planning.plan import Plan, PlanError, block_owners
+from elastic.planning.plan import BACKEND_OWNERSHIP, Plan, PlanError, block_owners
 from elastic.planning.planner import make_plan
 from elastic.planning.schedule import build_stages, candidate_sizes, chains
 from elastic.planning.shape import ModelShape
@@ -153,16 +153,16 @@ def test_plan_cli_backend_megatron(tmp_path, trace):
 def test_runtime_refuses_plans_megatron_cannot_hold(trace):
     from megatron_rl.models import MoEModelConfig
     from megatron_rl.rollout.megatron_elastic_engine import check_plan
-    from megatron_rl.rollout.runner import ownership_of, plan_rollout
+    from megatron_rl.rollout.runner import plan_rollout
 
     ep = trace.epochs[-1]
     mcfg = MoEModelConfig(num_moe_experts=12)
     kw = dict(policy="planned", ranks=6, floor=1, tailguard=False, mcfg=mcfg, dtype_bytes=4,
               max_response_len=4096)
-    plan = plan_rollout(trace.epoch(ep), trace.before(ep), ownership=ownership_of("megatron"), **kw)
+    plan = plan_rollout(trace.epoch(ep), trace.before(ep), ownership=BACKEND_OWNERSHIP["megatron"], **kw)
     check_plan(plan)
     _assert_blocks(plan)
-    balanced = plan_rollout(trace.epoch(ep), trace.before(ep), ownership=ownership_of("torch"), **kw)
+    balanced = plan_rollout(trace.epoch(ep), trace.before(ep), ownership=BACKEND_OWNERSHIP["torch"], **kw)
     with pytest.raises(FlexFloorError, match="the plan owns experts 'balanced', not in megatron-core's"):
         check_plan(balanced)
     balanced.ownership = "blocks"
