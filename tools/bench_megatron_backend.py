@@ -112,7 +112,8 @@ def main() -> None:
     stages = [Stage(tuple(range(world)), (), block_owners(E, range(world))),
               Stage(tuple(members), tuple(range(len(members), world)), block_owners(E, members))]
     plan = Plan(ranks=world, floor=len(members), num_experts=E, layout="natural", tailguard=False,
-                assignments=[], stages=stages)
+                assignments=[], stages=stages, ownership="blocks")
+    plan.check()
     # Every group before any timing, as the elastic runtime pre-creates them.
     selves = [dist.new_group([r]) for r in range(world)]
     groups = [dist.new_group(list(range(world))), dist.new_group(members)]

@@ -134,6 +134,73 @@ def goals_table(figures: dict, nosignal) -> list[str]:
     ]
 
 
+# The megatron backend's restriction (issue 12): the same policies with every stage in megatron-core's
+# contiguous expert blocks (ownership `blocks`: group sizes that divide the 128 experts) beside
+# arbitrary ownership (`balanced`: any size, fewest expert moves).
+BLOCKS_POLICIES = (Policy("natural", 2, True), Policy("planned", 4, True), LATENCY)
+
+
+def blocks_runs(trace, base: dict, *, cost: CostModel, shape: ModelShape, config: SimConfig) -> list[dict]:
+    """Each policy of BLOCKS_POLICIES under both ownerships on one trace, against vanilla's `base`."""
+    out = []
+    for policy in BLOCKS_POLICIES:
+        for ownership in ("balanced", "blocks"):
+            res = simulate_trace(trace, dataclasses.replace(policy, ownership=ownership), ranks=RANKS, cost=cost,
+                                 shape=shape, config=config)
+            s = res.summary()
+            shrinks = [(p, t) for p, r in zip(res.plans, res.rollouts) for t in r.transitions if t[2] != 0]
+            out.append({
+                "label": policy.label, "ownership": ownership, "rollout_s": s["rollout_time_s"],
+                "time_cut": 1 - s["rollout_time_s"] / base["rollout_time_s"],
+                "dummy_cut": 1 - s["rank_seconds"]["dummy"] / base["rank_seconds"]["dummy"],
+                "tok_gain": s["tokens_per_occupied_rank_s"] / base["tokens_per_occupied_rank_s"],
+                "transition_rank_s": s["rank_seconds"]["transition"], "shrinks": s["shrinks"],
+                "moved": sum(len(p.transfers(t[1], t[2])) for p, t in shrinks) / len(shrinks) if shrinks else 0,
+                "sizes": sorted({len(st.members) for p in res.plans for st in p.stages[1:]}, reverse=True)})
+    return out
+
+
+def blocks_summary(runs: list[dict]) -> str:
+    """One sentence per policy: what `blocks` changes against `balanced`."""
+    parts = []
+    for bal, blk in zip(runs[::2], runs[1::2]):
+        parts.append(f"{bal['label']}: dummy cut {_pct(bal['dummy_cut'])} → {_pct(blk['dummy_cut'])}, "
+                     f"rollout-time cut {_pct(bal['time_cut'])} → {_pct(blk['time_cut'])}, tokens per "
+                     f"occupied rank-s {bal['tok_gain']:.3f}x → {blk['tok_gain']:.3f}x")
+    return "Balanced → blocks: " + "; ".join(parts) + "."
+
+
+def blocks_section(traces: dict, results: dict, **kw) -> list[str]:
+    lines = [
+        "## The megatron backend's restriction: megatron-core's expert blocks",
+        "",
+        ("megatron-core's MoELayer fixes an EP rank's experts at construction as one contiguous block "
+         "(EP rank i of n holds experts [i·E/n, (i+1)·E/n)), so with `backend: megatron` the planner "
+         "plans only stages whose experts are those blocks (`make_plan(ownership=\"blocks\")`, "
+         "`flexfloor simulate --backend megatron`): group sizes that divide the 128 experts (8, 4, 2 "
+         "below 16), and a shrink moves every expert whose block changes hands (16 → 8 ranks moves 120 "
+         "experts, where the fewest-moves shrink of `balanced` moves the leaving ranks' 64). The same "
+         "policies under both ownerships, against vanilla (which both backends run alike):"),
+        "",
+    ]
+    for name, trace in traces.items():
+        runs = blocks_runs(trace, _row(results[name], "vanilla"), **kw)
+        lines += [
+            f"*{TRACES[name]} trace*",
+            "",
+            ("| policy | ownership | rollout s | rollout cut vs vanilla | dummy cut | tok/occupied rank-s vs "
+             "vanilla | transition rank-s | shrinks | experts moved per shrink | stage sizes used |"),
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *[f"| {r['label']} | {r['ownership']} | {r['rollout_s']:.1f} | {_pct(r['time_cut'])} "
+              f"| {_pct(r['dummy_cut'])} | {r['tok_gain']:.3f}x | {r['transition_rank_s']:.1f} | {r['shrinks']} "
+              f"| {r['moved']:.0f} | {', '.join(map(str, r['sizes'])) or '—'} |" for r in runs],
+            "",
+            blocks_summary(runs),
+            "",
+        ]
+    return lines
+
+
 def params_table(names) -> list[str]:
     fields = [f.name for f in dataclasses.fields(preset("deepscaler")) if f.name != "prefix"]
     lines = ["| parameter | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -157,9 +224,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cost, shape, config = CostModel(), ModelShape(), SimConfig(check_every=args.check_every)
     started = time.time()
-    results = {}
+    results, traces = {}, {}
     for name, title in TRACES.items():
-        trace = generate(preset(name), seed=args.seed)
+        trace = traces[name] = generate(preset(name), seed=args.seed)
         print(f"[{time.time() - started:6.1f} s] {title}: {len(trace)} responses, epochs {trace.epochs}", flush=True)
         rows = run_compare(trace, ranks=RANKS, cost=cost, shape=shape, config=config,
                            policies=[*compare_policies(), LATENCY],
@@ -221,6 +288,8 @@ def main(argv=None) -> int:
         *goals_table(figures, results["nosignal"]),
         "",
     ]
+    doc += blocks_section({k: traces[k] for k in ("deepscaler", "eurus")}, results, cost=cost, shape=shape,
+                          config=config)
     for name, title in TRACES.items():
         doc += [f"## {title} trace: every policy", "", compare_table(results[name]), ""]
     doc += [

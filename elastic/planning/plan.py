@@ -12,6 +12,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+# How a plan's stages own experts: `balanced` (any group size; a shrink moves the fewest experts;
+# the torch backend) or `blocks` (megatron-core's MoELayer: every stage is `block_owners` of its
+# members, so only group sizes that divide the expert count; the megatron backend).
+OWNERSHIPS = ("balanced", "blocks")
+# The ownership each MoE backend can carry out.
+BACKEND_OWNERSHIP = {"torch": "balanced", "megatron": "blocks"}
+
 
 @dataclass(frozen=True)
 class Assignment:
@@ -57,6 +64,7 @@ class Plan:
     stages: list[Stage]
     predicted_release_rank_s: float = 0.0
     meta: dict = field(default_factory=dict)
+    ownership: str = "balanced"
 
     # ---- queries the runtime and simulator share --------------------------------------------
     def rank_of(self) -> dict[tuple[str, int], int]:
@@ -94,6 +102,8 @@ class Plan:
         """Raise ValueError if the plan breaks an invariant of DESIGN.md."""
         if not self.stages:
             raise ValueError("plan has no stages")
+        if self.ownership not in OWNERSHIPS:
+            raise ValueError(f"ownership must be one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
         if tuple(self.stages[0].members) != tuple(range(self.ranks)):
             raise ValueError(f"stage 0 must hold all {self.ranks} ranks, has {self.stages[0].members}")
         prev: set[int] | None = None
@@ -113,6 +123,10 @@ class Plan:
             for e, rs in st.owners.items():
                 if not rs or not set(rs) <= members:
                     raise ValueError(f"stage {i}: expert {e} owned by {rs}, not within members")
+            if self.ownership == "blocks" and (self.num_experts % len(members)
+                                               or st.owners != block_owners(self.num_experts, st.members)):
+                raise ValueError(f"stage {i}: experts are not megatron-core's contiguous blocks over "
+                                 f"{len(members)} members (ownership 'blocks')")
             prev = members
         seen: set[tuple[str, int]] = set()
         for a in self.assignments:
@@ -138,6 +152,7 @@ class Plan:
             "stages": [s.to_dict() for s in self.stages],
             "predicted_release_rank_s": self.predicted_release_rank_s,
             "meta": self.meta,
+            "ownership": self.ownership,
         }
 
     def to_json(self) -> str:
@@ -155,6 +170,7 @@ class Plan:
             stages=[Stage.from_dict(s) for s in d["stages"]],
             predicted_release_rank_s=d.get("predicted_release_rank_s", 0.0),
             meta=d.get("meta", {}),
+            ownership=d.get("ownership", "balanced"),
         )
 
 
@@ -162,16 +178,18 @@ def block_owners(num_experts: int, members: Iterable[int]) -> dict[int, tuple[in
     """Megatron's default EP ownership: contiguous blocks of E/|members| experts per member."""
     members = sorted(members)
     if num_experts % len(members):
-        raise ValueError(f"{num_experts} experts do not divide over {len(members)} ranks")
+        raise ValueError(f"{num_experts} experts do not divide over {len(members)} ranks "
+                         "(megatron-core owns experts in equal contiguous blocks)")
     per = num_experts // len(members)
     return {e: (members[e // per],) for e in range(num_experts)}
 
 
 def static_plan(layout: str, assignments: list[Assignment], ranks: int, num_experts: int) -> Plan:
-    """A plan with a single stage: nobody leaves (the `vanilla` and `lengthsort` policies)."""
+    """A plan with a single stage: nobody leaves (the `vanilla` and `lengthsort` policies), in
+    megatron-core's blocks, so either backend runs it."""
     stage = Stage(members=tuple(range(ranks)), drained=(), owners=block_owners(num_experts, range(ranks)))
     return Plan(ranks=ranks, floor=ranks, num_experts=num_experts, layout=layout, tailguard=False,
-                assignments=assignments, stages=[stage])
+                assignments=assignments, stages=[stage], ownership="blocks")
 
 
 class PlanError(ValueError):

@@ -15,7 +15,9 @@ Order of decisions (each step documented in its own module):
    fit; price the rest over samples of the predictive distribution (`release.Timeline`) and keep
    the one with the fewest occupied rank-seconds (the largest release area net of lengthening;
    `objective="rollout"` keeps the shortest predicted rollout instead);
-5. with a weak predictor (the prompt explains under `WEAK_ICC` of the length variance), `planned`
+5. with `ownership="blocks"` (the megatron backend) every stage is megatron-core's contiguous
+   blocks, so only group sizes that divide the expert count are candidates (`schedule` module doc);
+6. with a weak predictor (the prompt explains under `WEAK_ICC` of the length variance), `planned`
    places like `lengthsort`: residency built on noise would only concentrate random long responses.
 
 `floor == ranks` gives the single-stage plan (nobody leaves): `vanilla` is `natural` with it,
@@ -32,7 +34,7 @@ import numpy as np
 from elastic.planning import layout as layouts
 from elastic.planning.guard import TailGuard
 from elastic.planning.kv import Demand, RankKV
-from elastic.planning.plan import Assignment, Plan, PlanError
+from elastic.planning.plan import OWNERSHIPS, Assignment, Plan, PlanError
 from elastic.planning.predict import LengthDist, Predictor
 from elastic.planning.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
 from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
@@ -59,7 +61,8 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
               cost: StepCost | None = None,
               true_lengths: dict[tuple[str, int], int] | None = None,
               max_response_len: int | None = None, seed: int = 0,
-              objective: str = "occupied", budget: MemoryBudget | None = None) -> Plan:
+              objective: str = "occupied", budget: MemoryBudget | None = None,
+              ownership: str = "balanced") -> Plan:
     """Plan one rollout of `batch` (data order) on `ranks` ranks; see the module docstring.
 
     Only `prompt_id`, `sample` and `prompt_len` of the batch are read. `max_response_len` is the
@@ -67,7 +70,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
     when the history is empty (nothing else bounds a response's KV then). `budget`: the device
     memory every check prices weights, experts and KV against (default: `shape.budget`).
     """
-    _validate(batch, ranks, floor, shape, layout, alpha, objective)
+    _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership)
     cost = cost or ShapeCost(shape)
     budget = budget or shape.budget
     keys = [(b.prompt_id, b.sample) for b in batch]
@@ -118,7 +121,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
     search = _ChainSearch(keys, work, reserve, demand,
                           _samples(dists, true_lengths is not None, seed), float(prompt_len.mean()),
-                          ranks, floor, shape, budget, effective, cost, objective)
+                          ranks, floor, shape, budget, effective, cost, objective, ownership)
     est, sizes, stages, rank_of = search.best()
     meta.update({
         "chain": sizes, "chains_feasible": search.feasible, "chains_priced": len(search.cache),
@@ -128,7 +131,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
     })
     plan = Plan(ranks=ranks, floor=floor, num_experts=E, layout=layout, tailguard=tailguard,
                 assignments=[Assignment(pid, s, r) for (pid, s), r in zip(keys, rank_of)],
-                stages=stages, predicted_release_rank_s=est.detached_rank_s, meta=meta)
+                stages=stages, predicted_release_rank_s=est.detached_rank_s, meta=meta, ownership=ownership)
     plan.check(keys)
     return plan
 
@@ -171,7 +174,7 @@ class _ChainSearch:
     EXHAUSTIVE = 16
 
     def __init__(self, keys, work, reserve, demand, samples, prompt_mean, ranks, floor, shape,
-                 budget, layout, cost, objective):
+                 budget, layout, cost, objective, ownership):
         self.keys, self.work, self.demand, self.samples = keys, work, demand, samples
         self.prompt_mean, self.ranks, self.floor, self.shape, self.cost = (
             prompt_mean, ranks, floor, shape, cost)
@@ -179,7 +182,8 @@ class _ChainSearch:
         self.E = shape.num_experts
         self.key = OBJECTIVES[objective]
         self.order = layouts.placement_order(reserve, work)
-        self.cands = candidate_sizes(ranks, floor, self.E) if floor < ranks else []
+        self.ownership = ownership
+        self.cands = candidate_sizes(ranks, floor, self.E, ownership) if floor < ranks else []
         self.cache: dict[tuple[int, ...], tuple | None] = {}
         self.stage_memo: dict = {}
         self.move_memo: dict[tuple[int, ...], int] = {}
@@ -229,7 +233,7 @@ class _ChainSearch:
         """(estimate, sizes, stages, rank_of) of a chain, or None if its layout cannot fit."""
         if sizes in self.cache:
             return self.cache[sizes]
-        stages = build_stages(list(sizes), self.E, self.leave_order, self.stage_memo)
+        stages = build_stages(list(sizes), self.E, self.leave_order, self.stage_memo, self.ownership)
         result = None
         try:
             kv = RankKV(self.demand, self._budgets(stages))
@@ -256,7 +260,7 @@ class _ChainSearch:
 
     def best(self):
         if 2 ** len(self.cands) <= self.EXHAUSTIVE:
-            found = [self.price(tuple(c)) for c in chains(self.ranks, self.floor, self.E)]
+            found = [self.price(tuple(c)) for c in chains(self.ranks, self.floor, self.E, self.ownership)]
         else:
             found = [self._score(frozenset()), self._climb(frozenset(self.cands))]
         found = [f for f in found if f is not None]
@@ -297,7 +301,7 @@ def plan_epoch(trace: Trace, epoch: int, **kw) -> Plan:
     return make_plan(batch, trace.before(epoch), **kw)
 
 
-def _validate(batch, ranks, floor, shape, layout, alpha, objective):
+def _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership):
     if not 1 <= ranks:
         raise PlanError(f"ranks must be >= 1, got {ranks}")
     if not 1 <= floor <= ranks:
@@ -308,6 +312,11 @@ def _validate(batch, ranks, floor, shape, layout, alpha, objective):
         raise PlanError(f"alpha must be in (0, 1), got {alpha}")
     if objective not in OBJECTIVES:
         raise PlanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if ownership not in OWNERSHIPS:
+        raise PlanError(f"ownership must be one of {', '.join(OWNERSHIPS)}, got {ownership!r}")
+    if ownership == "blocks" and shape.num_experts % ranks:
+        raise PlanError(f"{shape.num_experts} experts do not divide over {ranks} ranks, as megatron-core's "
+                        "expert blocks need (ownership 'blocks', the megatron backend)")
     if not batch:
         raise PlanError("the batch is empty")
     keys = [(b.prompt_id, b.sample) for b in batch]

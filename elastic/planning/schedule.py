@@ -17,6 +17,11 @@ of them (ranks may leave one by one; sizes that do not divide the expert count g
 differ by one expert); beyond that, the sizes that divide the expert count, or that the expert
 count divides and that divide W (even replicas), plus the floor, thinned to a halving ladder from W
 when there are more than `MAX_CANDIDATES`, so the search stays small at 256 ranks.
+
+Ownership `blocks` (the megatron backend: megatron-core's MoELayer fixes each EP rank's experts at
+construction as one contiguous block, `block_owners`) admits only group sizes that divide the expert
+count, and every stage is `block_owners` of its members, so a shrink moves every expert whose
+block changes hands, not only the leaving ranks' ones.
 """
 from __future__ import annotations
 
@@ -82,38 +87,43 @@ def shrink_owners(owners: dict[int, tuple[int, ...]], survivors) -> dict[int, tu
     return {e: tuple(rs) for e, rs in keep.items()}
 
 
-def candidate_sizes(ranks: int, floor: int, num_experts: int) -> list[int]:
-    """Group sizes a chain may pass through below W, largest first (always includes the floor)."""
-    if ranks - floor <= FINE_SPAN:
+def candidate_sizes(ranks: int, floor: int, num_experts: int, ownership: str = "balanced") -> list[int]:
+    """Group sizes a chain may pass through below W, largest first (with `balanced` ownership
+    always including the floor; with `blocks` only the sizes that divide the expert count)."""
+    if ownership == "blocks":
+        sizes = {g for g in range(floor, ranks) if num_experts % g == 0}
+    elif ranks - floor <= FINE_SPAN:
         return list(range(ranks - 1, floor - 1, -1))
-    sizes = {g for g in range(floor, ranks)
-             if num_experts % g == 0 or (g % num_experts == 0 and ranks % g == 0)}
-    if floor < ranks:
-        sizes.add(floor)
+    else:
+        sizes = {g for g in range(floor, ranks)
+                 if num_experts % g == 0 or (g % num_experts == 0 and ranks % g == 0)}
+        if floor < ranks:
+            sizes.add(floor)
     out = sorted(sizes, reverse=True)
     if len(out) > MAX_CANDIDATES:
-        ladder, g = {floor}, ranks // 2
-        while g > floor and len(ladder) < MAX_CANDIDATES:
+        ladder, g = {out[-1]}, ranks // 2
+        while g > out[-1] and len(ladder) < MAX_CANDIDATES:
             ladder.add(max(s for s in out if s <= g))
             g //= 2
         out = sorted(ladder, reverse=True)
     return out
 
 
-def chains(ranks: int, floor: int, num_experts: int) -> Iterator[list[int]]:
+def chains(ranks: int, floor: int, num_experts: int, ownership: str = "balanced") -> Iterator[list[int]]:
     """Every chain of group sizes [W, g_1, ..., g_k] with W > g_1 > ... > g_k >= floor; the
     one-stage chain [W] (nobody leaves) comes first."""
-    cands = candidate_sizes(ranks, floor, num_experts)
+    cands = candidate_sizes(ranks, floor, num_experts, ownership)
     for k in range(len(cands) + 1):
         for combo in combinations(cands, k):
             yield [ranks, *combo]
 
 
 def build_stages(sizes: list[int], num_experts: int, order: list[int] | None = None,
-                 memo: dict | None = None) -> list[Stage]:
+                 memo: dict | None = None, ownership: str = "balanced") -> list[Stage]:
     """Stages of the chain `sizes`; stage i holds order[:sizes[i]] (default: ranks 0..g-1).
 
-    `memo` (one per `order`) shares the stages of common chain prefixes between calls."""
+    `memo` (one per `order` and `ownership`) shares the stages of common chain prefixes between
+    calls."""
     order = list(range(sizes[0])) if order is None else list(order)
     memo = {} if memo is None else memo
     key = (sizes[0],)
@@ -126,6 +136,8 @@ def build_stages(sizes: list[int], num_experts: int, order: list[int] | None = N
         if key not in memo:
             members = tuple(sorted(order[:g]))
             leaving = tuple(sorted(set(prev.members) - set(members)))
-            memo[key] = Stage(members, leaving, shrink_owners(prev.owners, members))
+            owners = (block_owners(num_experts, members) if ownership == "blocks"
+                      else shrink_owners(prev.owners, members))
+            memo[key] = Stage(members, leaving, owners)
         stages.append(memo[key])
     return stages

@@ -8,6 +8,8 @@ the planned layout given the true lengths (the bound a predictor could reach). A
 `objective` is the planner's chain criterion (`elastic.planning.planner.OBJECTIVES`): `occupied`, the
 capacity-oriented default (fewest occupied rank-seconds), or `rollout`, the latency-oriented one
 (shortest predicted rollout). It only matters where the group may shrink (natural, planned, oracle).
+A policy's `ownership` is the planner's (`elastic.planning.plan.OWNERSHIPS`): `blocks` simulates
+the megatron backend, whose stages can only be megatron-core's contiguous expert blocks.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 from elastic.ledger import STATES, Ledger, RankLedger
 from elastic.planning.layout import natural
-from elastic.planning.plan import Plan
+from elastic.planning.plan import OWNERSHIPS, Plan
 from elastic.planning.planner import OBJECTIVES, make_plan
 from elastic.planning.schedule import build_stages
 from elastic.planning.shape import ModelShape
@@ -36,12 +38,15 @@ class Policy:
     # The same planner given the true lengths (what `--compare` puts beside every policy).
     oracle: bool = False
     objective: str = "occupied"
+    ownership: str = "balanced"
 
     def __post_init__(self):
         if self.name not in POLICIES:
             raise ValueError(f"unknown policy {self.name!r}; policies are {', '.join(POLICIES)}")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; objectives are {', '.join(OBJECTIVES)}")
+        if self.ownership not in OWNERSHIPS:
+            raise ValueError(f"unknown ownership {self.ownership!r}; ownerships are {', '.join(OWNERSHIPS)}")
 
     @property
     def shrinks(self) -> bool:
@@ -58,6 +63,7 @@ class Policy:
             base = f"{self.name} floor{self.floor}"
         # The default objective stays implicit, so the labels of the capacity rows do not change.
         suffix = f" [{self.objective}]" if self.shrinks and self.objective != "occupied" else ""
+        suffix += " [blocks]" if self.shrinks and self.ownership == "blocks" else ""
         return base + (" +TailGuard" if self.tailguard else "") + suffix
 
 
@@ -83,6 +89,7 @@ def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *
     floor = ranks if policy.name == "lengthsort" else policy.floor
     return make_plan(batch, history, ranks=ranks, floor=floor, shape=shape, layout=_LAYOUT[policy.name],
                      tailguard=policy.tailguard, cost=cost, objective=policy.objective,
+                     ownership=policy.ownership,
                      true_lengths={r.key: r.response_len for r in batch} if oracle else None)
 
 
@@ -110,7 +117,7 @@ class TraceResult:
         floor = self.plans[0].floor if self.plans else self.policy.floor
         out = {"policy": self.policy.name, "label": self.policy.label, "floor": floor,
                "tailguard": self.policy.tailguard, "objective": self.policy.objective,
-               "rollouts": len(self.rollouts)}
+               "ownership": self.policy.ownership, "rollouts": len(self.rollouts)}
         out.update(ledger.summary(sum(r.response_tokens for r in self.rollouts)))
         out["lower_bound_s"] = sum(r.lower_bound_s for r in self.rollouts)
         out["shrinks"] = sum(1 for r in self.rollouts for t in r.transitions if t[2] != 0)
@@ -140,16 +147,17 @@ def simulate_trace(trace: Trace, policy: Policy, *, ranks: int, cost: CostModel,
     return result
 
 
-def compare_policies(floors: tuple[int, ...] = (2, 4, 8), objective: str = "occupied") -> list[Policy]:
+def compare_policies(floors: tuple[int, ...] = (2, 4, 8), objective: str = "occupied",
+                     ownership: str = "balanced") -> list[Policy]:
     """The side-by-side set of `--compare`: vanilla, lengthsort, natural and planned at every floor,
-    each with and without TailGuard, natural and planned under `objective`."""
+    each with and without TailGuard, natural and planned under `objective` and `ownership`."""
     out = [Policy("vanilla", 0)]
     for tg in (False, True):
         out.append(Policy("lengthsort", 0, tg))
     for name in ("natural", "planned"):
         for f in floors:
             for tg in (False, True):
-                out.append(Policy(name, f, tg, objective=objective))
+                out.append(Policy(name, f, tg, objective=objective, ownership=ownership))
     return out
 
 

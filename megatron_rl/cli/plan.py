@@ -34,6 +34,9 @@ def register(subparsers) -> None:
     p.add_argument("--objective", choices=("occupied", "rollout"), default="occupied",
                    help="pick the chain with the fewest occupied rank-seconds (default) or the "
                         "shortest predicted rollout")
+    p.add_argument("--backend", choices=("torch", "megatron"), default="torch",
+                   help="MoE backend the plan must suit: megatron (megatron-core's contiguous expert "
+                        "blocks) allows only group sizes that divide the expert count (default: torch)")
     p.add_argument("--model", choices=sorted(SHAPES), default=QWEN3_30B_A3B_H100.name,
                    help="model and hardware shape (default: %(default)s)")
     p.add_argument("--max-response-len", type=int, default=None,
@@ -44,7 +47,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from elastic.planning.plan import PlanError
+    from elastic.planning.plan import BACKEND_OWNERSHIP, PlanError
     from elastic.planning.planner import plan_epoch
     from elastic.planning.shape import SHAPES
     from elastic.trace import TraceError, read_trace
@@ -57,7 +60,7 @@ def run(args) -> int:
                           shape=SHAPES[args.model], layout=args.layout, tailguard=args.tailguard,
                           alpha=args.alpha, oracle=args.oracle,
                           max_response_len=args.max_response_len, seed=args.seed,
-                          objective=args.objective)
+                          objective=args.objective, ownership=BACKEND_OWNERSHIP[args.backend])
     except (TraceError, PlanError) as e:
         raise FlexFloorError(str(e)) from None
     if args.json:
@@ -67,7 +70,7 @@ def run(args) -> int:
     print(f"plan for epoch {epoch} of {args.trace}: {len(plan.assignments)} responses on "
           f"{plan.ranks} ranks, layout {plan.layout}"
           f"{' (placed as ' + m['effective_layout'] + ')' if m['effective_layout'] != plan.layout else ''}"
-          f", floor {plan.floor}, TailGuard {'on' if plan.tailguard else 'off'}")
+          f", floor {plan.floor}, TailGuard {'on' if plan.tailguard else 'off'}, ownership {plan.ownership}")
     counts = Counter(a.rank for a in plan.assignments)
     for i, st in enumerate(plan.stages):
         trigger = f"after ranks {list(st.drained)} drain" if i else "at start"

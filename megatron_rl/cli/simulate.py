@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", default="occupied", choices=["occupied", "rollout"],
                    help="how the planner picks the chain of stages: fewest occupied rank-seconds "
                         "(capacity, default) or shortest predicted rollout (latency)")
+    p.add_argument("--backend", default="torch", choices=["torch", "megatron"],
+                   help="MoE backend the plans must suit: megatron (megatron-core's contiguous expert "
+                        "blocks) allows only group sizes that divide the expert count (default torch)")
     p.add_argument("--ranks", type=int, default=16, help="ranks (accelerators) W (default 16)")
     p.add_argument("--model", default=None, help="model and hardware shape (elastic.planning.shape.SHAPES)")
     p.add_argument("--cost", default=None, metavar="YAML", help="cost-model fields to override (YAML mapping)")
@@ -63,6 +66,9 @@ def _setup(args):
         shape = SHAPES[args.model]
     else:
         raise FlexFloorError(f"--model {args.model!r} is not known; known: {', '.join(sorted(SHAPES))}")
+    if args.backend == "megatron" and shape.num_experts % args.ranks:
+        raise FlexFloorError(f"--backend megatron: the {shape.num_experts} experts of {shape.name} do not divide "
+                             f"over --ranks {args.ranks} (megatron-core owns experts in equal contiguous blocks)")
     cost = load_dataclass(CostModel, args.cost)
     if cost.num_experts != shape.num_experts:
         raise FlexFloorError(f"{args.cost or 'cost model'}: num_experts {cost.num_experts} differs from "
@@ -111,13 +117,15 @@ def run(args) -> int:
 def _run(args) -> int:
     from dataclasses import replace
 
+    from elastic.planning.plan import BACKEND_OWNERSHIP
     from elastic.sim.replay import Policy, compare_policies, simulate_trace
     from elastic.sim.report import compare_table, run_compare, single_report
 
     trace, epochs, shape, cost, config = _setup(args)
     if args.compare:
         rows = run_compare(trace, ranks=args.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
-                           policies=compare_policies(objective=args.objective),
+                           policies=compare_policies(objective=args.objective,
+                                                     ownership=BACKEND_OWNERSHIP[args.backend]),
                            progress=lambda label: print(f"simulating {label} ...", file=sys.stderr, flush=True))
         if args.json:
             print(json.dumps({"ranks": args.ranks, "rollouts": len(epochs), "objective": args.objective,
@@ -129,7 +137,8 @@ def _run(args) -> int:
             r.pop("_result", None)
         table = rows
     else:
-        policy = Policy(args.policy, args.floor, args.tailguard, objective=args.objective)
+        policy = Policy(args.policy, args.floor, args.tailguard, objective=args.objective,
+                        ownership=BACKEND_OWNERSHIP[args.backend])
         result = simulate_trace(trace, policy, ranks=args.ranks, cost=cost, shape=shape, config=config,
                                 epochs=epochs)
         summary = result.summary()

@@ -219,16 +219,21 @@ def _convert(path: Path, src, cfg: MoEModelConfig, held: Iterable[int], want: di
 
 
 def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtype | None = None) -> None:
-    """Export a model holding every expert as a HuggingFace checkpoint directory."""
+    """Export a model holding every expert as a HuggingFace checkpoint directory (either MoE
+    backend: the megatron one's weights are read under the torch backend's names)."""
     from safetensors.torch import save_file
 
+    from megatron_rl.models.megatron_weights import canonical_state_dict
+
     cfg = model.config
-    missing = set(range(cfg.num_moe_experts)) - set(model.moe_layers[0].experts.held())
+    sd = canonical_state_dict(model)
+    missing = [e for e in range(cfg.num_moe_experts)
+               if f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight" not in sd]
     if missing:
         raise ValueError(f"export needs every expert on this rank; missing {sorted(missing)[:5]}...")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = megatron_to_hf({k: v.detach() for k, v in model.state_dict().items()}, cfg)
+    tensors = megatron_to_hf({k: v.detach() for k, v in sd.items()}, cfg)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

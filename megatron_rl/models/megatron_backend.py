@@ -15,12 +15,15 @@ contiguous blocks: EP rank i of n holds experts [i*E/n, (i+1)*E/n), so a shrink 
 `elastic.planning.plan.block_owners` and E must divide by the group size.
 
 megatron-core 0.16.1's router and alltoall/flex dispatchers call CUDA directly, so the backend runs
-on GPUs only; `require_backend("megatron")` says so on a CPU machine. The layer can still be
+on GPUs only; `require_backend("megatron")` says so on a CPU machine. The experts are TEGroupedMLP
+when TransformerEngine imports and megatron-core's SequentialMLP otherwise (`expert_kernel`); in
+the H100 image (FLEXFLOOR_IMAGE=h100) a TransformerEngine that does not import is an error. The layer can still be
 *built* on CPU with the allgather dispatcher and the SequentialMLP experts (`grouped_gemm=False,
 device="cpu"`), which is how the tests check construction, pg_collection wiring and weight layout.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -38,6 +41,45 @@ DISPATCHERS = ("alltoall", "flex", "allgather")
 ExpertWeights = tuple[torch.Tensor, torch.Tensor]
 
 
+# Set by docker/Dockerfile.h100: in that image TransformerEngine is part of the product, so a
+# missing or broken one is an error, never a silent fallback to megatron-core's own experts.
+IMAGE_ENV = "FLEXFLOOR_IMAGE"
+
+
+def transformer_engine() -> tuple[str | None, str]:
+    """(TransformerEngine's version, or None when it does not import; why it does not)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (a broken build raises OSError/RuntimeError, not only ImportError)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformer_engine"), ""
+    except PackageNotFoundError:
+        return "unknown", ""
+
+
+def expert_kernel() -> str:
+    """The experts megatron-core runs here: `TEGroupedMLP` (TransformerEngine grouped GEMM) when TE
+    imports, else `SequentialMLP` (megatron-core's per-expert loop); in the H100 image a TE that
+    does not import is an error."""
+    te, why = transformer_engine()
+    if te is not None:
+        return "TEGroupedMLP"
+    if os.environ.get(IMAGE_ENV) == "h100":
+        raise FlexFloorError(f"{IMAGE_ENV}=h100 but TransformerEngine does not import ({why}); the H100 image "
+                             "is broken: rebuild it with docker/build.sh h100")
+    return "SequentialMLP"
+
+
+def backend_report(name: str) -> dict:
+    """What hosts the MoE layers, for the rollout report and the training run's W&B config."""
+    if name != "megatron":
+        return {"backend": name}
+    return {"backend": name, "experts": expert_kernel(), "transformer_engine": transformer_engine()[0]}
+
+
 def require_backend(name: str) -> None:
     """Fail with a user-facing message when backend `name` cannot run on this machine."""
     if name == "torch":
@@ -47,17 +89,21 @@ def require_backend(name: str) -> None:
     if not torch.cuda.is_available():
         raise FlexFloorError(
             "backend 'megatron' builds megatron-core's MoELayer, whose router and token dispatchers "
-            "run CUDA kernels (TransformerEngine grouped GEMM, NCCL all-to-all), and this machine has "
-            "no CUDA device; use `backend: torch` (the plain-PyTorch MoE with the same weights) on CPU"
+            "run CUDA kernels (NCCL all-to-all, TransformerEngine grouped GEMM where installed), and this "
+            "machine has no CUDA device; use `backend: torch` (the plain-PyTorch MoE with the same weights) on CPU"
         )
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        raise FlexFloorError(
-            "backend 'megatron' needs TransformerEngine: run in the H100 image (docker/Dockerfile.h100) "
-            "or install it with `pip install --no-build-isolation transformer_engine[pytorch]`; "
-            "or use `backend: torch`"
-        ) from None
+    expert_kernel()
+
+
+def require_cuda_model(model) -> None:
+    """megatron-core's layers are built on the current CUDA device: the model must be there."""
+    if model.embedding.word_embeddings.weight.device.type != "cuda":
+        raise FlexFloorError("backend 'megatron': the model is not on a CUDA device; run with `device: cuda`")
+
+
+def megatron_options(dtype: torch.dtype) -> dict:
+    """MegatronMoE's options on a GPU: alltoall dispatcher, TE grouped GEMM when TE is there."""
+    return dict(dispatcher="alltoall", dtype=dtype, grouped_gemm=expert_kernel() == "TEGroupedMLP", device="cuda")
 
 
 def transformer_config(mcfg: MoEModelConfig, *, ep_size: int, dispatcher: str = "alltoall",
@@ -109,6 +155,20 @@ def moe_pg_collection(ep_group, self_group, dp_group=None):
     )
 
 
+_self_groups: list = [None, []]  # (the world they belong to, its self groups)
+
+
+def self_group(rank: int, world: int):
+    """The process group of `rank` alone (megatron-core's size-1 tensor, context and expert-data
+    groups). Every rank creates all `world` of them once per world, in the same order, as
+    torch.distributed requires of every new group."""
+    import torch.distributed as dist
+
+    if _self_groups[0] is not dist.group.WORLD:  # the object, not its id: a new world may reuse an id
+        _self_groups[:] = [dist.group.WORLD, [dist.new_group([r]) for r in range(world)]]
+    return _self_groups[1][rank]
+
+
 def block_experts(num_experts: int, ep_size: int, ep_rank: int) -> list[int]:
     per = num_experts // ep_size
     return list(range(ep_rank * per, (ep_rank + 1) * per))
@@ -142,11 +202,11 @@ class MegatronMoE(nn.Module):
         with torch.no_grad():
             self.layer.router.weight.copy_(router_weight)
             for i, e in enumerate(owned):
-                fc1, fc2 = self._expert_params(i)
+                fc1, fc2 = self.expert_params(i)
                 fc1.copy_(experts[e][0])
                 fc2.copy_(experts[e][1])
 
-    def _expert_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
+    def expert_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
         experts = self.layer.experts
         if hasattr(experts, "local_experts"):  # SequentialMLP
             ex = experts.local_experts[i]
@@ -165,7 +225,7 @@ class MegatronMoE(nn.Module):
         """This rank's experts by global index: the torch backend's layout."""
         out = {}
         for i, e in enumerate(self.local_experts):
-            fc1, fc2 = self._expert_params(i)
+            fc1, fc2 = self.expert_params(i)
             out[e] = (fc1.detach(), fc2.detach())
         return out
 
@@ -189,6 +249,15 @@ def install_megatron_moe(model, pg_collection, **options) -> None:
                    for e in torch_moe.experts.held()}
         layer.mlp = MegatronMoE(model.config, pg_collection, torch_moe.router.weight, experts,
                                 layer_number=i + 1, **options)
+
+
+def uninstall_megatron_moe(model) -> None:
+    """The inverse of `install_megatron_moe`: every MegatronMoE block of `model` becomes the torch
+    backend's block with the same router and experts (weights copied bit for bit)."""
+    for i, layer in enumerate(model.decoder.layers):
+        if not isinstance(layer.mlp, MegatronMoE):
+            raise TypeError(f"layer {i} runs {type(layer.mlp).__name__}, not MegatronMoE")
+        layer.mlp = to_torch_moe(layer.mlp)
 
 
 def to_torch_moe(moe: MegatronMoE) -> TorchMoELayer:

@@ -41,9 +41,21 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return path
 
 
+def _megatron(optimizer) -> bool:
+    from megatron_rl.rl.megatron_train import MegatronOptimizer
+
+    return isinstance(optimizer, MegatronOptimizer)
+
+
 def _state(model, optimizer, ref_model) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    if _megatron(optimizer):
+        # The weights under the torch backend's names (DCP loads into these tensors in place); the
+        # optimizer's sharded state is megatron-core's own files (MegatronOptimizer.save).
+        from megatron_rl.models.megatron_weights import canonical_state_dict
+
+        return {"model": canonical_state_dict(model)}
     masters = getattr(optimizer, "masters", None)
     if masters is None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -63,6 +75,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
     root = Path(out_dir) / "checkpoints"
     path = root / f"step_{step:06d}"
     dcp.save(_state(model, optimizer, ref_model), checkpoint_id=str(path))
+    if _megatron(optimizer):
+        optimizer.save(path, rank)
     if rank == 0:
         (path / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
         write_trace(history.records, path / "length_history.jsonl")
@@ -105,6 +119,9 @@ def load_checkpoint(path: Path, model, optimizer, ref_model) -> None:
     except Exception as e:  # DCP wraps per-rank failures in its own exception types  # noqa: BLE001
         raise CheckpointError(f"{path}: cannot load the checkpoint shards ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if _megatron(optimizer):
+        optimizer.load(path, dist.get_rank())
+        return
     if "master" in state:
         set_state_dict(optimizer.masters, optimizer.inner, model_state_dict=state["master"],
                        optim_state_dict=state["optim"])
@@ -120,12 +137,15 @@ def gather_full_state(model, rank: int, world: int) -> dict[str, torch.Tensor] |
 
     Rank 0 needs the whole model in host memory (about 61 GB for Qwen3-30B-A3B in bf16).
     """
-    local = {k: v.detach().cpu() for k, v in model.state_dict().items() if ".local_experts." in k}
+    from megatron_rl.models.megatron_weights import canonical_state_dict
+
+    mine = canonical_state_dict(model)  # either MoE backend, under the torch backend's names
+    local = {k: v.detach().cpu() for k, v in mine.items() if ".local_experts." in k}
     parts: list = [None] * world if rank == 0 else None
     dist.gather_object(local, parts, dst=0)
     if rank != 0:
         return None
-    full = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    full = {k: v.detach().cpu() for k, v in mine.items()}
     for p in parts:
         full.update(p)
     return full

@@ -45,6 +45,12 @@ def build_model(cfg: TrainerConfig, rank: int, world: int):
     model.recompute_activations = cfg.recompute_activations
     model.set_dispatcher(LocalDispatcher() if world == 1 else
                          AllToAllDispatcher(dist.group.WORLD, [owners[e][0] for e in sorted(owners)]))
+    if cfg.backend == "megatron":
+        from megatron_rl.models.megatron_backend import install_megatron_moe, megatron_options, require_cuda_model
+        from megatron_rl.rl.megatron_train import training_groups
+
+        require_cuda_model(model)
+        install_megatron_moe(model, training_groups(rank, world), **megatron_options(dtype))
     return model
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import block_owners
+from elastic.planning.plan import BACKEND_OWNERSHIP, block_owners
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
@@ -114,7 +114,7 @@ class RolloutPhase:
                             dtype_bytes=self.model.embedding.word_embeddings.weight.element_size(),
                             budget=self.budget,
                             max_response_len=cfg.generation.max_response_len,
-                            shrink_cost_s=cfg.elastic.shrink_cost_s)
+                            shrink_cost_s=cfg.elastic.shrink_cost_s, ownership=BACKEND_OWNERSHIP[cfg.backend])
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
         assert dict(plan.stages[0].owners) == block_owners(cfg.model.num_moe_experts, range(self.world))
         return plan
@@ -138,10 +138,21 @@ class RolloutPhase:
                                  max(map(len, encoded)) + max_new, self.tok.eos_id,
                                  temperature=cfg.generation.temperature)
         engine.add(mine)
-        originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
-        outcome = ElasticRuntime(ElasticRolloutEngine(engine, self.world), plan, self.rank, self.store,
+        if cfg.backend == "megatron":
+            from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
+
+            # A shrink rebuilds megatron-core's layers; the optimizer holds the originals' parameters.
+            originals = [layer.mlp for layer in self.model.decoder.layers]
+            elastic = MegatronElasticEngine.on_gpu(engine, self.rank, self.world)
+        else:
+            originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
+            elastic = ElasticRolloutEngine(engine, self.world)
+        outcome = ElasticRuntime(elastic, plan, self.rank, self.store,
                                  status_interval=cfg.elastic.status_interval).run()
-        self._reinstall(originals)
+        if cfg.backend == "megatron":
+            self._reinstall_megatron(originals)
+        else:
+            self._reinstall(originals)
         local = [Response(index[r.key], r.prompt_id, r.sample, r.prompt, r.tokens,
                           engine.logprobs[r.key], r.tokens[-1] != self.tok.eos_id)
                  for r in engine.finished]
@@ -173,6 +184,22 @@ class RolloutPhase:
                         for p_old, p_new in zip(module.parameters(), now.parameters()):
                             p_old.copy_(p_new)
                     moe.experts.local_experts[str(e)] = module
+
+    def _reinstall_megatron(self, originals: list) -> None:
+        """Put the pre-rollout MegatronMoE blocks back, holding the restored weights (the runtime
+        has checked their checksums against the pre-rollout ones)."""
+        for layer, before in zip(self.model.decoder.layers, originals):
+            now = layer.mlp
+            if now is before:
+                continue
+            assert now.local_experts == before.local_experts, "restore left a different block of experts"
+            with torch.no_grad():
+                before.router_weight.copy_(now.router_weight)
+                for e, (fc1, fc2) in now.expert_weights().items():
+                    old1, old2 = before.expert_weights()[e]
+                    old1.copy_(fc1)
+                    old2.copy_(fc2)
+            layer.mlp = before
 
 
 def history_records(result: RolloutResult, epoch: int) -> list[TraceRecord]:

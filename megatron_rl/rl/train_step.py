@@ -26,7 +26,8 @@ from megatron_rl.rl.mixed_precision import MixedPrecisionOptimizer, needs_master
 
 
 def is_expert_param(name: str) -> bool:
-    return ".local_experts." in name
+    # `.mlp.layer.experts.`: megatron-core's experts (SequentialMLP or TEGroupedMLP) in MegatronMoE.
+    return ".local_experts." in name or ".mlp.layer.experts." in name
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss
+from megatron_rl.rl.megatron_train import MegatronOptimizer
 from megatron_rl.rl.mixed_precision import grad_params
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.rl.train_step import (
@@ -91,6 +92,9 @@ class PolicyUpdate:
                 loss_total += loss.detach().double()
                 for key in STAT_KEYS:
                     sums[key] += stats[key].double()
+            if isinstance(self.optimizer, MegatronOptimizer):  # its DDP reduced the grads in buckets
+                norms.append(self.optimizer.finish_step())
+                continue
             named = grad_params(self.model, self.optimizer)
             allreduce_dense_grads(named, self.world)
             norms.append(clip_global_grad_norm(named, self.cfg.optim.grad_clip, self.world))

@@ -12,17 +12,32 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import block_owners
+from elastic.planning.plan import Plan, block_owners
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.megatron_backend import (
     ExpertWeights,
     MegatronMoE,
     install_megatron_moe,
+    megatron_options,
     moe_pg_collection,
     rebuild_ep,
+    require_cuda_model,
+    self_group,
 )
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, tensor_digest
 from megatron_rl.rollout.engine import RolloutEngine
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse, before any rank starts, a plan whose stages megatron-core's layers cannot hold."""
+    if plan.ownership != "blocks":
+        raise FlexFloorError(
+            f"backend 'megatron': the plan owns experts {plan.ownership!r}, not in megatron-core's contiguous "
+            "blocks; plan it with ownership 'blocks' (BACKEND_OWNERSHIP['megatron']) or use `backend: torch`")
+    try:
+        plan.check()
+    except ValueError as e:
+        raise FlexFloorError(f"backend 'megatron': {e}") from None
 
 
 class MegatronElasticEngine(ElasticRolloutEngine):
@@ -66,6 +81,8 @@ class MegatronElasticEngine(ElasticRolloutEngine):
             raise FlexFloorError(
                 f"backend 'megatron': the plan's stage on ranks {members} places experts off megatron-core's "
                 "contiguous blocks; plan it with elastic.planning.plan.block_owners or use `backend: torch`")
+        if self._built() and self.model.moe_layers[0].layer.ep_group is group and not (self.incoming or self.dropped):
+            return  # already over this group with these experts (training built them over the world)
         pgc = moe_pg_collection(group, self.self_group)
         if self._built():
             rebuild_ep(self.model, pgc, self.incoming, self.dropped)
@@ -74,6 +91,13 @@ class MegatronElasticEngine(ElasticRolloutEngine):
                 raise RuntimeError("expert moves before the megatron layers were first built")
             install_megatron_moe(self.model, pgc, **self.options)
         self.incoming, self.dropped = {}, set()
+
+    @classmethod
+    def on_gpu(cls, engine: RolloutEngine, rank: int, world: int) -> "MegatronElasticEngine":
+        """The engine `flexfloor rollout` and the trainer run: megatron-core's layers on this rank's
+        GPU (`megatron_options`). NOT YET RUN ON A GPU through the CLI (tests/gpu/ is the check)."""
+        require_cuda_model(engine.model)
+        return cls(engine, world, self_group(rank, world), **megatron_options(engine.model.dtype))
 
     def checksums(self) -> dict[str, str]:
         # The runtime compares these before the first `use_group` (torch layers) and after the

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from elastic.planning.layout import natural
-from elastic.planning.plan import Plan, static_plan
+from elastic.planning.plan import BACKEND_OWNERSHIP, Plan, static_plan
 from elastic.planning.shape import MemoryBudget
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
@@ -54,7 +55,8 @@ def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan
     # The runner's ranks compute on CPU (see `prepare`), so host RAM is their device memory.
     budget = memory_budget(mcfg, dtype_bytes, torch.device("cpu"), ranks_on_this_host(cfg.ranks))
     plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
-                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=dtype_bytes, budget=budget)
+                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=dtype_bytes, budget=budget,
+                        ownership=BACKEND_OWNERSHIP[cfg.backend])
     if "floor_raised" in plan.meta:
         print(f"[rollout] planner: {plan.meta['floor_raised']}", file=sys.stderr)
     return plan
@@ -62,10 +64,12 @@ def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan
 
 def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
                  mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
-                 max_response_len: int | None = None, shrink_cost_s: float | None = None) -> Plan:
+                 max_response_len: int | None = None, shrink_cost_s: float | None = None,
+                 ownership: str = "balanced") -> Plan:
     """The plan of one rollout under `policy`, its memory checks priced against `budget`
     (`rollout/memory.py`); `max_response_len` bounds KV when history is empty; `shrink_cost_s`
-    replaces the cost model's fixed cost of a shrink (its default is an H100's)."""
+    replaces the cost model's fixed cost of a shrink (its default is an H100's); `ownership` is the
+    backend's (`elastic.planning.plan.BACKEND_OWNERSHIP`)."""
     W, E = ranks, mcfg.num_moe_experts
     if E % W or W > E:
         raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
@@ -82,7 +86,7 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
     try:
         return make_plan(batch, history, ranks=W, floor=floor, shape=shape, layout=policy,
                          tailguard=tailguard, max_response_len=max_response_len, cost=cost,
-                         budget=budget)
+                         budget=budget, ownership=ownership)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
 
@@ -151,7 +155,12 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
             sink.flush()
             written[0] = len(engine.finished)
 
-    elastic_engine = ElasticRolloutEngine(engine, ctx.world)
+    if cfg.backend == "megatron":
+        from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
+
+        elastic_engine = MegatronElasticEngine.on_gpu(engine, rank, ctx.world)
+    else:
+        elastic_engine = ElasticRolloutEngine(engine, ctx.world)
     jobs = lease_jobs(cfg, engine, rank)
     hit = cfg.fault is not None and rank == fault_rank(plan)
     if hit and cfg.fault == "fail-transfer":
@@ -193,6 +202,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         responses=len(all_responses), responses_sha256=responses_sha256(all_responses),
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
+        moe=backend_report(cfg.backend),
     )
     return report, all_responses
 
@@ -212,16 +222,16 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     from megatron_rl.models.megatron_backend import require_backend
 
     require_backend(cfg.backend)
-    if cfg.backend == "megatron":
-        # Reached on a CUDA machine only. The runner's ranks are CPU gloo ranks; running the torch
-        # backend instead would hide the user's choice.
-        raise FlexFloorError(
-            "backend 'megatron': `flexfloor rollout` runs CPU gloo ranks in this release; the megatron "
-            "backend runs through MegatronElasticEngine (tools/gpu_check.sh); use `backend: torch` here")
+    if cfg.backend == "megatron" and cfg.dtype == "float64":
+        raise FlexFloorError("backend 'megatron': megatron-core runs bfloat16 or float32, not dtype float64")
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
     plan = build_plan(cfg, mcfg, batch, history)
+    if cfg.backend == "megatron":
+        from megatron_rl.rollout.megatron_elastic_engine import check_plan
+
+        check_plan(plan)
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]

@@ -22,6 +22,15 @@ CPU_BUILD = {"dispatcher": "allgather", "dtype": torch.float32, "grouped_gemm": 
 
 
 def _check(model: Qwen3MoeModel, reference: Qwen3MoeModel, group, experts: list[int]) -> None:
+    from megatron_rl.rl.train_step import is_expert_param
+
+    if group.size() > 1:
+        # megatron-core's DDP reduces a parameter over the world unless it marks it `allreduce=False`
+        # (an expert, over an EP group of more than one rank); our replica check and gradient-norm
+        # split go by name. Both must see the same experts.
+        names = dict(model.named_parameters())
+        marked = {n for n, p in names.items() if not getattr(p, "allreduce", True)}
+        assert marked and marked == {n for n in names if is_expert_param(n)}
     for i, (moe, ref) in enumerate(zip(model.moe_layers, reference.moe_layers)):
         assert moe.layer.ep_group is group and moe.layer.token_dispatcher.ep_group is group
         assert moe.layer.experts.ep_group is group

@@ -144,7 +144,8 @@ def test_export_script_makes_the_enroot_or_apptainer_file(tmp_path):
 
 
 # Import name of each package of setup.py's `gpu` extra, and what uses it.
-GPU_EXTRA_IMPORTS = {"transformer-engine[pytorch]": "transformer_engine", "sglang": "sglang"}
+GPU_EXTRA_IMPORTS = {"transformer-engine[pytorch]": "transformer_engine", "megatron-core": "megatron.core",
+                     "sglang": "sglang"}
 # Installed but imported nowhere yet; kept with the reason (docs/cluster.md).
 NOT_YET_IMPORTED = {"sglang": "the H100 image's torch pin follows it; see docs/cluster.md"}
 
@@ -153,7 +154,7 @@ def test_every_gpu_dependency_is_imported_somewhere():
     """No dependency that nothing imports (deepspeed was one: removed, docs/cluster.md)."""
     setup = (REPO / "setup.py").read_text()
     extra = re.search(r'"gpu": \[(.*?)\n\s*\],', setup, re.S).group(1)
-    packages = re.findall(r'^\s*"([^"]+)"', extra, re.M)
+    packages = [p.split("==")[0] for p in re.findall(r'^\s*"([^"]+)"', extra, re.M)]
     assert set(packages) == set(GPU_EXTRA_IMPORTS), "a new gpu dependency: add it here with its import name"
     code = "\n".join(p.read_text() for d in ("megatron_rl", "elastic", "tools", "tests")
                      for p in (REPO / d).rglob("*.py"))
@@ -162,3 +163,69 @@ def test_every_gpu_dependency_is_imported_somewhere():
         assert imported or package in NOT_YET_IMPORTED, f"setup.py's gpu extra installs {package}; nothing imports it"
     images = "".join(p.read_text() for p in DOCKERFILES) + (DOCKER / "versions.env").read_text()
     assert "deepspeed" not in images.lower()
+
+
+def test_gpu_extra_pins_the_h100_images_versions():
+    pins = _versions()
+    setup = (REPO / "setup.py").read_text()
+    gpu = setup[setup.index('"gpu": ['):]
+    gpu = gpu[: gpu.index("],")]
+    wanted = [("transformer-engine[pytorch]", "TRANSFORMER_ENGINE_VERSION"), ("megatron-core", "MEGATRON_CORE_VERSION")]
+    if "SGLANG_VERSION" in pins:  # sglang may leave the image; then it leaves the extra too
+        wanted.append(("sglang", "SGLANG_VERSION"))
+    for dist, key in wanted:
+        assert f'"{dist}=={pins[key]}"' in gpu, f"setup.py gpu extra: {dist} is not pinned to {pins[key]}"
+    assert "--no-build-isolation" in setup  # TransformerEngine's install step is documented beside it
+
+
+def test_h100_image_keeps_te_s_torch_and_checks_its_imports():
+    steps = _instructions(DOCKER / "Dockerfile.h100")
+    runs = [rest for op, rest in steps if op == "RUN"]
+    envs = " ".join(rest for op, rest in steps if op == "ENV")
+    assert "FLEXFLOOR_IMAGE=h100" in envs and "FLEXFLOOR_TORCH_VERSION=${TORCH_VERSION}" in envs
+
+    def first(pattern: str) -> int:
+        return next(i for i, step in enumerate(steps) if re.search(pattern, step[1]))
+
+    # torch is constrained before anything compiled against it, or able to replace it, is installed.
+    constraint = first(r"PIP_CONSTRAINT=/etc/flexfloor-torch-constraint.txt")
+    assert first(r"torch==\$\{TORCH_VERSION\}") < first(r"torch==%s") < constraint
+    if "SGLANG_VERSION" in _versions():
+        assert constraint < first(r"sglang==")
+    te = first(r"transformer_engine\[pytorch\]==")
+    assert constraint < te and "--no-build-isolation" in steps[te][1]
+    assert constraint < first(r"/tmp/apex")
+    last = runs[-1]
+    assert re.search(r"pip check", last) and re.search(r"python docker/smoke\.py", last)
+
+
+def test_smoke_test_names_what_does_not_import(tmp_path):
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, str(DOCKER / "smoke.py")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001  (no TransformerEngine here: the smoke test must fail, naming it)
+        assert res.returncode == 1
+        assert res.stderr.strip().startswith("smoke: import transformer_engine.pytorch failed"), res.stderr
+    wrong = subprocess.run([sys.executable, str(DOCKER / "smoke.py")], env={**env, "FLEXFLOOR_TORCH_VERSION": "0.0.1"},
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 1 and "replaced the torch 0.0.1" in wrong.stderr
+
+
+def test_te_image_guard_fails_in_the_image_without_te_and_passes_outside(tmp_path):
+    import sys
+
+    guard = REPO / "tools" / "te_image_guard.sh"
+    assert subprocess.run([_tool("shellcheck"), str(guard)], capture_output=True, timeout=60).returncode == 0
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    outside = subprocess.run(["bash", str(guard)], env=env, capture_output=True, text=True, timeout=120)
+    assert outside.returncode == 0 and "TransformerEngine is optional here" in outside.stdout
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001  (no TransformerEngine here, as in a broken image)
+        inside = subprocess.run(["bash", str(guard)], env={**env, "FLEXFLOOR_IMAGE": "h100"}, capture_output=True,
+                                text=True, timeout=120)
+        assert inside.returncode == 1 and "import transformer_engine.pytorch failed" in inside.stderr

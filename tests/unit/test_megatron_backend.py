@@ -49,17 +49,6 @@ def test_cli_rollout_with_megatron_backend_fails_with_one_line(tmp_path):
     assert len(lines) == 1 and "use `backend: torch`" in lines[0], res.stderr
 
 
-def test_rollout_runner_never_swaps_the_megatron_backend_for_torch(monkeypatch):
-    # As on a CUDA machine with TransformerEngine, where require_backend passes.
-    from megatron_rl.models import megatron_backend
-    from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import prepare
-
-    monkeypatch.setattr(megatron_backend, "require_backend", lambda name: None)
-    with pytest.raises(FlexFloorError, match="runs CPU gloo ranks in this release"):
-        prepare(RolloutConfig(backend="megatron"))
-
-
 def test_transformer_config_carries_the_model_fields():
     m = MoEModelConfig(num_layers=3, hidden_size=96, num_attention_heads=6, num_query_groups=3, kv_channels=32,
                        num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=48, layernorm_epsilon=1e-5)
@@ -102,3 +91,28 @@ def test_megatron_layer_holds_the_torch_weights_and_gives_them_back(one_rank_gro
             assert torch.equal(value, before[f"decoder.layers.{i}.mlp.{key}"]), key
     with pytest.raises(TypeError, match="already runs MegatronMoE"):
         install_megatron_moe(model, pgc, **CPU_BUILD)
+
+
+def test_experts_are_te_grouped_gemm_where_te_imports_and_te_is_required_in_the_h100_image(monkeypatch):
+    from megatron_rl.models import megatron_backend as mb
+
+    monkeypatch.delenv(mb.IMAGE_ENV, raising=False)
+    monkeypatch.setattr(mb, "transformer_engine", lambda: ("2.9.0", ""))
+    assert mb.expert_kernel() == "TEGroupedMLP" and mb.megatron_options(torch.bfloat16)["grouped_gemm"]
+    assert mb.backend_report("megatron") == {"backend": "megatron", "experts": "TEGroupedMLP",
+                                             "transformer_engine": "2.9.0"}
+    monkeypatch.setattr(mb, "transformer_engine", lambda: (None, "OSError: libcudnn.so.9: cannot open"))
+    assert mb.expert_kernel() == "SequentialMLP" and not mb.megatron_options(torch.bfloat16)["grouped_gemm"]
+    monkeypatch.setenv(mb.IMAGE_ENV, "h100")
+    with pytest.raises(FlexFloorError, match=r"FLEXFLOOR_IMAGE=h100 but TransformerEngine does not import "
+                                             r"\(OSError: libcudnn.so.9: cannot open\)"):
+        mb.expert_kernel()
+    assert mb.backend_report("torch") == {"backend": "torch"}  # the torch backend never asks for TE
+
+
+@no_cuda
+def test_transformer_engine_reports_why_it_does_not_import():
+    from megatron_rl.models.megatron_backend import transformer_engine
+
+    version, why = transformer_engine()
+    assert version is None and why.startswith(("ModuleNotFoundError", "ImportError", "OSError", "RuntimeError"))

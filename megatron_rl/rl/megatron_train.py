@@ -1,0 +1,119 @@
+"""Training with `backend: megatron`: megatron-core's DDP and DistributedOptimizer around the model
+whose MoE layers are megatron-core's (`megatron_backend.MegatronMoE`).
+
+- Gradients flow through megatron-core's router, token dispatcher and experts in backward, into
+  DDP's contiguous fp32 gradient buffers (`grad_reduce_in_fp32`), reduced in buckets as backward
+  produces them (`overlap_grad_reduce`). Dense gradients are summed over the world (the loss is
+  already divided by the global token count, so `calculate_per_token_loss` turns off DDP's 1/DP
+  averaging); expert gradients stay with their owner (megatron-core marks expert parameters
+  `allreduce=False`, and their expert-data-parallel group is the rank alone).
+- The DistributedOptimizer keeps fp32 master weights and fp32 Adam state, sharded over the world
+  for the dense part; clips by the global norm (`clip_grad`) over dense and every rank's experts;
+  writes the updated weights back into the bf16 (or fp32) model parameters the rollout uses.
+
+megatron-core's gradient buffers, communication streams and DistributedOptimizer allocate CUDA
+tensors, so `MegatronOptimizer` is built on GPUs only. What decides its behaviour, the
+configurations and the process groups (`optimizer_config`, `ddp_config`, `training_groups`), is
+plain construction and is tested on CPU (tests/unit/test_megatron_train.py). NOT YET RUN ON A GPU:
+`MegatronOptimizer` itself and its checkpoint methods (tests/gpu/test_megatron_grpo.py is the check).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.trainer_config import OptimConfig
+
+
+def optimizer_config(optim: OptimConfig, dtype: torch.dtype):
+    """megatron-core's OptimizerConfig for `optim`: Adam(W) with fp32 masters and fp32 state."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise FlexFloorError(f"backend 'megatron' trains in bfloat16 or float32, got {dtype}")
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+        clip_grad=optim.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        main_grads_dtype=torch.float32, main_params_dtype=torch.float32,
+        exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+        use_distributed_optimizer=True,
+    )
+
+
+def ddp_config():
+    """Bucketed fp32 gradient reduction, overlapped with backward, for the DistributedOptimizer."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
+                                         use_distributed_optimizer=True, check_for_nan_in_grad=True)
+
+
+def training_config(mcfg: MoEModelConfig, ep_size: int, dtype: torch.dtype):
+    """The model's TransformerConfig for DDP: losses are already per global token (sum, not mean)."""
+    from dataclasses import replace
+
+    from megatron_rl.models.megatron_backend import transformer_config
+
+    return replace(transformer_config(mcfg, ep_size=ep_size, dtype=dtype, device="cuda"),
+                   calculate_per_token_loss=True)
+
+
+def training_groups(rank: int, world: int):
+    """The ProcessGroupCollection of training: data parallel and expert parallel over the world,
+    every model-parallel dimension (tensor, pipeline, context, expert tensor) and expert data
+    parallelism the rank alone, one DistributedOptimizer instance over the world."""
+    import torch.distributed as dist
+
+    from megatron_rl.models.megatron_backend import moe_pg_collection, self_group
+
+    world_group = dist.group.WORLD
+    pgc = moe_pg_collection(world_group, self_group(rank, world), world_group)
+    alone = pgc.tp
+    pgc.mp = pgc.embd = pgc.pos_embd = pgc.intra_expt_dp = alone
+    pgc.tp_ep_pp = pgc.dp_cp = pgc.intra_dp_cp = pgc.intra_dist_opt = world_group
+    return pgc
+
+
+class MegatronOptimizer:
+    """megatron-core's DDP + DistributedOptimizer over `model`, for `PolicyUpdate` and the trainer:
+    `zero_grad()`, backward as usual, then `finish_step()` -> the global gradient norm.
+
+    GPU only; NOT YET RUN ON A GPU (see the module docstring)."""
+
+    def __init__(self, model, mcfg: MoEModelConfig, optim: OptimConfig, dtype: torch.dtype, pgc):
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        if not torch.cuda.is_available():
+            raise FlexFloorError("backend 'megatron' trains with megatron-core's DistributedOptimizer, "
+                                 "whose buffers are CUDA tensors; this machine has no CUDA device")
+        config = training_config(mcfg, pgc.ep.size(), dtype)
+        self.ddp = DistributedDataParallel(config, ddp_config(), model, pg_collection=pgc)
+        self.optimizer = get_megatron_optimizer(optimizer_config(optim, dtype), [self.ddp],
+                                                use_gloo_process_groups=False, pg_collection=pgc)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none)
+
+    def finish_step(self) -> float:
+        """Wait for the bucketed gradient reduction, step (clipping by the global norm), and
+        return the norm before clipping."""
+        self.ddp.finish_grad_sync()
+        ok, grad_norm, _zeros = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("megatron-core's optimizer skipped the step (inf/nan gradients)")
+        return float(grad_norm)
+
+    # Checkpoints: megatron-core's own sharded optimizer state beside the DCP model shards.
+    def save(self, path: Path, rank: int) -> None:
+        torch.save(self.optimizer.state_dict(), path / f"megatron_optim.rank{rank}.pt")
+        self.optimizer.save_parameter_state(str(path / "megatron_optim_params.pt"))
+
+    def load(self, path: Path, rank: int) -> None:
+        self.optimizer.load_state_dict(torch.load(path / f"megatron_optim.rank{rank}.pt", weights_only=False))
+        self.optimizer.load_parameter_state(str(path / "megatron_optim_params.pt"))

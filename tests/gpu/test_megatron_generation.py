@@ -1,0 +1,43 @@
+"""`backend: megatron` generates the torch backend's greedy tokens on the same bf16 weights where the
+logit margin is large, and reports the agreement rate (tools/megatron_checks.greedy_agreement, whose
+logic tests/unit/test_megatron_checks.py checks on CPU). One GPU, a one-rank NCCL EP group.
+NOT YET RUN ON A GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.models import Qwen3MoeModel
+from tools.megatron_checks import CHECK_CONFIG, greedy_agreement, same_weights
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend's forward pass needs CUDA"),
+    pytest.mark.timeout(300),
+]
+DIST_BACKEND = "nccl"  # for the one_rank_group fixture (tests/conftest.py)
+# Where bf16's rounding (8 mantissa bits) cannot flip the argmax: logits here are O(1-10).
+MARGIN = 0.5
+
+
+def test_megatron_greedy_tokens_match_the_torch_backend_where_the_margin_is_large(one_rank_group):
+    from megatron_rl.models.megatron_backend import (
+        backend_report,
+        install_megatron_moe,
+        megatron_options,
+        moe_pg_collection,
+    )
+
+    torch.cuda.set_device(0)
+    reference = Qwen3MoeModel(CHECK_CONFIG, dtype=torch.float32)
+    reference.init_weights(11)
+    torch_bf16 = same_weights(reference, torch.bfloat16, "cuda").eval()
+    megatron = same_weights(reference, torch.bfloat16, "cuda").eval()
+    install_megatron_moe(megatron, moe_pg_collection(one_rank_group, one_rank_group),
+                         **megatron_options(torch.bfloat16))
+    prompts = torch.randint(1, CHECK_CONFIG.vocab_size, (16, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    out = greedy_agreement(torch_bf16, megatron, prompts, steps=32, margin=MARGIN)
+    print(f"[megatron generation, {backend_report('megatron')['experts']}] greedy tokens agree with the torch "
+          f"backend on {out['agreement']:.1%} of {out['steps']}; on {out['large_margin_agreement']:.1%} of the "
+          f"{out['large_margin_steps']} with margin > {MARGIN}")
+    assert out["ok"], out

@@ -1,0 +1,48 @@
+"""Training through megatron-core's MoE layer on one GPU: the GRPO loss's gradients match the torch
+backend's within bf16 tolerance (both against an fp32 reference), and 5 GRPO steps with megatron-core's
+DDP + DistributedOptimizer (fp32 masters) lower the loss (tools/megatron_checks.py; its comparison
+logic runs on CPU in tests/unit/test_megatron_checks.py). NOT YET RUN ON A GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.models import Qwen3MoeModel
+from megatron_rl.trainer_config import OptimConfig
+from tools.megatron_checks import CHECK_CONFIG, grad_agreement, grpo_batch, loss_falls, same_weights
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend needs CUDA"),
+    pytest.mark.timeout(300),
+]
+DIST_BACKEND = "nccl"  # for the one_rank_group fixture (tests/conftest.py)
+
+
+def _megatron(reference):
+    from megatron_rl.models.megatron_backend import install_megatron_moe, megatron_options
+    from megatron_rl.rl.megatron_train import training_groups
+
+    model = same_weights(reference, torch.bfloat16, "cuda")
+    install_megatron_moe(model, training_groups(0, 1), **megatron_options(torch.bfloat16))
+    return model
+
+
+def test_megatron_grads_match_the_torch_backend_and_five_steps_lower_the_loss(one_rank_group):
+    from megatron_rl.rl.megatron_train import MegatronOptimizer, training_groups
+
+    torch.cuda.set_device(0)
+    reference = Qwen3MoeModel(CHECK_CONFIG, dtype=torch.float32)
+    reference.init_weights(5)
+    packed, adv = grpo_batch(CHECK_CONFIG, rows=8, prompt_len=16, response_len=48, seed=0, device="cuda")
+    grads = grad_agreement(reference.cuda(), same_weights(reference, torch.bfloat16, "cuda"), _megatron(reference),
+                           packed, adv)
+    print(f"[megatron grads] {grads['params']} parameters, worst error {grads['worst_relative_error']:.3g} of "
+          f"the fp32 gradient's scale; outside tolerance: {grads['outside_tolerance']}")
+    assert grads["ok"], grads
+
+    model = _megatron(reference)
+    opt = MegatronOptimizer(model, CHECK_CONFIG, OptimConfig(lr=1e-4), torch.bfloat16, training_groups(0, 1))
+    falls = loss_falls(model, packed, adv, opt.zero_grad, opt.finish_step, steps=5)
+    print("[megatron GRPO] loss over 5 steps: " + " -> ".join(f"{x:+.4f}" for x in falls["losses"]))
+    assert falls["ok"], falls
