@@ -14,6 +14,7 @@ canonical order, so the rollout policy (vanilla or planned) changes nothing trai
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -27,6 +28,7 @@ from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
 from megatron_rl.metrics import MetricsLogger, length_stats
+from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
@@ -145,27 +147,34 @@ class Trainer:
 
     def run(self) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        curve = []
+        curve, stopped = [], None
         try:
-            for step in range(self.start_step + 1, cfg.steps + 1):
-                metrics = self.step(step)
-                curve.append(metrics["reward_mean"])
-                if self.logger is not None:
-                    self.logger.log(step, metrics)
-                    print(f"[train] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
-                          f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
-                          f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
-                          f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
-                if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
-                                    self.trainer_state(), self.history, self.rank)
-            if cfg.checkpoint.export_hf:
+            with StopOnSignal(next(self.model.parameters()).device) as stop:
+                for step in range(self.start_step + 1, cfg.steps + 1):
+                    metrics = self.step(step)
+                    curve.append(metrics["reward_mean"])
+                    if self.logger is not None:
+                        self.logger.log(step, metrics)
+                        print(f"[train] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
+                              f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
+                              f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
+                              f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+                    stopped = step if stop.requested() else None
+                    if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                        save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
+                                        self.trainer_state(), self.history, self.rank)
+                    if stopped:
+                        break
+            if cfg.checkpoint.export_hf and not stopped:
                 export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world)
         finally:
             if self.logger is not None:
                 self.logger.close()
-        return {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,
-                "wall_s": time.perf_counter() - t0}
+        summary = {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,
+                   "wall_s": time.perf_counter() - t0}
+        if stopped:  # a requeue or pre-emption: the next run with this --out resumes here
+            summary["stopped"] = {"step": stopped, "signal": signal.Signals(stop.signum).name}
+        return summary
 
 
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):
@@ -198,4 +207,5 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
                                   "raise `steps` to train further")
         print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s)
+    return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
+                     stop_grace_s=cfg.checkpoint.stop_grace_s)

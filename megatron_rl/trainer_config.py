@@ -98,9 +98,13 @@ class WarmStartConfig:
 class CheckpointConfig:
     every: int = 10  # steps between checkpoints (the last step is always saved); 0 = last only
     export_hf: bool = True  # write DIR/hf (HuggingFace safetensors) after the last step
+    # After SIGTERM/SIGUSR1/Ctrl+C, the ranks finish the step and save; a spawning `flexfloor train`
+    # kills them if that takes longer (under torchrun, its --shutdown-timeout decides).
+    stop_grace_s: float = 300.0
 
     def __post_init__(self):
         require(self.every >= 0, f"checkpoint.every: expected >= 0, got {self.every}")
+        require(self.stop_grace_s > 0, f"checkpoint.stop_grace_s: expected > 0, got {self.stop_grace_s}")
 
 
 @dataclass

@@ -32,6 +32,10 @@ def run(args) -> int:
         print(f"reward_mean: step {summary['start_step'] + 1} {curve[0]:.3f} -> step "
               f"{summary['steps']} {curve[-1]:.3f}; {summary['wall_s']:.1f}s")
     print(f"metrics: {os.path.join(args.out, 'metrics.jsonl')}")
+    if "stopped" in summary:
+        st = summary["stopped"]
+        print(f"stopped by {st['signal']} after step {st['step']} (checkpoint saved); the same command "
+              "resumes from it", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=2)
