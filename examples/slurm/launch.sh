@@ -13,6 +13,10 @@
 #   NPROC_PER_NODE     ranks per node (default: GPUs per node of the allocation, else 1)
 #   FF_CONTAINER_IMAGE run each node's torchrun in this image through pyxis (`srun --container-image`)
 #   FLEXFLOOR_DRY_RUN  1: print the launch command instead of running it
+#   FF_TORCHRUN        command that runs torchrun (default `torchrun`; e.g. `python -m torch.distributed.run`
+#                      when the Python environment is not activated on the compute nodes)
+#   FF_STOP_GRACE_S    seconds the ranks get after SIGTERM to finish the step and save (default 240;
+#                      torchrun before 2.10 ignores it and allows 30)
 
 ff_log() {
     echo "flexfloor-slurm: $*"
@@ -48,8 +52,12 @@ ff_launch() {
         srun_opts+=(--container-image="$FF_CONTAINER_IMAGE" --container-mounts="$PWD:$PWD"
                     --container-workdir="$PWD")
     fi
+    # torchrun SIGKILLs its ranks this long after forwarding a SIGTERM.
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${FF_STOP_GRACE_S:-240}
+    local torchrun
+    read -r -a torchrun <<< "${FF_TORCHRUN:-torchrun}"
     local cmd=(srun "${srun_opts[@]}"
-               torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"
+               "${torchrun[@]}" --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"
                --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
                --max-restarts=0 --no-python "${FF_CMD[@]}" "$@")
     ff_log "${cmd[*]}"
