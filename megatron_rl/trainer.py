@@ -14,6 +14,7 @@ canonical order, so the rollout policy (vanilla or planned) changes nothing trai
 """
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from elastic.trace import Trace
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
+from megatron_rl.errors import FlexFloorError
 from megatron_rl.metrics import MetricsLogger, length_stats
 from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.rewards import OUTCOMES, Scorer
@@ -152,6 +154,7 @@ class Trainer:
             with StopOnSignal(next(self.model.parameters()).device) as stop:
                 for step in range(self.start_step + 1, cfg.steps + 1):
                     metrics = self.step(step)
+                    check_finite(step, metrics, self.out_dir)
                     curve.append(metrics["reward_mean"])
                     if self.logger is not None:
                         self.logger.log(step, metrics)
@@ -175,6 +178,22 @@ class Trainer:
         if stopped:  # a requeue or pre-emption: the next run with this --out resumes here
             summary["stopped"] = {"step": stopped, "signal": signal.Signals(stop.signum).name}
         return summary
+
+
+class TrainingDiverged(FlexFloorError):
+    pass
+
+
+def check_finite(step: int, metrics: dict, out_dir: Path) -> None:
+    """Stop on a non-finite loss or gradient norm (the same on every rank: both are global), before
+    the step is saved, so the last checkpoint stays the last good one."""
+    bad = [f"{k} {metrics[k]}" for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])]
+    if bad:
+        from megatron_rl.rl.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(out_dir)
+        raise TrainingDiverged(f"step {step}: non-finite {', '.join(bad)}; stopped without saving it "
+                               f"(last good checkpoint: {last or 'none'})")
 
 
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):
