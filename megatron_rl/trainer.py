@@ -15,6 +15,7 @@ canonical order, so the rollout policy (vanilla or planned) changes nothing trai
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.trace import Trace
+from megatron_rl.config import write_config
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
@@ -226,5 +228,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
                                   "raise `steps` to train further")
         print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        write_config(cfg, out_dir)
     return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
                      stop_grace_s=cfg.checkpoint.stop_grace_s)

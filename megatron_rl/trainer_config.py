@@ -47,6 +47,11 @@ class OptimConfig:
 
     def __post_init__(self):
         require(self.lr > 0, f"optim.lr: expected > 0, got {self.lr}")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                f"optim.betas: expected two numbers in [0, 1), got {list(self.betas)}")
+        require(self.eps > 0 and self.weight_decay >= 0,
+                f"optim.eps/weight_decay: expected eps > 0 and weight_decay >= 0, got "
+                f"{self.eps}/{self.weight_decay}")
         require(self.grad_clip >= 0, f"optim.grad_clip: expected >= 0, got {self.grad_clip}")
 
 

@@ -1,6 +1,8 @@
 """`flexfloor train`: GRPO post-training on W CPU ranks (spawned here, or joined under torchrun).
 
-Writes DIR/metrics.jsonl (one object per step), DIR/wandb/ (offline unless WANDB_MODE=online),
+Any config field can be set after the command: `flexfloor train --config c.yaml grpo.group_size=16
+optim.lr=1e-6`; `--print-config` prints the resolved config and exits. Writes DIR/config.yaml (the
+resolved config), DIR/metrics.jsonl (one object per step), DIR/wandb/ (offline unless WANDB_MODE=online),
 DIR/checkpoints/step_<N>/ and, after the last step, DIR/hf/. Rerunning with the same --out resumes
 from the latest checkpoint.
 """
@@ -11,19 +13,17 @@ import os
 
 
 def run(args) -> int:
-    from megatron_rl.config import load_dataclass
-    from megatron_rl.parallel.launch import under_torchrun
+    from megatron_rl.cli.overrides import resolve
+    from megatron_rl.config import config_yaml
     from megatron_rl.trainer import run_training
     from megatron_rl.trainer_config import TrainerConfig
 
-    overrides = {}
-    for flag, key in (("policy", "elastic.policy"), ("floor", "elastic.floor"), ("steps", "steps"),
-                      ("ranks", "ranks"), ("seed", "seed")):
-        if getattr(args, flag) is not None:
-            overrides[key] = getattr(args, flag)
-    if under_torchrun():
-        overrides["ranks"] = int(os.environ["WORLD_SIZE"])
-    cfg = load_dataclass(TrainerConfig, args.config, overrides)
+    flags = (("policy", "elastic.policy"), ("floor", "elastic.floor"), ("steps", "steps"),
+             ("ranks", "ranks"), ("seed", "seed"))
+    cfg = resolve(TrainerConfig, args.config, args, flags, world_size_key="ranks")
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
     summary = run_training(cfg, args.out)
     if summary is None:  # a non-zero rank under torchrun
         return 0
@@ -54,4 +54,7 @@ def register(sub) -> None:
     p.add_argument("--ranks", type=int, help="number of ranks (ignored under torchrun)")
     p.add_argument("--seed", type=int)
     p.add_argument("--json", metavar="OUT", help="write the run summary (reward curve, wall time) here")
+    from megatron_rl.cli.overrides import add_override_args
+
+    add_override_args(p)
     p.set_defaults(func=run)

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from megatron_rl.errors import FlexFloorError, Interrupted
 from megatron_rl.parallel.groups import ProcessGroups
-from megatron_rl.parallel.signals import GRACE_S, Supervisor, rank_signals
+from megatron_rl.parallel.signals import GRACE_S, Supervisor, default_signals, rank_signals
 
 
 class RankFailed(FlexFloorError):
@@ -90,6 +90,7 @@ def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid):
             queue.put((rank, "error", (type(e).__name__, traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
+        default_signals()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -126,6 +127,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
                 raise
             raise RankFailed(f"rank {rank} failed: {user}") from None
         finally:
+            default_signals()
             dist.destroy_process_group()
         return out if rank == 0 else None
     ctx = mp.get_context("spawn")
@@ -139,7 +141,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
             p.start()
         result, errors, reported = _collect(procs, queue, sup)
         # Finished ranks exit by themselves; anything else (a failure, a signal) ends them now.
-        sup.end(timeout_s if len(reported) == world and not errors else 0.0)
+        sup.end(timeout_s if len(reported) == world and not errors else 2.0)
     if errors or sup.killed or len(reported) < world:
         text = _describe(errors) if errors else "the ranks did not finish"
         if sup.killed:

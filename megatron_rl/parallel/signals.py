@@ -46,6 +46,14 @@ def rank_signals(launcher_pid: int | None = None) -> None:
             os._exit(1)
 
 
+def default_signals() -> None:
+    """After a rank has reported: a SIGTERM now just ends it (no handler running in interpreter
+    shutdown, where an exception only leaves it hanging)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
+
 class StopOnSignal:
     """`with StopOnSignal(device) as stop:` ... `if stop.requested(): save; break` once per step.
 
