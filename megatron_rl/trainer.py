@@ -198,6 +198,25 @@ def check_finite(step: int, metrics: dict, out_dir: Path) -> None:
                                f"(last good checkpoint: {last or 'none'})")
 
 
+def check_data(cfg: TrainerConfig, data: PromptDataset, tok) -> None:
+    """What would otherwise fail only after the ranks start: a step needs more prompts than the
+    dataset has, a prompt the tokenizer cannot encode, or one that leaves no room for a response
+    within the model's positions. Errors name the row (file:line)."""
+    if len(data) < cfg.prompts_per_step:
+        raise FlexFloorError(f"{cfg.data.path}: {len(data)} usable prompts, fewer than one step's "
+                             f"prompts_per_step ({cfg.prompts_per_step})")
+    room = cfg.model.max_position_embeddings - cfg.generation.max_response_len
+    for p in data.prompts:
+        try:
+            n = len(tok.encode(p.text))
+        except FlexFloorError as e:
+            raise FlexFloorError(f"{p.where}: {e}") from None
+        if n > room:
+            raise FlexFloorError(f"{p.where}: prompt of {n} tokens + generation.max_response_len "
+                                 f"{cfg.generation.max_response_len} exceeds model.max_position_embeddings "
+                                 f"({cfg.model.max_position_embeddings})")
+
+
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):
     return Trainer(cfg, data, ctx, out_dir, resume).run()
 
@@ -217,9 +236,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     if data.skipped:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "
               f"{data.skipped_rows[0][1]})", file=sys.stderr)
-    tok = build_tokenizer(cfg.tokenizer)
-    for p in data.prompts:
-        tok.encode(p.text)  # a prompt the tokenizer cannot encode fails here, not mid-run
+    check_data(cfg, data, build_tokenizer(cfg.tokenizer))
     resume = latest_checkpoint(out_dir)
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)

@@ -47,6 +47,7 @@ def resolve_rollout(args, pinned: dict | None = None):
 
 def run(args) -> int:
     from elastic.ledger import format_report
+    from megatron_rl.cli.outputs import check_out_dir, check_out_file
     from megatron_rl.config import config_yaml, write_config
     from megatron_rl.rollout.runner import run_rollout
 
@@ -55,8 +56,9 @@ def run(args) -> int:
         print(config_yaml(cfg), end="")
         return 0
     out_dir = args.out
+    check_out_dir(out_dir, "--out")
+    check_out_file(args.json, "--json")
     if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
         write_config(cfg, out_dir)
     t0 = time.perf_counter()
     result = run_rollout(cfg, out_dir, quiet=args.quiet)

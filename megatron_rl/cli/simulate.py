@@ -100,6 +100,7 @@ def _run(args) -> int:
 
     from elastic.sim.replay import Policy, compare_policies, simulate_trace
     from elastic.sim.report import compare_table, run_compare, single_report
+    from megatron_rl.cli.outputs import check_out_dir
     from megatron_rl.config import config_yaml
 
     c = resolve_simulate(args)
@@ -111,6 +112,7 @@ def _run(args) -> int:
             import matplotlib  # noqa: F401  (in the dev extra, not a core dependency)
         except ImportError:
             raise FlexFloorError("--plot needs matplotlib: pip install matplotlib") from None
+        check_out_dir(args.plot, "--plot")
     trace, epochs, shape, cost, config = _setup(c)
     if args.compare:
         rows = run_compare(trace, ranks=c.ranks, cost=cost, shape=shape, config=config, epochs=epochs,

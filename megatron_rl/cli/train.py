@@ -13,6 +13,7 @@ import os
 
 
 def run(args) -> int:
+    from megatron_rl.cli.outputs import check_out_dir, check_out_file
     from megatron_rl.cli.overrides import resolve
     from megatron_rl.config import config_yaml
     from megatron_rl.trainer import run_training
@@ -24,6 +25,8 @@ def run(args) -> int:
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0
+    check_out_dir(args.out, "--out")
+    check_out_file(args.json, "--json")
     summary = run_training(cfg, args.out)
     if summary is None:  # a non-zero rank under torchrun
         return 0
