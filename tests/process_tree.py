@@ -72,3 +72,18 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str, flo
         out, err = proc.communicate()
         raise AssertionError(f"still running after {timeout_s} s:\n{err[-2000:]}") from None
     return proc.returncode, out, err, time.monotonic() - t0
+
+
+def live_children(pid: int | None = None) -> list[int]:
+    """Running (non-zombie) child processes of `pid` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
