@@ -75,7 +75,8 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str, flo
 
 
 def live_children(pid: int | None = None) -> list[int]:
-    """Running (non-zombie) child processes of `pid` (default: this process)."""
+    """Running (non-zombie) child processes of `pid` (default: this process), less multiprocessing's
+    resource tracker: one per interpreter, it outlives every run by design."""
     pid = os.getpid() if pid is None else pid
     kids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -84,6 +85,6 @@ def live_children(pid: int | None = None) -> list[int]:
         except OSError:
             continue
         fields = text[text.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[1]) == pid:
+        if fields[0] != "Z" and int(fields[1]) == pid and "resource_tracker" not in _cmdline(int(stat.parent.name)):
             kids.append(int(stat.parent.name))
     return kids
