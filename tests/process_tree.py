@@ -21,18 +21,20 @@ def flexfloor(*args: str, **kw) -> subprocess.Popen:
     return start([sys.executable, "-m", "megatron_rl.cli", *args], **kw)
 
 
-def live_members(pgid: int) -> list[int]:
-    """Processes of group `pgid` that still run (zombies, already dead, do not count)."""
-    pids = []
+def _processes():
+    """(pid, state, ppid, pgrp) of every process, from /proc."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
         except OSError:
             continue
-        fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            pids.append(int(stat.parent.name))
-    return pids
+        state, ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]  # after "pid (comm) "
+        yield int(stat.parent.name), state, int(ppid), int(pgrp)
+
+
+def live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that still run (zombies, already dead, do not count)."""
+    return [pid for pid, state, _, pgrp in _processes() if state != "Z" and pgrp == pgid]
 
 
 def assert_group_gone(pgid: int, within_s: float = 15.0) -> None:
@@ -78,13 +80,5 @@ def live_children(pid: int | None = None) -> list[int]:
     """Running (non-zombie) child processes of `pid` (default: this process), less multiprocessing's
     resource tracker: one per interpreter, it outlives every run by design."""
     pid = os.getpid() if pid is None else pid
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[1]) == pid and "resource_tracker" not in _cmdline(int(stat.parent.name)):
-            kids.append(int(stat.parent.name))
-    return kids
+    return [p for p, state, ppid, _ in _processes()
+            if state != "Z" and ppid == pid and "resource_tracker" not in _cmdline(p)]

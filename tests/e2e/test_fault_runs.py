@@ -3,19 +3,13 @@ run that turns NaN, an HF checkpoint of NaN weights; each is one line, exit 2, a
 import json
 
 import pytest
-import yaml
 
 from megatron_rl.cli import main
 from tests.process_tree import live_children
+from tests.tiny_train import tiny_train_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
-TINY = {
-    "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
-              "kv_channels": 8, "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
-              "vocab_size": 20},
-    "grpo": {"group_size": 4, "micro_batch": 8}, "generation": {"max_response_len": 3},
-    "checkpoint": {"every": 1, "export_hf": False}, "steps": 2, "prompts_per_step": 4, "ranks": 2,
-}
+
 
 
 def _one_line_exit_2(capsys, argv, *fragments):
@@ -31,13 +25,8 @@ def _one_line_exit_2(capsys, argv, *fragments):
 
 @pytest.fixture
 def train_cfg(tmp_path, monkeypatch):
-    from megatron_rl.data.arith import make_problems, write_jsonl
-
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    write_jsonl(make_problems(20, seed=0, max_operand=4, ops="+"), tmp_path / "data.jsonl")
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({**TINY, "data": {"path": str(tmp_path / "data.jsonl")}}))
-    return cfg
+    return tiny_train_config(tmp_path, steps=2, checkpoint={"every": 1, "export_hf": False})
 
 
 def test_a_corrupted_shard_stops_the_resume_naming_the_file(train_cfg, tmp_path, capsys):

@@ -77,20 +77,10 @@ def _python_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_train_sbatch_requeues_on_usr1_and_the_real_trainer_resumes_from_its_checkpoint(slurm, tmp_path):
-    import yaml
+    from tests.tiny_train import tiny_train_config
 
-    from megatron_rl.data.arith import make_problems, write_jsonl
-
-    write_jsonl(make_problems(20, seed=0, max_operand=4, ops="+"), tmp_path / "data.jsonl")
     steps = 12
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
-                  "kv_channels": 8, "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
-                  "vocab_size": 20},
-        "data": {"path": str(tmp_path / "data.jsonl")}, "grpo": {"group_size": 4, "micro_batch": 8},
-        "generation": {"max_response_len": 3}, "checkpoint": {"every": 0, "export_hf": False},
-        "steps": steps, "prompts_per_step": 4}))
+    cfg = tiny_train_config(tmp_path, steps=steps)
     env = dict(_python_env(tmp_path), NPROC_PER_NODE="2", WANDB_MODE="disabled")
     run, out = tmp_path / "run", tmp_path / "job.out"
     rc, job = slurm.sbatch(SLURM_DIR / "train.sbatch", str(cfg), "--seed", "3", wait=False,

@@ -4,18 +4,12 @@ import json
 import signal
 
 import pytest
-import yaml
 
 from tests.process_tree import assert_group_gone, finish, flexfloor, wait_for
+from tests.tiny_train import tiny_train_config
 
 pytestmark = pytest.mark.timeout(300)
-TINY = {
-    "model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
-              "kv_channels": 8, "num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 16,
-              "vocab_size": 20},
-    "grpo": {"group_size": 4, "micro_batch": 8}, "generation": {"max_response_len": 3},
-    "checkpoint": {"every": 0, "export_hf": False}, "steps": 500, "prompts_per_step": 4, "ranks": 2,
-}
+
 
 
 def _lines(path):
@@ -23,11 +17,7 @@ def _lines(path):
 
 
 def test_sigterm_to_train_saves_exits_0_and_the_same_command_resumes(tmp_path):
-    from megatron_rl.data.arith import make_problems, write_jsonl
-
-    write_jsonl(make_problems(20, seed=0, max_operand=4, ops="+"), tmp_path / "data.jsonl")
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({**TINY, "data": {"path": str(tmp_path / "data.jsonl")}}))
+    cfg = tiny_train_config(tmp_path, steps=500)
     out = tmp_path / "out"
     proc = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
     wait_for(lambda: len(_lines(out / "metrics.jsonl")) >= 1, 120, "the first step", proc)
