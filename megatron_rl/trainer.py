@@ -164,7 +164,8 @@ class Trainer:
                               f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
                               f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
                               f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
-                    stopped = step if stop.requested() else None
+                    # The last step needs no early stop: it is saved and exported anyway.
+                    stopped = step if stop.requested() and step < cfg.steps else None
                     if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                         save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
                                         self.trainer_state(), self.history, self.rank)
