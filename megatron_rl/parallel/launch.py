@@ -142,7 +142,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
         result, errors, reported = _collect(procs, queue, sup)
         # Finished ranks exit by themselves; anything else (a failure, a signal) ends them now.
         sup.end(timeout_s if len(reported) == world and not errors else 2.0)
-    if errors or sup.killed or len(reported) < world:
+    if errors or len(reported) < world:  # (a rank killed after its report leaves the result whole)
         text = _describe(errors) if errors else "the ranks did not finish"
         if sup.killed:
             text += f"; rank(s) {', '.join(map(str, sup.killed))} did not end and were killed"
