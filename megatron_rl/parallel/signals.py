@@ -2,8 +2,9 @@
 
 Three pieces, one per side of the launcher:
   - `rank_signals()` (every rank): SIGTERM and SIGUSR1 raise `Interrupted` in the rank, so its
-    `finally` blocks flush what is finished; SIGINT is ignored, because the launcher (or torchrun)
-    turns a Ctrl+C into a SIGTERM for every rank, once. A rank also dies with its launcher
+    `finally` blocks flush what is finished. A spawned rank ignores SIGINT, because its launcher
+    turns a Ctrl+C into one SIGTERM for every rank; under torchrun, which forwards the SIGINT
+    itself, SIGINT counts as a stop signal too. A spawned rank also dies with its launcher
     (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no orphan computing into `--out`.
   - `StopOnSignal` (the trainer's loop): Megatron's DistributedSignalHandler. The handler only sets a
     flag; after every step all ranks all-reduce it, so all of them save the same step and leave together.
@@ -22,7 +23,7 @@ import time
 from megatron_rl.errors import Interrupted
 
 GRACE_S = 10.0  # how long a rank may take to end after SIGTERM before it is SIGKILLed
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_stop_signals = [signal.SIGTERM, signal.SIGUSR1]  # what stops this rank (see rank_signals)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -34,10 +35,12 @@ def rank_signals(launcher_pid: int | None = None) -> None:
     """Install a rank's default handlers (see the module doc); `launcher_pid`: die with it."""
     if threading.current_thread() is not threading.main_thread():
         return
-    for sig in STOP_SIGNALS:
+    if launcher_pid is None and signal.SIGINT not in _stop_signals:
+        _stop_signals.append(signal.SIGINT)
+    for sig in _stop_signals:
         signal.signal(sig, _raise_interrupted)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if launcher_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):  # not Linux: the Supervisor still ends the ranks it can see
@@ -50,7 +53,7 @@ def default_signals() -> None:
     """After a rank has reported: a SIGTERM now just ends it (no handler running in interpreter
     shutdown, where an exception only leaves it hanging)."""
     if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
+        for sig in _stop_signals:
             signal.signal(sig, signal.SIG_DFL)
 
 
@@ -70,7 +73,7 @@ class StopOnSignal:
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._flag) for s in STOP_SIGNALS}
+            self._old = {s: signal.signal(s, self._flag) for s in _stop_signals}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -78,7 +81,7 @@ class StopOnSignal:
             signal.signal(s, old)
 
     def requested(self) -> bool:
-        """True on every rank when any rank got SIGTERM or SIGUSR1 (one small all-reduce)."""
+        """True on every rank when any rank got a stop signal (one small all-reduce)."""
         import torch
         import torch.distributed as dist
 
