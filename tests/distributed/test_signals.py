@@ -11,7 +11,7 @@ import pytest
 from megatron_rl.parallel.signals import GRACE_S
 from tests.process_tree import assert_group_gone, finish, start, wait_for
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 PROG = str(Path(__file__).with_name("ranks_prog.py"))
 
 

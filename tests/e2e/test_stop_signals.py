@@ -8,7 +8,7 @@ import pytest
 from tests.process_tree import assert_group_gone, finish, flexfloor, wait_for
 from tests.tiny_train import tiny_train_config
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 
