@@ -95,16 +95,25 @@ class Trace:
 
 def iter_jsonl(path: Path, error: type[Exception], what: str):
     """`(where, lineno, obj)` for each non-blank line of a JSON Lines file; `obj` is an `error`
-    instance for a line that is not JSON, so a caller can raise it or count it and go on."""
+    instance for a line that is not JSON (or not UTF-8), so a caller can raise it or count it and go on."""
     try:
-        fh = path.open(encoding="utf-8")
+        fh = path.open("rb")
     except OSError as e:
         raise error(f"{path}: cannot read {what} ({e.strerror})") from None
     with fh:
-        for lineno, line in enumerate(fh, start=1):
+        offset = 0  # of the line's first byte in the file
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, lineno, error(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at file "
+                                           f"offset {offset + e.start})")
+                continue
+            finally:
+                offset += len(raw)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 yield where, lineno, json.loads(line)
             except json.JSONDecodeError as e:

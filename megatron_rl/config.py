@@ -105,13 +105,20 @@ def from_dict(cls: type[T], data: dict, where: str) -> T:
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x} at file offset "
+                          f"{e.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -119,22 +126,73 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_dataclass(cls: type[T], path: str | Path | None, overrides: dict | None = None) -> T:
+def load_dataclass(cls: type[T], path: str | Path | None, overrides: dict | None = None,
+                   sources: dict[str, str] | None = None) -> T:
     """Read `cls` from a YAML file (or defaults when `path` is None), then apply `overrides`.
 
-    Overrides are dotted keys (`{"rollout.max_batch": 8}`) as the CLI produces them.
+    Overrides are dotted keys (`{"rollout.max_batch": 8}`) as the CLI produces them; `sources` names
+    where each came from (`{"ranks": "--ranks 0"}`). An error that the file alone does not have is
+    blamed on the first override that brings it in, not on the file.
     """
     data = load_yaml(path) if path is not None else {}
-    for key, value in (overrides or {}).items():
+    where = str(path) if path is not None else "config"
+    overrides, sources = overrides or {}, sources or {}
+    merged = _with(data, overrides, sources)
+    try:
+        return from_dict(cls, merged, where)
+    except ConfigError as e:
+        if not overrides:
+            raise
+        err = e
+    items = list(overrides.items())
+    for i in range(len(items) + 1):  # the file alone (i = 0), then one override more at a time
+        partial = _with(data, dict(items[:i]), sources)
+        try:
+            from_dict(cls, partial, where)
+        except ConfigError as e:
+            if i == 0:
+                raise
+            key = items[i - 1][0]
+            label = sources.get(key, f"{key}={items[i - 1][1]}")
+            raise ConfigError(f"{label}: {str(e)[len(where):].lstrip('.: ')}") from None
+    raise err
+
+
+def _with(data: dict, overrides: dict, sources: dict[str, str]) -> dict:
+    """A copy of `data` with the dotted `overrides` set."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for key, value in overrides.items():
         node = data
         *parents, leaf = key.split(".")
-        for p in parents:
+        for i, p in enumerate(parents):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                section = ".".join(parents[: i + 1])
+                raise ConfigError(f"{sources.get(key, key)}: {section} is a value, not a section")
         node[leaf] = value
-    return from_dict(cls, data, str(path) if path is not None else "config")
+    return data
 
 
 def require(cond: bool, message: str) -> None:
     """Validation helper for `__post_init__`: raise a ConfigError naming what was expected."""
     if not cond:
         raise ConfigError(message)
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def config_yaml(cfg) -> str:
+    return yaml.safe_dump(_plain(dataclasses.asdict(cfg)), sort_keys=False)
+
+
+def write_config(cfg, out_dir: str | Path) -> None:
+    """Record the resolved config as `out_dir/config.yaml` (a rerun can pass it as --config)."""
+    (Path(out_dir) / "config.yaml").write_text(config_yaml(cfg), encoding="utf-8")

@@ -12,3 +12,19 @@ class FlexFloorError(Exception):
 
 class ConfigError(FlexFloorError):
     pass
+
+
+class Interrupted(BaseException):
+    """A signal (SIGTERM, SIGINT, SIGUSR1) ended the run before it finished; the CLI exits 128 + signum.
+
+    A BaseException, like KeyboardInterrupt: a rank's `except Exception` must not swallow it.
+    """
+
+    def __init__(self, signum: int, detail: str = ""):
+        super().__init__(signum, detail)
+        self.signum, self.detail = signum, detail
+
+    def __str__(self) -> str:
+        import signal
+
+        return f"interrupted by {signal.Signals(self.signum).name}{self.detail}"

@@ -14,6 +14,9 @@ canonical order, so the rollout policy (vanilla or planned) changes nothing trai
 """
 from __future__ import annotations
 
+import math
+import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -23,11 +26,14 @@ import torch
 import torch.distributed as dist
 
 from elastic.trace import Trace
+from megatron_rl.config import write_config
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
+from megatron_rl.errors import FlexFloorError
 from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats
 from megatron_rl.models.megatron_backend import backend_report, require_backend
+from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
@@ -163,27 +169,71 @@ class Trainer:
 
     def run(self) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        curve = []
+        curve, stopped = [], None
         try:
-            for step in range(self.start_step + 1, cfg.steps + 1):
-                metrics = self.step(step)
-                curve.append(metrics["reward_mean"])
-                if self.logger is not None:
-                    self.logger.log(step, metrics)
-                    print(f"[train] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
-                          f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
-                          f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
-                          f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
-                if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
-                                    self.trainer_state(), self.history, self.rank)
-            if cfg.checkpoint.export_hf:
+            with StopOnSignal(next(self.model.parameters()).device) as stop:
+                for step in range(self.start_step + 1, cfg.steps + 1):
+                    metrics = self.step(step)
+                    check_finite(step, metrics, self.out_dir)
+                    curve.append(metrics["reward_mean"])
+                    if self.logger is not None:
+                        self.logger.log(step, metrics)
+                        print(f"[train] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
+                              f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
+                              f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
+                              f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+                    # The last step needs no early stop: it is saved and exported anyway.
+                    stopped = step if stop.requested() and step < cfg.steps else None
+                    if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                        save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
+                                        self.trainer_state(), self.history, self.rank)
+                    if stopped:
+                        break
+            if cfg.checkpoint.export_hf and not stopped:
                 export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world)
         finally:
             if self.logger is not None:
                 self.logger.close()
-        return {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,
-                "wall_s": time.perf_counter() - t0}
+        summary = {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,
+                   "wall_s": time.perf_counter() - t0}
+        if stopped:  # a requeue or pre-emption: the next run with this --out resumes here
+            summary["stopped"] = {"step": stopped, "signal": signal.Signals(stop.signum).name}
+        return summary
+
+
+class TrainingDiverged(FlexFloorError):
+    pass
+
+
+def check_finite(step: int, metrics: dict, out_dir: Path) -> None:
+    """Stop on a non-finite loss or gradient norm (the same on every rank: both are global), before
+    the step is saved, so the last checkpoint stays the last good one."""
+    bad = [f"{k} {metrics[k]}" for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])]
+    if bad:
+        from megatron_rl.rl.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(out_dir)
+        raise TrainingDiverged(f"step {step}: non-finite {', '.join(bad)}; stopped without saving it "
+                               f"(last good checkpoint: {last or 'none'})")
+
+
+def check_data(cfg: TrainerConfig, data: PromptDataset, tok) -> None:
+    """What would otherwise fail only after the ranks start: a step needs more prompts than the
+    dataset has, a prompt the tokenizer cannot encode, or one that leaves no room for a response
+    within the model's positions. Errors name the row (file:line)."""
+    if len(data) < cfg.prompts_per_step:
+        raise FlexFloorError(f"{cfg.data.path}: {len(data)} usable prompts, fewer than one step's "
+                             f"prompts_per_step ({cfg.prompts_per_step})")
+    room = cfg.model.max_position_embeddings - cfg.generation.max_response_len
+    for p in data.prompts:
+        try:
+            n = len(tok.encode(p.text))
+        except FlexFloorError as e:
+            raise FlexFloorError(f"{p.where}: {e}") from None
+        if n > room:
+            raise FlexFloorError(f"{p.where}: prompt of {n} tokens + generation.max_response_len "
+                                 f"{cfg.generation.max_response_len} exceeds model.max_position_embeddings "
+                                 f"({cfg.model.max_position_embeddings})")
 
 
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):
@@ -206,9 +256,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     if data.skipped:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "
               f"{data.skipped_rows[0][1]})", file=sys.stderr)
-    tok = build_tokenizer(cfg.tokenizer)
-    for p in data.prompts:
-        tok.encode(p.text)  # a prompt the tokenizer cannot encode fails here, not mid-run
+    check_data(cfg, data, build_tokenizer(cfg.tokenizer))
     resume = latest_checkpoint(out_dir)
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
@@ -217,4 +265,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
                                   "raise `steps` to train further")
         print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        write_config(cfg, out_dir)
+    return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
+                     stop_grace_s=cfg.checkpoint.stop_grace_s)

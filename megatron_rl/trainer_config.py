@@ -47,6 +47,11 @@ class OptimConfig:
 
     def __post_init__(self):
         require(self.lr > 0, f"optim.lr: expected > 0, got {self.lr}")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                f"optim.betas: expected two numbers in [0, 1), got {list(self.betas)}")
+        require(self.eps > 0 and self.weight_decay >= 0,
+                f"optim.eps/weight_decay: expected eps > 0 and weight_decay >= 0, got "
+                f"{self.eps}/{self.weight_decay}")
         require(self.grad_clip >= 0, f"optim.grad_clip: expected >= 0, got {self.grad_clip}")
 
 
@@ -98,9 +103,13 @@ class WarmStartConfig:
 class CheckpointConfig:
     every: int = 10  # steps between checkpoints (the last step is always saved); 0 = last only
     export_hf: bool = True  # write DIR/hf (HuggingFace safetensors) after the last step
+    # After SIGTERM/SIGUSR1/Ctrl+C, the ranks finish the step and save; a spawning `flexfloor train`
+    # kills them if that takes longer (under torchrun, its --shutdown-timeout decides).
+    stop_grace_s: float = 300.0
 
     def __post_init__(self):
         require(self.every >= 0, f"checkpoint.every: expected >= 0, got {self.every}")
+        require(self.stop_grace_s > 0, f"checkpoint.stop_grace_s: expected > 0, got {self.stop_grace_s}")
 
 
 @dataclass

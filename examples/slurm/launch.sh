@@ -14,6 +14,10 @@
 #   FF_CONTAINER_IMAGE, FF_CONTAINER_RUNTIME, FF_CONTAINER_MOUNTS
 #                      run each node's torchrun in a container (pyxis, apptainer or docker; container.sh)
 #   FLEXFLOOR_DRY_RUN  1: print the launch command instead of running it
+#   FF_TORCHRUN        command that runs torchrun (default `torchrun`; e.g. `python -m torch.distributed.run`
+#                      when the Python environment is not activated on the compute nodes)
+#   FF_STOP_GRACE_S    seconds the ranks get after SIGTERM to finish the step and save (default 240;
+#                      torchrun before 2.10 ignores it and allows 30)
 
 # shellcheck source=examples/slurm/container.sh
 source "$(dirname "${BASH_SOURCE[0]}")/container.sh"
@@ -49,8 +53,12 @@ ff_launch() {
         srun_opts+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
     fi
     ff_container_wrap "${FLEXFLOOR_HOME:-$PWD}"
+    # torchrun SIGKILLs its ranks this long after forwarding a SIGTERM.
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${FF_STOP_GRACE_S:-240}
+    local torchrun
+    read -r -a torchrun <<< "${FF_TORCHRUN:-torchrun}"
     local cmd=(srun "${srun_opts[@]}" "${FF_SRUN_CONTAINER[@]}" "${FF_IN_CONTAINER[@]}"
-               torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"
+               "${torchrun[@]}" --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"
                --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
                --max-restarts=0 --no-python "${FF_CMD[@]}" "$@")
     ff_log "${cmd[*]}"

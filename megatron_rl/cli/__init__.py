@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.errors import FlexFloorError, Interrupted
 
 # Order here is the order in `flexfloor --help`.
 COMMANDS = [
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"flexfloor {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Interrupted as e:  # a signal ended the ranks; what they finished is in --out
+        print(f"flexfloor {args.command}: {e}", file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

@@ -13,15 +13,16 @@ import time
 
 def run(args) -> int:
     from elastic.ledger import format_report
-    from megatron_rl.cli.rollout import overrides_from_args
-    from megatron_rl.config import load_dataclass
-    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.cli.rollout import resolve_rollout
+    from megatron_rl.config import config_yaml
     from megatron_rl.rollout.runner import run_rollouts
 
-    base = overrides_from_args(args)
     elastic = {"policy": "planned", "floor": args.floor or 1, "tailguard": True}
-    cfgs = [load_dataclass(RolloutConfig, args.config, {**base, "policy": "vanilla"}),
-            load_dataclass(RolloutConfig, args.config, {**base, **elastic})]
+    cfgs = [resolve_rollout(args, {"policy": ("vanilla", "demo's first run")}),
+            resolve_rollout(args, {k: (v, "demo's second run") for k, v in elastic.items()})]
+    if args.print_config:
+        print("\n---\n".join(config_yaml(c) for c in cfgs), end="")
+        return 0
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once, not once per rank
         print(f"FlexFloor demo: a {cfgs[0].model.num_layers}-layer, {cfgs[0].model.num_moe_experts}-expert "
               f"Qwen3-MoE on {cfgs[0].ranks} gloo ranks replays a length-tailed batch twice: vanilla, then "

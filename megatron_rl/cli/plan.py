@@ -11,38 +11,78 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
 
+from elastic.planning.shape import QWEN3_30B_A3B_H100
+from megatron_rl.config import require
 from megatron_rl.errors import FlexFloorError
+
+FLAGS = tuple((a, a) for a in ("trace", "epoch", "ranks", "floor", "layout", "tailguard", "alpha", "oracle",
+                               "objective", "backend", "model", "max_response_len", "seed"))
+
+
+@dataclass
+class PlanConfig:
+    """What `flexfloor plan` plans: its flags, or `key=value` overrides of these fields."""
+
+    trace: str = ""  # --trace is a required flag
+    epoch: int | None = None
+    ranks: int = 16
+    floor: int | None = None  # default: ranks (nobody leaves)
+    layout: Literal["natural", "lengthsort", "planned"] = "natural"
+    tailguard: bool = False
+    alpha: float = 0.05
+    oracle: bool = False
+    objective: Literal["occupied", "rollout"] = "occupied"
+    backend: Literal["torch", "megatron"] = "torch"
+    model: str = QWEN3_30B_A3B_H100.name
+    max_response_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        from elastic.planning.shape import SHAPES
+
+        require(self.model in SHAPES, f"model: expected one of {', '.join(sorted(SHAPES))}, got {self.model!r}")
+        experts = SHAPES[self.model].num_experts
+        require(self.ranks >= 1, f"ranks must be >= 1, got {self.ranks}")
+        require(self.ranks <= experts, f"ranks ({self.ranks}) exceeds the experts of {self.model} "
+                                       f"({experts}): a rank that owns no expert cannot take part")
+        if self.floor is not None:
+            require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")
+        require(0 < self.alpha < 1, f"alpha must be in (0, 1), got {self.alpha}")
+        require(self.max_response_len is None or self.max_response_len > 0,
+                f"max_response_len: expected > 0 (a generation cap in tokens), got {self.max_response_len}")
 
 
 def register(subparsers) -> None:
     from elastic.planning.shape import QWEN3_30B_A3B_H100, SHAPES
+    from megatron_rl.cli.overrides import add_override_args
 
     p = subparsers.add_parser("plan", help="plan one rollout of a length trace",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, help="length trace (JSON Lines, see docs/planner.md)")
-    p.add_argument("--epoch", type=int, default=None, help="epoch to plan (default: the last)")
-    p.add_argument("--ranks", type=int, default=16, help="ranks W (default: 16)")
-    p.add_argument("--floor", type=int, default=None,
-                   help="fewest ranks the EP group may shrink to (default: W, nobody leaves)")
-    p.add_argument("--layout", choices=("natural", "lengthsort", "planned"), default="natural")
-    p.add_argument("--tailguard", action="store_true", help="size KV with TailGuard's bounds")
-    p.add_argument("--alpha", type=float, default=0.05,
-                   help="TailGuard's target miss rate and the KV risk level (default: 0.05)")
-    p.add_argument("--oracle", action="store_true", help="plan with the true lengths (the bound)")
-    p.add_argument("--objective", choices=("occupied", "rollout"), default="occupied",
+    p.add_argument("--epoch", type=int, help="epoch to plan (default: the last)")
+    p.add_argument("--ranks", type=int, help="ranks W (default: 16)")
+    p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to (default: W, nobody leaves)")
+    p.add_argument("--layout", choices=("natural", "lengthsort", "planned"), help="default: natural")
+    p.add_argument("--tailguard", action="store_true", default=None, help="size KV with TailGuard's bounds")
+    p.add_argument("--alpha", type=float, help="TailGuard's target miss rate and the KV risk level (default: 0.05)")
+    p.add_argument("--oracle", action="store_true", default=None, help="plan with the true lengths (the bound)")
+    p.add_argument("--objective", choices=("occupied", "rollout"),
                    help="pick the chain with the fewest occupied rank-seconds (default) or the "
                         "shortest predicted rollout")
-    p.add_argument("--backend", choices=("torch", "megatron"), default="torch",
+    p.add_argument("--backend", choices=("torch", "megatron"),
                    help="MoE backend the plan must suit: megatron (megatron-core's contiguous expert "
                         "blocks) allows only group sizes that divide the expert count (default: torch)")
-    p.add_argument("--model", choices=sorted(SHAPES), default=QWEN3_30B_A3B_H100.name,
-                   help="model and hardware shape (default: %(default)s)")
-    p.add_argument("--max-response-len", type=int, default=None,
+    p.add_argument("--model", choices=sorted(SHAPES),
+                   help=f"model and hardware shape (default: {QWEN3_30B_A3B_H100.name})")
+    p.add_argument("--max-response-len", type=int,
                    help="generation cap (default: inferred from truncated history records)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the planner's length samples")
+    p.add_argument("--seed", type=int, help="seed of the planner's length samples (default: 0)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    add_override_args(p)
     p.set_defaults(func=run)
 
 
@@ -51,23 +91,27 @@ def run(args) -> int:
     from elastic.planning.planner import plan_epoch
     from elastic.planning.shape import SHAPES
     from elastic.trace import TraceError, read_trace
+    from megatron_rl.cli.overrides import resolve
+    from megatron_rl.config import config_yaml
 
+    c = resolve(PlanConfig, None, args, FLAGS)
+    if args.print_config:
+        print(config_yaml(c), end="")
+        return 0
     try:
-        trace = read_trace(args.trace)
-        epoch = trace.epochs[-1] if args.epoch is None else args.epoch
-        plan = plan_epoch(trace, epoch, ranks=args.ranks,
-                          floor=args.ranks if args.floor is None else args.floor,
-                          shape=SHAPES[args.model], layout=args.layout, tailguard=args.tailguard,
-                          alpha=args.alpha, oracle=args.oracle,
-                          max_response_len=args.max_response_len, seed=args.seed,
-                          objective=args.objective, ownership=BACKEND_OWNERSHIP[args.backend])
+        trace = read_trace(c.trace)
+        epoch = trace.epochs[-1] if c.epoch is None else c.epoch
+        plan = plan_epoch(trace, epoch, ranks=c.ranks, floor=c.ranks if c.floor is None else c.floor,
+                          shape=SHAPES[c.model], layout=c.layout, tailguard=c.tailguard,
+                          alpha=c.alpha, oracle=c.oracle, max_response_len=c.max_response_len,
+                          seed=c.seed, objective=c.objective, ownership=BACKEND_OWNERSHIP[c.backend])
     except (TraceError, PlanError) as e:
         raise FlexFloorError(str(e)) from None
     if args.json:
         print(json.dumps(plan.to_dict()))
         return 0
     m = plan.meta
-    print(f"plan for epoch {epoch} of {args.trace}: {len(plan.assignments)} responses on "
+    print(f"plan for epoch {epoch} of {c.trace}: {len(plan.assignments)} responses on "
           f"{plan.ranks} ranks, layout {plan.layout}"
           f"{' (placed as ' + m['effective_layout'] + ')' if m['effective_layout'] != plan.layout else ''}"
           f", floor {plan.floor}, TailGuard {'on' if plan.tailguard else 'off'}, ownership {plan.ownership}")

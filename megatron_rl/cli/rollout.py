@@ -24,35 +24,42 @@ def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, pol
     p.add_argument("--out", help="folder for plan.json, streamed responses and report.json")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    from megatron_rl.cli.overrides import add_override_args
+
+    add_override_args(p)
 
 
-def overrides_from_args(args) -> dict:
-    import os
+FLAGS = (("trace", "batch.trace"), ("epoch", "batch.epoch"), ("length_scale", "batch.length_scale"),
+         ("ranks", "ranks"), ("policy", "policy"), ("floor", "floor"), ("tailguard", "tailguard"),
+         ("seed", "seed"))
 
-    from megatron_rl.parallel.launch import under_torchrun
 
-    o = {}
-    for flag, key in (("trace", "batch.trace"), ("epoch", "batch.epoch"),
-                      ("length_scale", "batch.length_scale"), ("ranks", "ranks"), ("policy", "policy"),
-                      ("floor", "floor"), ("tailguard", "tailguard"), ("seed", "seed")):
-        v = getattr(args, flag, None)
-        if v is not None:
-            o[key] = v
-    if getattr(args, "sample", False):
-        o["sampling.greedy"] = False
-    if under_torchrun():
-        o["ranks"] = int(os.environ["WORLD_SIZE"])
-    return o
+def resolve_rollout(args, pinned: dict | None = None):
+    """The rollout config: file, flags, `key=value` overrides; `pinned` ({key: (value, label)}) is
+    what a command fixes (demo's two policies)."""
+    from megatron_rl.cli.overrides import resolve
+    from megatron_rl.rollout.config import RolloutConfig
+
+    extra = {"sampling.greedy": (False, "--sample")} if getattr(args, "sample", False) else {}
+    extra.update(pinned or {})
+    return resolve(RolloutConfig, args.config, args, FLAGS, world_size_key="ranks", extra=extra)
 
 
 def run(args) -> int:
     from elastic.ledger import format_report
-    from megatron_rl.config import load_dataclass
-    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.cli.outputs import check_out_dir, check_out_file
+    from megatron_rl.config import config_yaml, write_config
     from megatron_rl.rollout.runner import run_rollout
 
-    cfg = load_dataclass(RolloutConfig, args.config, overrides_from_args(args))
+    cfg = resolve_rollout(args)
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
     out_dir = args.out
+    check_out_dir(out_dir, "--out")
+    check_out_file(args.json, "--json")
+    if out_dir is not None:
+        write_config(cfg, out_dir)
     t0 = time.perf_counter()
     result = run_rollout(cfg, out_dir, quiet=args.quiet)
     if result is None:  # a non-zero rank under torchrun

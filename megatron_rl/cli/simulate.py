@@ -17,22 +17,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "with an earlier epoch is one rollout; figures are summed over rollouts.",
     )
     p.add_argument("--trace", required=True, help="length trace (JSON Lines, see DESIGN.md)")
-    p.add_argument("--policy", default="planned", choices=["vanilla", "lengthsort", "natural", "planned", "oracle"])
-    p.add_argument("--floor", type=int, default=4, help="fewest ranks the EP group may shrink to (default 4)")
-    p.add_argument("--tailguard", action="store_true", help="plan with TailGuard's calibrated upper bounds")
-    p.add_argument("--objective", default="occupied", choices=["occupied", "rollout"],
+    p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned", "oracle"])
+    p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to (default 4)")
+    p.add_argument("--tailguard", action="store_true", default=None,
+                   help="plan with TailGuard's calibrated upper bounds")
+    p.add_argument("--objective", choices=["occupied", "rollout"],
                    help="how the planner picks the chain of stages: fewest occupied rank-seconds "
                         "(capacity, default) or shortest predicted rollout (latency)")
-    p.add_argument("--backend", default="torch", choices=["torch", "megatron"],
+    p.add_argument("--backend", choices=["torch", "megatron"],
                    help="MoE backend the plans must suit: megatron (megatron-core's contiguous expert "
                         "blocks) allows only group sizes that divide the expert count (default torch)")
-    p.add_argument("--ranks", type=int, default=16, help="ranks (accelerators) W (default 16)")
+    p.add_argument("--ranks", type=int, help="ranks (accelerators) W (default 16)")
     p.add_argument("--model", default=None, help="model and hardware shape (elastic.planning.shape.SHAPES)")
     p.add_argument("--cost", default=None, metavar="YAML", help="cost-model fields to override (YAML mapping)")
-    p.add_argument("--check-every", type=int, default=16, metavar="K",
+    p.add_argument("--check-every", type=int, metavar="K",
                    help="decode steps between drain-status checks (default 16)")
-    p.add_argument("--lease", action="store_true", help="detached ranks run side work under leases")
-    p.add_argument("--migrate", type=int, default=0, metavar="N",
+    p.add_argument("--lease", action="store_true", default=None, help="detached ranks run side work under leases")
+    p.add_argument("--migrate", type=int, metavar="N",
                    help="also simulate migrating the last N straggler responses a shrink waits for, "
                         "with their KV, to resident ranks, and report what that saves (a what-if: the "
                         "runtime does not migrate)")
@@ -46,62 +47,49 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="log the summary (--compare: the table) and the figures (--plot, or made for "
                         "W&B when matplotlib is installed) to W&B project PROJECT (default flexfloor), "
                         "offline under ./wandb unless WANDB_MODE=online")
+    from megatron_rl.cli.overrides import add_override_args
+
+    add_override_args(p)
     p.set_defaults(func=run)
 
 
-def _setup(args):
-    from elastic.planning.shape import SHAPES, ModelShape
-    from elastic.sim.costmodel import CostModel
+FLAGS = tuple((a, a) for a in ("trace", "policy", "floor", "tailguard", "objective", "backend", "ranks", "model",
+                               "check_every", "lease", "migrate"))
+
+
+def resolve_simulate(args):
+    """SimulateConfig from the flags, the `--cost` file (as `cost.*`) and `key=value` overrides."""
+    from megatron_rl.cli.overrides import resolve
+    from megatron_rl.cli.simulate_config import SimulateConfig
+    from megatron_rl.config import load_yaml
+
+    extra = {f"cost.{k}": (v, f"{args.cost}: {k}") for k, v in (load_yaml(args.cost) if args.cost else {}).items()}
+    if args.epochs:
+        try:
+            extra["epochs"] = ([int(x) for x in args.epochs.split(",")], f"--epochs {args.epochs}")
+        except ValueError:
+            raise FlexFloorError(f"--epochs: expected comma-separated integers, got {args.epochs!r}") from None
+    return resolve(SimulateConfig, None, args, FLAGS, extra=extra)
+
+
+def _setup(c):
     from elastic.sim.simulate import SimConfig
     from elastic.trace import TraceError, read_trace
-    from megatron_rl.config import load_dataclass
 
-    if args.ranks < 1:
-        raise FlexFloorError(f"--ranks must be >= 1, got {args.ranks}")
-    if not 1 <= args.floor <= args.ranks:
-        raise FlexFloorError(f"--floor must be in 1..{args.ranks} (the ranks), got {args.floor}")
-    if args.model is None:
-        shape = ModelShape()
-    elif args.model in SHAPES:
-        shape = SHAPES[args.model]
-    else:
-        raise FlexFloorError(f"--model {args.model!r} is not known; known: {', '.join(sorted(SHAPES))}")
-    if args.backend == "megatron" and shape.num_experts % args.ranks:
-        raise FlexFloorError(f"--backend megatron: the {shape.num_experts} experts of {shape.name} do not divide "
-                             f"over --ranks {args.ranks} (megatron-core owns experts in equal contiguous blocks)")
-    cost = load_dataclass(CostModel, args.cost)
-    if cost.num_experts != shape.num_experts:
-        raise FlexFloorError(f"{args.cost or 'cost model'}: num_experts {cost.num_experts} differs from "
-                             f"model {shape.name}'s {shape.num_experts}")
     try:
-        config = SimConfig(check_every=args.check_every, lease=args.lease)
-    except ValueError as e:
-        raise FlexFloorError(f"--check-every: {e}") from None
-    if args.migrate < 0:
-        raise FlexFloorError(f"--migrate must be >= 0, got {args.migrate}")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (in the dev extra, not a core dependency)
-        except ImportError:
-            raise FlexFloorError("--plot needs matplotlib: pip install matplotlib") from None
-    try:
-        trace = read_trace(args.trace)
-        epochs = None
-        if args.epochs:
-            try:
-                epochs = [int(x) for x in args.epochs.split(",")]
-            except ValueError:
-                raise FlexFloorError(f"--epochs: expected comma-separated integers, got {args.epochs!r}") from None
-            bad = [e for e in epochs if e not in trace.epochs or e == trace.epochs[0]]
+        trace = read_trace(c.trace)
+        if c.epochs is not None:
+            bad = [e for e in c.epochs if e not in trace.epochs or e == trace.epochs[0]]
             if bad:
-                raise FlexFloorError(f"--epochs: epoch {bad[0]} is not in {args.trace} or has no earlier epoch "
+                raise FlexFloorError(f"--epochs: epoch {bad[0]} is not in {c.trace} or has no earlier epoch "
                                      f"(epochs: {trace.epochs})")
+            epochs = c.epochs
         else:
             from elastic.sim.replay import rollout_epochs
             epochs = rollout_epochs(trace)
     except TraceError as e:
         raise FlexFloorError(str(e)) from None
-    return trace, epochs, shape, cost, config
+    return trace, epochs, c.shape, c.cost, SimConfig(check_every=c.check_every, lease=c.lease)
 
 
 def run(args) -> int:
@@ -120,15 +108,27 @@ def _run(args) -> int:
     from elastic.planning.plan import BACKEND_OWNERSHIP
     from elastic.sim.replay import Policy, compare_policies, simulate_trace
     from elastic.sim.report import compare_table, run_compare, single_report
+    from megatron_rl.cli.outputs import check_out_dir
+    from megatron_rl.config import config_yaml
 
-    trace, epochs, shape, cost, config = _setup(args)
+    c = resolve_simulate(args)
+    if args.print_config:
+        print(config_yaml(c), end="")
+        return 0
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  (in the dev extra, not a core dependency)
+        except ImportError:
+            raise FlexFloorError("--plot needs matplotlib: pip install matplotlib") from None
+        check_out_dir(args.plot, "--plot")
+    trace, epochs, shape, cost, config = _setup(c)
     if args.compare:
-        rows = run_compare(trace, ranks=args.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
-                           policies=compare_policies(objective=args.objective,
-                                                     ownership=BACKEND_OWNERSHIP[args.backend]),
+        rows = run_compare(trace, ranks=c.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
+                           policies=compare_policies(objective=c.objective,
+                                                     ownership=BACKEND_OWNERSHIP[c.backend]),
                            progress=lambda label: print(f"simulating {label} ...", file=sys.stderr, flush=True))
         if args.json:
-            print(json.dumps({"ranks": args.ranks, "rollouts": len(epochs), "objective": args.objective,
+            print(json.dumps({"ranks": c.ranks, "rollouts": len(epochs), "objective": c.objective,
                               "rows": rows}))
         else:
             print(compare_table(rows))
@@ -137,16 +137,16 @@ def _run(args) -> int:
             r.pop("_result", None)
         table = rows
     else:
-        policy = Policy(args.policy, args.floor, args.tailguard, objective=args.objective,
-                        ownership=BACKEND_OWNERSHIP[args.backend])
-        result = simulate_trace(trace, policy, ranks=args.ranks, cost=cost, shape=shape, config=config,
+        policy = Policy(c.policy, c.floor, c.tailguard, objective=c.objective,
+                        ownership=BACKEND_OWNERSHIP[c.backend])
+        result = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape, config=config,
                                 epochs=epochs)
         summary = result.summary()
-        if args.migrate:
-            moved = simulate_trace(trace, policy, ranks=args.ranks, cost=cost, shape=shape,
-                                   config=replace(config, migrate_max=args.migrate), epochs=epochs).summary()
+        if c.migrate:
+            moved = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape,
+                                   config=replace(config, migrate_max=c.migrate), epochs=epochs).summary()
             summary["migration"] = {
-                "max_responses": args.migrate,
+                "max_responses": c.migrate,
                 "migrated_responses": moved["migrated_responses"],
                 "rollout_time_s": moved["rollout_time_s"],
                 "rollout_time_saved_s": summary["rollout_time_s"] - moved["rollout_time_s"],

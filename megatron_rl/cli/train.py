@@ -1,6 +1,8 @@
 """`flexfloor train`: GRPO post-training on W CPU ranks (spawned here, or joined under torchrun).
 
-Writes DIR/metrics.jsonl (one object per step), DIR/wandb/ (offline unless WANDB_MODE=online;
+Any config field can be set after the command: `flexfloor train --config c.yaml grpo.group_size=16
+optim.lr=1e-6`; `--print-config` prints the resolved config and exits. Writes DIR/config.yaml (the
+resolved config), DIR/metrics.jsonl (one object per step), DIR/wandb/ (offline unless WANDB_MODE=online;
 upload later with `wandb sync DIR/wandb/offline-run-*`),
 DIR/checkpoints/step_<N>/ and, after the last step, DIR/hf/. Rerunning with the same --out resumes
 from the latest checkpoint.
@@ -13,20 +15,23 @@ from pathlib import Path
 
 
 def run(args) -> int:
-    from megatron_rl.config import load_dataclass
-    from megatron_rl.parallel.launch import under_torchrun
+    from megatron_rl.cli.outputs import check_out_dir, check_out_file
+    from megatron_rl.cli.overrides import resolve
+    from megatron_rl.config import config_yaml
+    from megatron_rl.models.megatron_backend import require_backend
     from megatron_rl.trainer import run_training
     from megatron_rl.trainer_config import TrainerConfig
 
-    overrides = {}
-    for flag, key in (("policy", "elastic.policy"), ("floor", "elastic.floor"), ("steps", "steps"),
-                      ("ranks", "ranks"), ("seed", "seed")):
-        if getattr(args, flag) is not None:
-            overrides[key] = getattr(args, flag)
-    if under_torchrun():
-        overrides["ranks"] = int(os.environ["WORLD_SIZE"])
-    cfg = load_dataclass(TrainerConfig, args.config, overrides)
+    flags = (("policy", "elastic.policy"), ("floor", "elastic.floor"), ("steps", "steps"),
+             ("ranks", "ranks"), ("seed", "seed"))
+    cfg = resolve(TrainerConfig, args.config, args, flags, world_size_key="ranks")
     cfg.logging.experiment = cfg.logging.experiment or Path(args.config).stem  # the W&B group
+    if args.print_config:
+        print(config_yaml(cfg), end="")
+        return 0
+    require_backend(cfg.backend)  # a backend this machine cannot run is refused before any output
+    check_out_dir(args.out, "--out")
+    check_out_file(args.json, "--json")
     summary = run_training(cfg, args.out)
     if summary is None:  # a non-zero rank under torchrun
         return 0
@@ -35,6 +40,10 @@ def run(args) -> int:
         print(f"reward_mean: step {summary['start_step'] + 1} {curve[0]:.3f} -> step "
               f"{summary['steps']} {curve[-1]:.3f}; {summary['wall_s']:.1f}s")
     print(f"metrics: {os.path.join(args.out, 'metrics.jsonl')}")
+    if "stopped" in summary:
+        st = summary["stopped"]
+        print(f"stopped by {st['signal']} after step {st['step']} (checkpoint saved); the same command "
+              "resumes from it", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=2)
@@ -53,4 +62,7 @@ def register(sub) -> None:
     p.add_argument("--ranks", type=int, help="number of ranks (ignored under torchrun)")
     p.add_argument("--seed", type=int)
     p.add_argument("--json", metavar="OUT", help="write the run summary (reward curve, wall time) here")
+    from megatron_rl.cli.overrides import add_override_args
+
+    add_override_args(p)
     p.set_defaults(func=run)

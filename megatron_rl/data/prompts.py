@@ -33,6 +33,7 @@ class Prompt:
     answer: str | None = None
     # The row's other columns, for reward functions that need more than the answer.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    where: str = field(default="", compare=False, hash=False)  # "file:line" of its row, for errors
 
 
 @dataclass
@@ -131,6 +132,7 @@ def _prompt_from_row(cfg: DataConfig, where: str, row: Any, index: int, stem: st
         text=cfg.template.format(prompt=text),
         answer=None if answer is None else str(answer),
         extra=extra,
+        where=where,
     )
 
 

@@ -168,6 +168,8 @@ def read_hf_config(path: str | Path) -> MoEModelConfig:
         raise CheckpointError(f"{cfg_file}: cannot read checkpoint config ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not UTF-8 text (byte offset {e.start})") from None
     return MoEModelConfig.from_hf(hf, str(cfg_file))
 
 
@@ -179,8 +181,17 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     held = list(range(cfg.num_moe_experts)) if experts is None else sorted(experts)
     model = Qwen3MoeModel(cfg, held, dtype)
     sd = _convert(path, _SafetensorsDir(path), cfg, held, model.state_dict())
+    _check_finite(path, sd)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
     return model
+
+
+def _check_finite(path: Path, sd: dict) -> None:
+    """A NaN or inf weight would generate garbage (every token 0) and train on NaN: refuse it."""
+    for k, v in sd.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            n = int((~torch.isfinite(v)).sum())
+            raise CheckpointError(f"{path}: weight {k} holds {n} non-finite value(s) (NaN or inf)")
 
 
 def check_same_shape(path: str | Path, configured: MoEModelConfig, where: str = "config") -> None:

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.errors import FlexFloorError, Interrupted
 from megatron_rl.parallel.groups import ProcessGroups
+from megatron_rl.parallel.signals import GRACE_S, Supervisor, default_signals, rank_signals
 
 
 class RankFailed(FlexFloorError):
@@ -68,8 +69,9 @@ def user_error(e: BaseException) -> FlexFloorError | None:
     return None
 
 
-def _worker(rank, world, port, timeout_s, fn, args, queue):
+def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_signals(launcher_pid)
     try:
         _init(rank, world, timeout_s)
         out = fn(_make_context(timeout_s), *args)
@@ -82,12 +84,13 @@ def _worker(rank, world, port, timeout_s, fn, args, queue):
         user = user_error(e)
         if user is not None:
             queue.put((rank, "error", (type(user).__name__, str(user))))
-        elif isinstance(e, ElasticFault):
+        elif isinstance(e, (ElasticFault, Interrupted)):
             queue.put((rank, "error", (type(e).__name__, str(e))))
         else:
             queue.put((rank, "error", (type(e).__name__, traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
+        default_signals()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -108,9 +111,13 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0):
+def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_grace_s: float = GRACE_S):
+    """`stop_grace_s`: after a SIGTERM/SIGINT/SIGUSR1 to this process, how long the ranks may take
+    to finish (a trainer saves a checkpoint) before they are ended; a rank that returns normally
+    then still counts, so a stopped trainer's summary comes back."""
     if under_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        rank_signals()
         _init(rank, size, timeout_s)
         try:
             out = fn(_make_context(timeout_s), *args)
@@ -120,45 +127,55 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0):
                 raise
             raise RankFailed(f"rank {rank} failed: {user}") from None
         finally:
+            default_signals()
             dist.destroy_process_group()
         return out if rank == 0 else None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, queue), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, queue, os.getpid()),
+                         daemon=False)
              for r in range(world)]
-    for p in procs:
-        p.start()
+    with Supervisor(procs, stop_grace_s) as sup:
+        for p in procs:
+            p.start()
+        result, errors, reported = _collect(procs, queue, sup)
+        # Finished ranks exit by themselves; anything else (a failure, a signal) ends them now.
+        sup.end(timeout_s if len(reported) == world and not errors else 2.0)
+    if errors or len(reported) < world:  # (a rank killed after its report leaves the result whole)
+        text = _describe(errors) if errors else "the ranks did not finish"
+        if sup.killed:
+            text += f"; rank(s) {', '.join(map(str, sup.killed))} did not end and were killed"
+        if sup.signum is not None:
+            raise Interrupted(sup.signum, f": {text}")
+        raise RankFailed(text)
+    return result
+
+
+def _collect(procs, queue, sup: Supervisor):
+    """Read the ranks' reports until all are in, a failure has had 5 s to gather context, or a
+    signal's stop grace is over. Returns (rank 0's result, errors, ranks that reported)."""
+    world = len(procs)
     result, errors, reported = None, [], set()
     first_error_at = None
-    try:
-        while len(reported) < world:
-            # After the first failure, wait a moment for the others' reports: a survivor's error
-            # usually says which stage and phase the run was in when a rank was lost.
-            if first_error_at is not None and time.monotonic() - first_error_at > 5.0:
-                break
-            try:
-                rank, status, payload = queue.get(timeout=0.5)
-            except Exception:
-                for r, p in enumerate(procs):
-                    if not p.is_alive() and r not in reported and p.exitcode not in (0, None):
-                        reported.add(r)
-                        errors.append((r, "died", f"exit code {p.exitcode}"))
-                        first_error_at = first_error_at or time.monotonic()
-                continue
-            reported.add(rank)
-            if status == "ok":
-                result = payload if rank == 0 else result
-            else:
-                errors.append((rank, *payload))
-                first_error_at = first_error_at or time.monotonic()
-    finally:
-        for p in procs:
-            p.join(timeout=5.0 if errors else timeout_s)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-    if errors:
-        raise RankFailed(_describe(errors))
-    return result
+    while len(reported) < world and not sup.stopping_overdue():
+        # After the first failure, wait a moment for the others' reports: a survivor's error
+        # usually says which stage and phase the run was in when a rank was lost.
+        if first_error_at is not None and time.monotonic() - first_error_at > 5.0:
+            break
+        try:
+            rank, status, payload = queue.get(timeout=0.5)
+        except Exception:
+            for r, p in enumerate(procs):
+                if not p.is_alive() and r not in reported and p.exitcode not in (0, None):
+                    reported.add(r)
+                    errors.append((r, "died", f"exit code {p.exitcode}"))
+                    first_error_at = first_error_at or time.monotonic()
+            continue
+        reported.add(rank)
+        if status == "ok":
+            result = payload if rank == 0 else result
+        else:
+            errors.append((rank, *payload))
+            first_error_at = first_error_at or time.monotonic()
+    return result, errors, reported

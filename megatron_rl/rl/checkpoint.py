@@ -15,12 +15,14 @@ after every rank has finished writing, so a crash during a save leaves the previ
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.trace import Trace, TraceError, read_trace, write_trace
 from megatron_rl.errors import FlexFloorError
@@ -74,12 +76,17 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
 
     root = Path(out_dir) / "checkpoints"
     path = root / f"step_{step:06d}"
-    dcp.save(_state(model, optimizer, ref_model), checkpoint_id=str(path))
-    if _megatron(optimizer):
-        optimizer.save(path, rank)
-    if rank == 0:
-        (path / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-        write_trace(history.records, path / "length_history.jsonl")
+    try:
+        dcp.save(_state(model, optimizer, ref_model), checkpoint_id=str(path))
+        if _megatron(optimizer):
+            optimizer.save(path, rank)
+        write_checksums(path, rank)
+        if rank == 0:
+            (path / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
+            write_trace(history.records, path / "length_history.jsonl")
+    except (OSError, CheckpointException) as e:
+        raise CheckpointError(f"{path}: cannot write the checkpoint ({_cause(e)}); the previous "
+                              "checkpoint stays in force") from None
     dist.barrier()  # every shard and sidecar is on disk before `latest` moves
     if rank == 0:
         tmp = root / "latest.tmp"
@@ -111,23 +118,31 @@ def read_trainer_state(path: Path, model_cfg: MoEModelConfig) -> tuple[dict, Tra
 def load_checkpoint(path: Path, model, optimizer, ref_model) -> None:
     """Load model, optimizer (and reference) state in place from the DCP shards at `path`."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
+    verify_checksums(path)
     state = _state(model, optimizer, ref_model)
+    absent = [] if _megatron(optimizer) else _drop_unsaved_optimizer_state(state, path)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP wraps per-rank failures in its own exception types  # noqa: BLE001
-        raise CheckpointError(f"{path}: cannot load the checkpoint shards ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's is a BaseException)
+        raise CheckpointError(f"{path}: cannot load the checkpoint shards ({_cause(e)})") from None
     if _megatron(optimizer):
         optimizer.load(path, dist.get_rank())
-        return
-    if "master" in state:
-        set_state_dict(optimizer.masters, optimizer.inner, model_state_dict=state["master"],
-                       optim_state_dict=state["optim"])
-        model.load_state_dict(state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # Under mixed precision the fp32 masters (rl/mixed_precision.py) hold the optimizer's
+        # parameters, by the model's names; the bf16 weights are loaded as saved.
+        holder, inner = (optimizer.masters, optimizer.inner) if "master" in state else (model, optimizer)
+        if "master" in state:
+            model.load_state_dict(state["model"])
+        set_model_state_dict(holder, state["master" if "master" in state else "model"])
+        # Not strict: a parameter without optimizer state in the checkpoint gets none (see below).
+        set_optimizer_state_dict(holder, inner, state["optim"], options=StateDictOptions(strict=False))
+        _forget_state(inner, holder, absent)
     if ref_model is not None:
         ref_model.load_state_dict(state["ref"])
 
@@ -149,3 +164,109 @@ def gather_full_state(model, rank: int, world: int) -> dict[str, torch.Tensor] |
     for p in parts:
         full.update(p)
     return full
+
+
+# ---- faults: optimizer state that was never created, corrupt shards, loader errors -------------
+CHECKSUMS = "checksums.json"
+
+
+def _saved_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception as e:  # noqa: BLE001  (a torn pickle raises whatever it hits)
+        raise CheckpointError(f"{path / '.metadata'}: unreadable checkpoint metadata "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _drop_unsaved_optimizer_state(state: dict, path: Path) -> list[str]:
+    """AdamW creates a parameter's state at its first gradient, so an expert that no token reached
+    has none, while `get_state_dict` makes state for every parameter of a fresh optimizer. Load only
+    what was saved; returns the parameters whose state must then be forgotten again."""
+    prefix = "optim.state."
+    # Keys are "optim.state.<parameter fqn>.<exp_avg|exp_avg_sq|step>".
+    saved = {k[len(prefix):].rsplit(".", 1)[0] for k in _saved_keys(path) if k.startswith(prefix)}
+    optim_state = state["optim"].get("state", {})
+    absent = [fqn for fqn in optim_state if fqn not in saved]
+    for fqn in absent:
+        del optim_state[fqn]
+    return absent
+
+
+def _forget_state(optimizer, model, fqns: list[str]) -> None:
+    """The optimizer holds no state for `fqns`, as when the checkpoint was written."""
+    params = dict(model.named_parameters())
+    for fqn in fqns:
+        optimizer.state.pop(params[fqn], None)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _shards(path: Path) -> list[Path]:
+    return sorted(path.glob("*.distcp"))
+
+
+def write_checksums(path: Path, rank: int) -> None:
+    """Every rank hashes its share of the shards (in parallel); rank 0 writes `checksums.json`."""
+    world = dist.get_world_size()
+    mine = {p.name: _sha256(p) for p in _shards(path)[rank::world]}
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    if rank == 0:
+        sums = {k: v for part in parts for k, v in part.items()}
+        sums[".metadata"] = _sha256(path / ".metadata")
+        (path / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
+
+
+def verify_checksums(path: Path) -> None:
+    """Refuse a checkpoint whose files differ from what was written (every rank checks its share;
+    all raise the same one-line error). Checkpoints written before checksums load unverified."""
+    listing = path / CHECKSUMS
+    if not listing.exists():
+        return
+    try:
+        sums = json.loads(listing.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{listing}: unreadable ({e})") from None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad = []
+    for name in sorted(sums)[rank::world]:
+        f = path / name
+        if not f.exists():
+            bad.append(f"{f}: missing")
+        elif _sha256(f) != sums[name]:
+            bad.append(f"{f}: checksum mismatch (the file changed after it was written)")
+    found = [None] * world
+    dist.all_gather_object(found, bad)
+    bad = sorted(b for part in found for b in part)
+    if bad:
+        raise CheckpointError(f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                              + f"; resume from an earlier checkpoint in {path.parent}")
+
+
+def _cause(e: BaseException) -> str:
+    """One line for a loader/writer failure: the underlying OS error (file and reason: 'No space left
+    on device' on a full disk) when there is one, else the innermost exception's first line."""
+    if isinstance(e, CheckpointException):
+        for exc in (pair[0] if isinstance(pair, tuple) else pair for pair in e.failures.values()):
+            e = exc
+            break
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.strerror:
+            return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+        if e.__cause__ is None and e.__context__ is None:
+            break
+        e = e.__cause__ or e.__context__
+    if isinstance(e, EOFError):
+        return "a shard ends early (truncated file)"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"

@@ -237,6 +237,10 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
+        # A reused folder must not mix an earlier (failed) run's files with this run's.
+        for pattern in ("responses.rank*.jsonl", "ledger.rank*.json", "responses.jsonl", "report.json"):
+            for stale in Path(out_dir).glob(pattern):
+                stale.unlink()
         (Path(out_dir) / "plan.json").write_text(plan.to_json())
     return RolloutJob(cfg, mcfg, requests, plan, out_dir)
 

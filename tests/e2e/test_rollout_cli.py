@@ -142,13 +142,14 @@ def test_bad_cases_cover_every_fixture(bad_inputs):
     assert sorted(bad_inputs) == sorted(CASES)
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
 def test_torchrun_joins_the_process_group_and_matches_spawned_ranks(tailed_trace, tmp_path):
     common = ["rollout", "--trace", tailed_trace, "--length-scale", 0.01, "--quiet", "--sample"]
     spawned = cli(*common, "--ranks", 2, "--json", tmp_path / "spawned.json")
     assert spawned.returncode == 0, spawned.stderr
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "megatron_rl.cli",
+    # This interpreter's torchrun: a `torchrun` on PATH may belong to another environment, or be absent.
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "megatron_rl.cli",
                         *map(str, common), "--json", tmp_path / "torchrun.json"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False)
     assert r.returncode == 0, r.stderr[-3000:]

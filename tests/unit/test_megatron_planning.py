@@ -135,9 +135,8 @@ def test_simulate_cli_backend_megatron(tmp_path, trace):
     bad = cli("--ranks", "12", "--backend", "megatron")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        "flexfloor simulate: error: --backend megatron: the 128 experts of qwen3-30b-a3b@h100-80g do not "
-        "divide over --ranks 12 "
-        "(megatron-core owns experts in equal contiguous blocks)"]
+        "flexfloor simulate: error: --ranks 12: backend megatron: the 128 experts of qwen3-30b-a3b@h100-80g "
+        "do not divide over ranks 12 (megatron-core owns experts in equal contiguous blocks)"]
 
 
 def test_plan_cli_backend_megatron(tmp_path, trace):

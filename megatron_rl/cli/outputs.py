@@ -1,0 +1,43 @@
+"""Output paths are checked before any rank starts: a run must not compute for an hour and then
+fail to write its report (a file where a folder was meant, a read-only or missing folder)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from megatron_rl.errors import FlexFloorError
+
+
+def _probe(folder: Path, label: str) -> None:
+    probe = folder / f".flexfloor-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise FlexFloorError(f"{label}: cannot write in {folder} ({e.strerror})") from None
+
+
+def check_out_dir(path: str | Path | None, flag: str) -> None:
+    """`path` is (or can become) a folder this process can write in; creates it."""
+    if path is None:
+        return
+    p, label = Path(path), f"{flag} {path}"
+    if p.exists() and not p.is_dir():
+        raise FlexFloorError(f"{label}: exists and is not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FlexFloorError(f"{label}: cannot create the folder ({e.strerror})") from None
+    _probe(p, label)
+
+
+def check_out_file(path: str | Path | None, flag: str) -> None:
+    """`path` can be written: its folder exists and takes files, and it is not itself a folder."""
+    if path is None:
+        return
+    p, label = Path(path), f"{flag} {path}"
+    if p.is_dir():
+        raise FlexFloorError(f"{label}: is a folder, expected a file name")
+    if not p.parent.is_dir():
+        raise FlexFloorError(f"{label}: folder {p.parent} does not exist")
+    _probe(p.parent, label)

@@ -1,0 +1,47 @@
+"""What `flexfloor simulate` simulates: its flags, `--cost` and `key=value` overrides in one dataclass.
+
+Apart from cli/simulate.py because the cost model imports numpy, which `flexfloor --help` must not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from elastic.planning.shape import SHAPES, ModelShape
+from elastic.sim.costmodel import CostModel
+from megatron_rl.config import require
+
+
+@dataclass
+class SimulateConfig:
+    trace: str = ""  # --trace is a required flag
+    policy: Literal["vanilla", "lengthsort", "natural", "planned", "oracle"] = "planned"
+    floor: int = 4
+    tailguard: bool = False
+    objective: Literal["occupied", "rollout"] = "occupied"
+    backend: Literal["torch", "megatron"] = "torch"
+    ranks: int = 16
+    model: str | None = None  # a name of elastic.planning.shape.SHAPES; None: the default shape
+    cost: CostModel = field(default_factory=CostModel)
+    check_every: int = 16
+    lease: bool = False
+    migrate: int = 0
+    epochs: list[int] | None = None  # default: every epoch that has an earlier one
+
+    def __post_init__(self):
+        require(self.ranks >= 1, f"ranks must be >= 1, got {self.ranks}")
+        require(1 <= self.floor <= self.ranks, f"floor must be in 1..{self.ranks} (the ranks), got {self.floor}")
+        require(self.model is None or self.model in SHAPES,
+                f"model {self.model!r} is not known; known: {', '.join(sorted(SHAPES))}")
+        require(self.cost.num_experts == self.shape.num_experts,
+                f"cost.num_experts {self.cost.num_experts} differs from model {self.shape.name}'s "
+                f"{self.shape.num_experts}")
+        require(self.backend != "megatron" or self.shape.num_experts % self.ranks == 0,
+                f"backend megatron: the {self.shape.num_experts} experts of {self.shape.name} do not divide "
+                f"over ranks {self.ranks} (megatron-core owns experts in equal contiguous blocks)")
+        require(self.check_every >= 1, f"check_every must be >= 1, got {self.check_every}")
+        require(self.migrate >= 0, f"migrate must be >= 0, got {self.migrate}")
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape() if self.model is None else SHAPES[self.model]

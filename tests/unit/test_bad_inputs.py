@@ -1,0 +1,102 @@
+"""Bad input to every command (rollout, train, plan, predict, simulate, demo) is one line naming the
+file, field or flag, exit 2, before any rank starts (issue 15 items 4.6-4.10). In-process: `main()`."""
+import json
+import sys
+
+import pytest
+import yaml
+
+from megatron_rl.cli import main
+from tests.process_tree import live_children
+
+GOOD = '{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 3, "response_len": 5}\n'
+TINY_TRAIN = {
+    "model": {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "num_query_groups": 1,
+              "kv_channels": 8, "num_moe_experts": 4, "moe_router_topk": 1, "moe_ffn_hidden_size": 8,
+              "vocab_size": 20, "max_position_embeddings": 16},
+    "tokenizer": {"kind": "char", "alphabet": "0123456789+-*=() "},
+    "grpo": {"group_size": 2}, "generation": {"max_response_len": 4}, "prompts_per_step": 2, "ranks": 2,
+}
+
+
+def _cases(tmp):
+    def w(name, data: bytes | str):
+        p = tmp / name
+        p.write_bytes(data if isinstance(data, bytes) else data.encode())
+        return str(p)
+
+    def train_cfg(name, rows, **changes):
+        data = w(f"{name}.jsonl", rows)
+        return w(f"{name}.yaml", yaml.safe_dump({**TINY_TRAIN, "data": {"path": data}, **changes}))
+
+    rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+    trace = w("t.jsonl", GOOD)
+    a_file = w("a_file", "x")
+    latin1_trace = w("latin1.jsonl", GOOD.encode() + '{"prompt_id": "caf\xe9"}\n'.encode("latin-1"))
+    latin1_yaml = w("latin1.yaml", "ranks: 2\n# caf\xe9\n".encode("latin-1"))
+    broken_yaml = w("broken.yaml", "ranks: 2\nbatch: {trace: [\n")
+    out = str(tmp / "out")
+    return {
+        # command -> [(argv, fragments of the one error line)]
+        "rollout": [
+            (["--config", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text (byte 0xe9 at file offset 14)"]),
+            (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text (byte 0xe9 at file offset"]),
+            (["--config", broken_yaml], [f"{broken_yaml}:3:1: not valid YAML"]),
+            (["--ranks", "0"], ["--ranks 0: ranks must be > 0"]),
+            (["--out", a_file], [f"--out {a_file}: exists and is not a folder"]),
+            (["--out", f"{a_file}/sub"], [f"--out {a_file}/sub: cannot create the folder (Not a directory)"]),
+            (["--out", "/proc/flexfloor-test"], ["--out /proc/flexfloor-test: cannot create the folder"]),
+            (["--json", str(tmp / "missing" / "r.json")], [f"folder {tmp / 'missing'} does not exist"]),
+        ],
+        "train": [
+            (["--config", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
+            (["--config", train_cfg("latin1_data", rows.encode() + '{"prompt": "caf\xe9"}\n'.encode("latin-1"))],
+             ["latin1_data.jsonl:5: not UTF-8 text (byte 0xe9 at file offset"]),
+            (["--config", train_cfg("small", rows, prompts_per_step=8)],
+             ["small.jsonl: 4 usable prompts, fewer than one step's prompts_per_step (8)"]),
+            (["--config", train_cfg("alphabet", rows + '{"prompt": "1+x=", "answer": "1"}\n')],
+             ["alphabet.jsonl:5: character 'x'"]),
+            (["--config", train_cfg("long", rows + json.dumps({"prompt": "1+" * 8 + "1=", "answer": "9"}) + "\n")],
+             ["long.jsonl:5: prompt of 19 tokens", "exceeds model.max_position_embeddings (16)"]),
+            (["--config", train_cfg("ok", rows), "--out", a_file], [f"--out {a_file}: exists and is not a folder"]),
+            (["--config", train_cfg("ok2", rows), "--out", out, "--json", str(tmp / "nope" / "s.json")],
+             [f"--json {tmp / 'nope' / 's.json'}: folder {tmp / 'nope'} does not exist"]),
+        ],
+        "plan": [
+            (["--trace", trace, "--max-response-len", "-5"], ["--max-response-len -5: max_response_len: expected > 0"]),
+            (["--trace", trace, "--max-response-len", "0"], ["--max-response-len 0: max_response_len: expected > 0"]),
+            (["--trace", trace, "--ranks", "1000"], ["--ranks 1000: ranks (1000) exceeds the experts of"]),
+            (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
+        ],
+        "predict": [
+            (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
+            (["--trace", trace, "--alpha", "2"], ["--alpha must be in (0, 1)"]),
+        ],
+        "simulate": [
+            (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
+            (["--trace", trace, "--cost", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
+            (["--trace", trace, "--plot", a_file], [f"--plot {a_file}: exists and is not a folder"]),
+            (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..16"]),
+        ],
+        "demo": [
+            (["--ranks", "3"], ["--ranks 3:", "divisible by ranks (3)"]),
+            (["--config", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
+            (["batch.prompts=many"], ["batch.prompts=many: batch.prompts: expected an integer"]),
+        ],
+    }
+
+
+@pytest.mark.parametrize("command", ["rollout", "train", "plan", "predict", "simulate", "demo"])
+def test_bad_input_is_one_line_exit_2_before_any_rank(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, fragments in _cases(tmp_path)[command]:
+        rc = main([command, *argv])
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1, (argv, rc, err[-2000:])
+        assert lines[0].startswith(f"flexfloor {command}: error: "), (argv, lines)
+        for f in fragments:
+            assert f in lines[0], (argv, f, lines[0])
+        assert "[rollout]" not in err and "[train] step" not in err
+        assert not live_children(), (argv, "a process of the run is still alive")
+    sys.stdout.flush()

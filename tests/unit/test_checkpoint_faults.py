@@ -1,0 +1,106 @@
+"""Checkpoint faults (issue 15 items 4.1, 4.4, 4.5): state AdamW never created, corrupt or torn
+files, a full disk; each is one line naming the file, and the last good checkpoint stays in force."""
+import pytest
+import torch
+
+from elastic.trace import Trace
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.rl.model_setup import build_model
+from megatron_rl.rl.train_step import is_expert_param, make_optimizer
+from megatron_rl.trainer import TrainingDiverged, check_finite
+from megatron_rl.trainer_config import TrainerConfig
+
+CFG = TrainerConfig(model=MoEModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                                         num_query_groups=1, kv_channels=8, num_moe_experts=4,
+                                         moe_router_topk=1, moe_ffn_hidden_size=8, vocab_size=20),
+                    ranks=1, prompts_per_step=1)
+
+
+def _model_and_optimizer():
+    model = build_model(CFG, 0, 1)
+    return model, make_optimizer(model, 1e-2)
+
+
+def _step_without_expert_3(model, opt):
+    """An update in which expert 3 got no gradient, as when the router sent it no token."""
+    for n, p in model.named_parameters():
+        p.grad = None if (is_expert_param(n) and ".local_experts.3." in n) else torch.ones_like(p)
+    opt.step()
+
+
+def _save(out, step, model, opt):
+    return save_checkpoint(out, step, model, opt, None, {"data": {}}, Trace([], "h"), 0)
+
+
+@pytest.fixture
+def saved(one_rank_group, tmp_path):
+    model, opt = _model_and_optimizer()
+    _step_without_expert_3(model, opt)
+    return tmp_path, _save(tmp_path, 1, model, opt), model, opt
+
+
+def test_resume_restores_exactly_the_state_the_optimizer_held(saved):
+    _, path, model, opt = saved
+    fresh, fresh_opt = _model_and_optimizer()
+    load_checkpoint(path, fresh, fresh_opt, None)
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = {names[id(p)]: s for p, s in opt.state.items()}
+    fresh_names = {id(p): n for n, p in fresh.named_parameters()}
+    loaded = {fresh_names[id(p)]: s for p, s in fresh_opt.state.items()}
+    assert held.keys() == loaded.keys() and not any(".local_experts.3." in n for n in loaded)
+    for n in held:
+        for k in held[n]:
+            assert torch.equal(torch.as_tensor(held[n][k]), torch.as_tensor(loaded[n][k])), (n, k)
+    for (n, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), n
+
+
+def _flip(path, offset=200):
+    data = bytearray(path.read_bytes())
+    for i in range(offset, offset + 16):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_shard_is_refused_naming_the_file(saved):
+    _, path, _, _ = saved
+    shard = sorted(path.glob("*.distcp"))[0]
+    _flip(shard)
+    with pytest.raises(CheckpointError, match=f"^{shard}: checksum mismatch"):
+        load_checkpoint(path, *_model_and_optimizer(), None)
+
+
+def test_torn_shard_and_metadata_are_one_line_errors_naming_the_file(saved):
+    _, path, _, _ = saved
+    (path / "checksums.json").unlink()  # as a checkpoint written before checksums
+    meta = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(meta[:100])
+    with pytest.raises(CheckpointError, match=f"^{path / '.metadata'}: unreadable checkpoint metadata") as e:
+        load_checkpoint(path, *_model_and_optimizer(), None)
+    assert "\n" not in str(e.value)
+    (path / ".metadata").write_bytes(meta)
+    shard = sorted(path.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=f"^{path}: cannot load the checkpoint shards") as e:
+        load_checkpoint(path, *_model_and_optimizer(), None)
+    assert "\n" not in str(e.value)
+
+
+def test_a_full_disk_says_no_space_left_and_keeps_the_last_checkpoint(saved):
+    out, first, model, opt = saved
+    target = out / "checkpoints" / "step_000002"
+    target.mkdir()
+    (target / "__0_0.distcp").symlink_to("/dev/full")  # every write there fails with ENOSPC
+    with pytest.raises(CheckpointError, match="No space left on device") as e:
+        _save(out, 2, model, opt)
+    assert str(e.value).startswith(str(target)) and "\n" not in str(e.value)
+    assert latest_checkpoint(out) == first
+
+
+def test_non_finite_loss_or_grad_stops_naming_the_step_and_the_last_good_checkpoint(saved):
+    out, first, _, _ = saved
+    check_finite(2, {"loss": 0.5, "grad_norm": 1.0}, out)
+    for bad in ({"loss": float("nan"), "grad_norm": 1.0}, {"loss": 0.1, "grad_norm": float("inf")}):
+        with pytest.raises(TrainingDiverged, match=f"^step 2: non-finite .*last good checkpoint: {first}"):
+            check_finite(2, bad, out)
