@@ -51,7 +51,7 @@ class Trainer:
         rank, world = ctx.rank, ctx.world
         self.out_dir = Path(out_dir)
         self.tok = build_tokenizer(cfg.tokenizer)
-        self.model = build_model(cfg, rank, world)
+        self.model = build_model(cfg, rank, world).to(ctx.device)
         self.iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
         self.history = Trace([], "length history")
         self.start_step = 0
@@ -127,7 +127,8 @@ class Trainer:
             rewards[i] = self.scorer(text, prompts[i // G].answer)
         counts_local = self.scorer.take_counts()
         counts = torch.tensor([counts_local[k] for k in OUTCOMES], dtype=torch.float64)
-        if self.world > 1:
+        if self.world > 1:  # on the model's device: NCCL reduces GPU tensors only
+            rewards, counts = rewards.to(self.model.device), counts.to(self.model.device)
             dist.all_reduce(rewards)
             dist.all_reduce(counts)
         return rewards, {k: int(c) for k, c in zip(OUTCOMES, counts)}
@@ -179,9 +180,11 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     non-zero torchrun ranks).
     """
     from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.rl.checkpoint import latest_checkpoint
 
+    device = resolve_device(cfg.device)
     check_init(cfg)
     data = load_prompts(cfg.data)
     if data.skipped:
@@ -198,4 +201,5 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
                                   "raise `steps` to train further")
         print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s)
+    return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
+                     device=device)

@@ -13,6 +13,7 @@ from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.parallel.device import DeviceChoice
 from megatron_rl.rewards import RewardConfig
 
 
@@ -126,6 +127,8 @@ class TrainerConfig:
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     timeout_s: float = 300.0  # every collective's timeout
     verify_replicas: bool = True  # after each update, check the replicated weights agree bitwise
+    # `cuda`: one GPU per rank over NCCL; `cpu`: gloo ranks; `auto`: cuda when CUDA is available.
+    device: DeviceChoice = "cpu"
 
     def __post_init__(self):
         W, E = self.ranks, self.model.num_moe_experts
