@@ -37,7 +37,6 @@ class ParallelContext:
     timeout_s: float
     store: object  # the job's key-value store (control messages that must not block a rank)
     device: torch.device = torch.device("cpu")  # where this rank computes
-    transport: str = "direct"  # how tensors reach collectives (elastic/runtime/transport.py)
 
 
 def _free_port() -> int:
@@ -46,13 +45,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_context(timeout_s: float, device: torch.device, transport: str) -> ParallelContext:
+def _make_context(timeout_s: float, device: torch.device) -> ParallelContext:
     world_group = dist.group.WORLD
     pgs = ProcessGroups(world=world_group, ep=world_group, dp=world_group)
     # The default group's store: torch keeps it private, but every launcher (spawn, torchrun,
     # Slurm) creates one, and it is the only channel a rank can poll without blocking.
     store = dist.distributed_c10d._get_default_store()
-    return ParallelContext(dist.get_rank(), dist.get_world_size(), pgs, timeout_s, store, device, transport)
+    return ParallelContext(dist.get_rank(), dist.get_world_size(), pgs, timeout_s, store, device)
 
 
 def _init(rank: int, world: int, timeout_s: float, device: str, transport: str) -> torch.device:
@@ -88,7 +87,7 @@ def _worker(rank, world, port, timeout_s, fn, args, queue, device="cpu", transpo
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         here = _init(rank, world, timeout_s, device, transport)
-        out = fn(_make_context(timeout_s, here, transport), *args)
+        out = fn(_make_context(timeout_s, here), *args)
         queue.put((rank, "ok", out if rank == 0 else None))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
         from elastic.runtime.runtime import ElasticFault
@@ -127,12 +126,12 @@ def under_torchrun() -> bool:
 def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, device: str = "cpu",
               transport: str = "direct"):
     """`device`: 'cpu' or 'cuda' (resolved, `parallel.device.resolve_device`); `transport`: 'direct'
-    or 'host' (ranks sharing a GPU over gloo)."""
+    (NCCL on GPUs) or 'host' (a gloo world, so ranks may share a GPU; elastic/runtime/transport.py)."""
     if under_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         here = _init(rank, size, timeout_s, device, transport)
         try:
-            out = fn(_make_context(timeout_s, here, transport), *args)
+            out = fn(_make_context(timeout_s, here), *args)
         except Exception as e:
             user = user_error(e)
             if user is None or user is e:

@@ -22,7 +22,7 @@ from elastic.planning.plan import Plan, static_plan
 from elastic.planning.shape import ModelShape
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.parallel.device import resolve_device
+from megatron_rl.parallel.device import dist_backend, resolve_device
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
@@ -261,13 +261,16 @@ def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = 
     tests pay the start-up once). Returns a list of (report, responses); None on torchrun ranks != 0.
     """
     out_dirs = out_dirs or [None] * len(cfgs)
-    worlds = {(c.ranks, c.device, c.transport) for c in cfgs}
+    # One world: one rank count, one device and one process-group backend (transports that share
+    # it, as both do on CPU, may differ from job to job).
+    worlds = {(c.ranks, resolve_device(c.device), dist_backend(resolve_device(c.device), c.transport)) for c in cfgs}
     if len(worlds) != 1:
-        raise FlexFloorError(f"rollouts in one world must share ranks, device and transport, got {sorted(worlds)}")
-    device = resolve_device(cfgs[0].device)
+        raise FlexFloorError(f"rollouts in one world must share ranks, device and process-group backend, "
+                             f"got {sorted(worlds)}")
+    (_, device, backend), = worlds
     jobs = [prepare(c, d) for c, d in zip(cfgs, out_dirs)]
     return run_ranks(rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs),
-                     device=device, transport=cfgs[0].transport)
+                     device=device, transport="direct" if backend == "nccl" else "host")
 
 
 def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
