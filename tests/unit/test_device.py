@@ -86,3 +86,11 @@ def test_config_fields_validated(cls, field):
 def test_kv_memory_fraction_bounds():
     with pytest.raises(ConfigError, match=r"kv_memory_fraction must be in \(0, 1\]"):
         load_dataclass(RolloutConfig, None, {"kv_memory_fraction": 1.5})
+
+
+def test_rollout_help_says_how_gpus_run(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["rollout", "--config", "examples/qwen3_30b_a3b_16xh100.yaml", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    assert "one rank per GPU (cuda:LOCAL_RANK) over NCCL, e.g. 8 ranks per node" in out and "--device" in out
