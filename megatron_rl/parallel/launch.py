@@ -36,7 +36,7 @@ class ParallelContext:
     pgs: ProcessGroups
     timeout_s: float
     store: object  # the job's key-value store (control messages that must not block a rank)
-    device: torch.device = torch.device("cpu")  # where this rank computes
+    device: torch.device  # where this rank computes (parallel/device.py)
 
 
 def _free_port() -> int:
