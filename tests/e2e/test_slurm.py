@@ -105,7 +105,7 @@ def test_train_sbatch_requeues_on_usr1_and_resumes_from_the_checkpoint(slurm, tm
     assert slurm.job_field(job, "JobState") in ("COMPLETED", ""), log
     assert slurm.job_field(job, "Restarts") in ("1", ""), log
     lines = calls.read_text().splitlines()
-    args = f"train --config cfg.yaml --out {tmp_path / 'run'} --seed 3"
+    args = f"train --device cpu --config cfg.yaml --out {tmp_path / 'run'} --seed 3"  # no GPUs allocated
     assert lines == [
         f"0 started: {args}",
         "0 checkpoint",  # the rank got SIGTERM and time to save, not an outright SIGKILL
