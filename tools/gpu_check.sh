@@ -44,7 +44,7 @@ stage() {
 }
 
 stage "tests/gpu (a, b)" 300 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu
-stage "c: tools/bench_gpu.py" 150 python tools/bench_gpu.py
+stage "c: tools/bench_gpu.py" 240 python tools/bench_gpu.py
 expected=("a: greedy bf16 vs fp64 CPU" "a: 5 GRPO steps bf16" "b: 2-rank elastic, one GPU"
           "c: decode tokens/s, batch 1" "c: decode tokens/s, batch 64")
 

@@ -68,12 +68,12 @@ def greedy_vs_reference(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str =
     # Large: a gap of at least `margin` standard deviations of that step's logits (a random model's
     # logits are not peaked; bf16 moves them by about 1% of their spread).
     large = gap > margin * logits.std(dim=-1)
-    return {
-        "steps": agree.numel(), "agreement": float(agree.float().mean()),
-        "large_margin_steps": int(large.sum()), "large_margin_agreement":
-            float(agree[large].float().mean()) if large.any() else float("nan"),
-        "ok": bool(agree[large].all()) and int(large.sum()) >= min_large * agree.numel(),
-    }
+    out = {"steps": agree.numel(), "agreement": float(agree.float().mean()), "large_margin_steps": int(large.sum()),
+           "large_margin_agreement": float(agree[large].float().mean()) if large.any() else float("nan"),
+           "ok": bool(agree[large].all()) and int(large.sum()) >= min_large * agree.numel()}
+    out["summary"] = (f"{out['agreement']:.1%} of {out['steps']} tokens agree; {out['large_margin_agreement']:.1%} "
+                      f"of the {out['large_margin_steps']} with a large margin")
+    return out
 
 
 def _shaped_rewards(responses) -> torch.Tensor:
@@ -104,7 +104,10 @@ def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
                              for micro, tokens in batches for mb in micro) / len(batches))
         reward.append(float(rewards.mean()))
     return {"loss_before": before, "loss_after": after, "reward": reward,
-            "ok": all(a < b for a, b in zip(after, before))}
+            "ok": all(a < b for a, b in zip(after, before)),
+            "summary": "surrogate before -> after update: " + ", ".join(f"{b:+.3f}->{a:+.3f}" for b, a in
+                                                                        zip(before, after))
+                       + f"; reward {reward[0]:.2f} -> {reward[-1]:.2f}"}
 
 
 def grpo_steps(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str = "cuda", dtype: str = "bfloat16",
@@ -138,7 +141,11 @@ def elastic_on_one_device(*, device: str = "cuda", prompts: int = 8, samples: in
     cfgs = [load_dataclass(RolloutConfig, None, {**base, "policy": "vanilla"}),
             load_dataclass(RolloutConfig, None, {**base, "policy": "natural", "floor": 1})]
     (vanilla, _), (natural, _) = run_rollouts(cfgs, quiet=True)
-    return {"device": natural["device"], "final_stage": natural["final_stage"],
-            "shrink_latency_s": natural["shrink_latency_s"], "restore_s": natural["restore_s"],
-            "freed_bytes": natural["freed_bytes"], "sha256": natural["responses_sha256"][:16],
-            "ok": natural["final_stage"] == 1 and natural["responses_sha256"] == vanilla["responses_sha256"]}
+    same = natural["responses_sha256"] == vanilla["responses_sha256"]
+    freed = {r: sum(f.values()) for r, f in natural["freed_bytes"].items()}
+    return {"device": natural["device"], "final_stage": natural["final_stage"], "freed_bytes": natural["freed_bytes"],
+            "ok": natural["final_stage"] == 1 and same,
+            "summary": f"on {natural['device']}: stage {natural['final_stage']} reached, shrink "
+                       f"{sum(natural['shrink_latency_s'].values()):.3f} s, restore {natural['restore_s']:.3f} s, "
+                       f"freed bytes by rank {freed}; sha256 {natural['responses_sha256'][:12]} "
+                       + ("equals vanilla's" if same else f"differs from vanilla's {vanilla['responses_sha256'][:12]}")}

@@ -16,35 +16,27 @@ pytestmark = [
 ]
 
 
-def _check(name: str, fn, describe):
+def _check(name: str, fn):
     t0 = time.perf_counter()
     try:
         out = fn()
     except Exception as e:
         record(name, "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", time.perf_counter() - t0)
         raise
-    record(name, "pass" if out["ok"] else "fail", describe(out), time.perf_counter() - t0)
+    record(name, "pass" if out["ok"] else "fail", out["summary"], time.perf_counter() - t0)
     return out
 
 
 def test_a_greedy_bf16_matches_the_fp64_reference_where_the_margin_is_large():
-    out = _check("a: greedy bf16 vs fp64 CPU", lambda: gpu_checks.greedy_vs_reference(device="cuda"),
-                 lambda o: f"{o['agreement']:.1%} of {o['steps']} tokens agree; {o['large_margin_agreement']:.1%} "
-                           f"of the {o['large_margin_steps']} large-margin ones")
+    out = _check("a: greedy bf16 vs fp64 CPU", lambda: gpu_checks.greedy_vs_reference(device="cuda"))
     assert out["ok"], out
 
 
 def test_a_five_grpo_steps_in_bf16_lower_the_loss():
-    out = _check("a: 5 GRPO steps bf16", lambda: gpu_checks.grpo_steps(device="cuda"),
-                 lambda o: "surrogate before -> after update: " + ", ".join(
-                     f"{b:+.3f}->{a:+.3f}" for b, a in zip(o["loss_before"], o["loss_after"]))
-                 + f"; reward {o['reward'][0]:.2f} -> {o['reward'][-1]:.2f}")
+    out = _check("a: 5 GRPO steps bf16", lambda: gpu_checks.grpo_steps(device="cuda"))
     assert out["ok"], out
 
 
 def test_b_elastic_two_ranks_on_one_gpu_over_the_host_staged_transport():
-    out = _check("b: 2-rank elastic, one GPU", lambda: gpu_checks.elastic_on_one_device(device="cuda"),
-                 lambda o: f"stage {o['final_stage']}, shrink {o['shrink_latency_s']} s, restore "
-                           f"{o['restore_s']:.3f} s, freed {o['freed_bytes']}, sha256 {o['sha256']} "
-                           "(vanilla equal)" if o["ok"] else "responses differ from vanilla")
+    out = _check("b: 2-rank elastic, one GPU", lambda: gpu_checks.elastic_on_one_device(device="cuda"))
     assert out["device"] == "cuda" and out["ok"], out

@@ -62,6 +62,7 @@ def test_greedy_check_on_cpu():
     bf16 = dict(device="cpu", dtype=torch.bfloat16, batch=8, new_tokens=32, seed=1)
     out = gpu_checks.greedy_vs_reference(TINY, **bf16)
     assert out["large_margin_agreement"] == 1.0 and out["ok"] and out["agreement"] < 1.0
+    assert out["summary"].endswith(f"of the {out['large_margin_steps']} with a large margin")
     # With every step counted as large, bf16's disagreements fail the check.
     assert not gpu_checks.greedy_vs_reference(TINY, **bf16, margin=0.0)["ok"]
 
@@ -70,8 +71,15 @@ def test_greedy_check_on_cpu():
 def test_grpo_steps_through_the_trainer_lower_the_surrogate_and_a_frozen_model_does_not():
     kw = dict(device="cpu", dtype="float32", prompts_per_step=2, group_size=4, max_response_len=6)
     out = gpu_checks.grpo_steps(TINY, steps=2, **kw)
-    assert out["ok"] and len(out["loss_after"]) == 2
+    assert out["ok"] and len(out["loss_after"]) == 2 and out["summary"].startswith("surrogate before -> after")
     assert not gpu_checks.grpo_steps(TINY, steps=1, lr=1e-30, **kw)["ok"]
+
+
+@pytest.mark.timeout(240)
+def test_elastic_check_on_cpu():
+    out = gpu_checks.elastic_on_one_device(device="cpu", prompts=4, samples=2)
+    assert out["ok"] and out["device"] == "cpu" and out["freed_bytes"]["1"]["kv_cache"] > 0
+    assert "equals vanilla's" in out["summary"], out["summary"]
 
 
 def test_gpu_check_script_lints_and_refuses_a_machine_without_cuda():
