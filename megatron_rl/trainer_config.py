@@ -13,6 +13,7 @@ from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.parallel.device import DeviceChoice
 from megatron_rl.rewards import RewardConfig
 
 
@@ -139,6 +140,8 @@ class TrainerConfig:
     backend: Literal["torch", "megatron"] = "torch"
     timeout_s: float = 300.0  # every collective's timeout
     verify_replicas: bool = True  # after each update, check the replicated weights agree bitwise
+    # `cuda`: one GPU per rank over NCCL; `cpu`: gloo ranks; `auto`: cuda when CUDA is available.
+    device: DeviceChoice = "cpu"
     # Training memory (docs/training.md): rerun each decoder layer's forward in backward instead of
     # keeping its activations; and compute log-probs this many positions at a time (0 = all at
     # once), so a long response never materialises [tokens, vocab] fp32 logits.

@@ -12,7 +12,9 @@ process's CPU clock. Each engine's line gives the medians over the repetitions. 
 every repetition times both engines back to back, its ratio compares those two, and the median of
 the per-repetition ratios is reported (with their range), so a slow spell of a shared machine, which
 hits both engines of one repetition alike, does not land on one side only. The greedy tokens of
-both are compared too: a speed-up that changed the tokens would be no speed-up.
+both are compared too: a speed-up that changed the tokens would be no speed-up (in float32; in
+bfloat16 on a GPU the kernels differ, and the share of equal tokens is reported instead).
+`--device cuda --dtype bfloat16` runs the same comparison on a GPU (tools/bench_gpu.py does).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DTYPES = ("float32", "bfloat16")  # torch dtype names
 
 
 def tiny_hf(args):
@@ -37,7 +41,7 @@ def tiny_hf(args):
         num_experts_per_tok=args.topk, norm_topk_prob=True, initializer_range=0.2,
         max_position_embeddings=args.prompt_len + args.new_tokens + 8)
     torch.manual_seed(args.seed)
-    return transformers.Qwen3MoeForCausalLM(cfg).eval()
+    return transformers.Qwen3MoeForCausalLM(cfg).eval().to(args.device, getattr(torch, args.dtype))
 
 
 def ours_generate(model, prompts, new_tokens):
@@ -56,7 +60,7 @@ def ours_generate(model, prompts, new_tokens):
 def hf_generate(model, prompts, new_tokens):
     import torch
 
-    ids = torch.tensor(prompts, dtype=torch.long)
+    ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
@@ -70,7 +74,7 @@ def timed(fn, *a) -> tuple[float, float]:
     return time.perf_counter() - w, time.process_time() - c
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=16)
@@ -83,10 +87,14 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.new_tokens < 2:
-        p.error("--new-tokens must be >= 2 (decode time is t(N) - t(1))")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    return p
 
+
+def measure(args) -> dict:
+    """Run both engines; print their lines and return the figures (decode tokens/s per engine and
+    clock, the paired ratios, the share of equal greedy tokens)."""
     import torch
 
     from megatron_rl.models import load_hf_checkpoint
@@ -95,13 +103,13 @@ def main(argv=None) -> int:
     hf = tiny_hf(args)
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        ours = load_hf_checkpoint(d, dtype=torch.float32).eval()
+        ours = load_hf_checkpoint(d, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     g = torch.Generator().manual_seed(args.seed + 1)
     prompts = torch.randint(0, args.vocab, (args.batch, args.prompt_len), generator=g).tolist()
     B, N = args.batch, args.new_tokens
     print(f"config: Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-"
-          f"{args.topk}, vocab {args.vocab}, float32, {args.threads} thread(s); batch {B}, prompt "
-          f"{args.prompt_len}, {N} new tokens, greedy, {args.reps} reps after 1 warm-up; "
+          f"{args.topk}, vocab {args.vocab}, {args.dtype} on {args.device}, {args.threads} thread(s); batch "
+          f"{B}, prompt {args.prompt_len}, {N} new tokens, greedy, {args.reps} reps after 1 warm-up; "
           f"torch {torch.__version__}")
 
     engines = {"ours": lambda n: ours_generate(ours, prompts, n), "hf": lambda n: hf_generate(hf, prompts, n)}
@@ -114,23 +122,35 @@ def main(argv=None) -> int:
         for name, fn in engines.items():
             full[name].append(timed(fn, N))
             one[name].append(timed(fn, 1))
+    out = {"decode_tokens_per_s": {}, "ratio": {}, "ratio_range": {}}
     for name in engines:
         for i, clock in enumerate(("wall", "cpu")):
             t_full = statistics.median(t[i] for t in full[name])
             t_one = statistics.median(t[i] for t in one[name])
             rate = B * (N - 1) / max(t_full - t_one, 1e-9)
+            out["decode_tokens_per_s"][f"{name}/{clock}"] = rate
             print(f"{name:>4} {clock:>4}: {B * N / t_full:9.1f} tokens/s end to end, {rate:9.1f} "
                   f"decode tokens/s (median {t_full * 1e3:.1f} ms for {N} tokens, {t_one * 1e3:.1f} ms for 1)")
-    same = tokens["ours"] == tokens["hf"]
-    print(f"greedy tokens identical: {same}")
+    pairs = [(a, b) for ra, rb in zip(tokens["ours"], tokens["hf"]) for a, b in zip(ra, rb)]
+    out["same_tokens"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+    print(f"greedy tokens identical: {out['same_tokens'] == 1} ({out['same_tokens']:.1%} of tokens equal)")
     for i, clock in enumerate(("wall", "cpu")):
         # Decode time of each engine in repetition k; their quotient is that repetition's speed ratio.
         decode = {name: [f[i] - o[i] for f, o in zip(full[name], one[name])] for name in engines}
         ratios = sorted(h / max(o, 1e-9) for h, o in zip(decode["hf"], decode["ours"]))
+        out["ratio"][clock], out["ratio_range"][clock] = statistics.median(ratios), (ratios[0], ratios[-1])
         print(f"decode tokens/s ratio ours / HF generate ({clock} clock): {statistics.median(ratios):.2f}x "
               f"(median of {len(ratios)} paired repetitions, range {ratios[0]:.2f}x-{ratios[-1]:.2f}x; "
               f"target >= 1.5x)")
-    return 0 if same else 1
+    return out
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be >= 2 (decode time is t(N) - t(1))")
+    return 0 if measure(args)["same_tokens"] == 1 else 1
 
 
 if __name__ == "__main__":

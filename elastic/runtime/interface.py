@@ -3,7 +3,8 @@
 The real engine (`megatron_rl.rollout.elastic_engine.ElasticRolloutEngine`) implements it over
 torch; the simulator needs none of it. Expert weights cross this boundary as one flat tensor per
 expert (every layer's weights of that expert, concatenated in a fixed order), so moving an expert is
-one message.
+one message. Buffers the runtime makes (status counts, receive buffers) are on the engine's `device`,
+and every tensor it exchanges goes through the engine's `transport` (elastic/runtime/transport.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from typing import Any, Protocol
 
 
 class ElasticEngine(Protocol):
+    device: Any  # a torch.device
+    transport: Any  # a DirectTransport or HostStagedTransport
+
     def load(self) -> int:
         """Local requests not yet finished; 0 means this rank has drained."""
 
@@ -37,6 +41,15 @@ class ElasticEngine(Protocol):
 
     def use_group(self, group: Any, owners: dict[int, int]) -> None:
         """From the next step, route through `group`, with expert e computed on rank owners[e]."""
+
+    def expert_bytes(self) -> int:
+        """Memory of the experts held now."""
+
+    def release_memory(self) -> int:
+        """Detached, with no live request: free the KV cache for a lease; returns the bytes freed."""
+
+    def reclaim_memory(self) -> None:
+        """Re-allocate what `release_memory` freed (before the restore)."""
 
     def checksums(self) -> dict[str, float]:
         """Checksums of the weights this rank holds, by name (experts as `expert.<e>`)."""

@@ -1,14 +1,16 @@
 """The elastic rollout runtime: carry a `Plan` out on an `ElasticEngine`, one rank's view.
 
 Collective order (every rank runs this same sequence, which is what keeps gloo/NCCL from hanging):
-1. setup: `new_group` for every stage of the plan, on every rank, in stage order (a shrink is then
-   a routing swap, never a rendezvous); checksums of the held weights; a world barrier starts the clock.
+1. setup: `new_group` for every stage of the plan, on every rank, in stage order, each warmed with
+   one small all-reduce (NCCL creates a communicator at its first collective: warmed, a shrink is a
+   routing swap, never a rendezvous); checksums of the held weights; a world barrier starts the clock.
 2. decode loop of the active group: every `status_interval` ticks, an all-reduce of each member's
    unfinished-request count over the current stage's group; `Plan.advance` turns the drained set
    into the stage to be in (the same rule the simulator runs). On a stage change the whole old group
    moves experts (`Plan.transfers`, point-to-point in one global order, so no cycle can deadlock),
    survivors swap to the new group and owners at the same tick, and the leaving ranks detach.
-3. detached ranks serve the idle pool (leases) until the coordinator's restore message arrives.
+3. detached ranks free their KV cache (their experts are already dropped) and serve the idle pool
+   (leases) until the coordinator's restore message arrives, then re-allocate the cache.
    That message goes through the job's key-value store (the TCPStore every torch.distributed job
    has), not a point-to-point receive: gloo cannot poll a pending receive without blocking, and a
    detached rank must keep its main thread free to supervise leases.
@@ -18,8 +20,10 @@ Collective order (every rank runs this same sequence, which is what keeps gloo/N
 
 Ledger ticks: each decode step and each shrink or restore is one tick of the global clock; a
 detached rank accrues every tick it misses (split between `leased` and `idle` by its measured time).
-Every collective runs under the process group's timeout; a failure is re-raised as `ElasticFault`
-naming the rank, stage and phase.
+Every collective runs under the process group's timeout (on NCCL with async error handling, so a
+lost peer raises instead of hanging); a failure is re-raised as `ElasticFault` naming the rank,
+stage and phase. Status and checksum buffers are made on the engine's device and, like expert
+transfers, go through the engine's transport (direct, or staged through host memory).
 """
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ class RankOutcome:
     start_wall: float = 0.0
     end_wall: float = 0.0
     end_state: str = "dummy"
+    freed_bytes: dict = field(default_factory=dict)  # a detached rank's memory freed for its lease
 
 
 def ledger_of(outcomes: list[RankOutcome]) -> Ledger:
@@ -101,6 +106,7 @@ class IdlePoolLike:
 
 
 _groups: dict[tuple, object] = {}
+_warmed: set[tuple] = set()
 
 
 def _stage_group(members: tuple[int, ...], world: int):
@@ -116,14 +122,23 @@ def _stage_group(members: tuple[int, ...], world: int):
     return _groups[key]
 
 
+def warm_groups(stages: list[tuple[int, ...]], groups: list, rank: int, transport, device) -> None:
+    """One small all-reduce on every stage group this rank is a member of, once per group, so that
+    no communicator is created later, in the middle of a shrink. Stages are nested and every rank
+    walks them in the same order, so the members of each group reach its all-reduce together."""
+    for members, group in zip(stages, groups):
+        key = (id(dist.group.WORLD), tuple(members))
+        if rank in members and key not in _warmed:
+            transport.all_reduce(torch.zeros(1, device=device), group)
+            _warmed.add(key)
+
+
 def _move_experts(engine: ElasticEngine, moves: list[tuple[int, int, int]], rank: int) -> None:
     for e, src, dst in moves:
         if rank == src:
-            dist.send(engine.export_expert(e), dst=dst, tag=TAG_EXPERT)
+            engine.transport.send(engine.export_expert(e), dst, TAG_EXPERT)
         elif rank == dst:
-            buf = engine.empty_expert()
-            dist.recv(buf, src=src, tag=TAG_EXPERT)
-            engine.import_expert(e, buf)
+            engine.import_expert(e, engine.transport.recv(engine.empty_expert(), src, TAG_EXPERT))
 
 
 class ElasticRuntime:
@@ -170,6 +185,8 @@ class ElasticRuntime:
         plan, rank = self.plan, self.rank
         plan.check()
         self.groups = [_stage_group(st.members, self.world) for st in plan.stages]
+        warm_groups([st.members for st in plan.stages], self.groups, rank, self.engine.transport,
+                    self.engine.device)
         before = self.engine.checksums()
         self._use_stage(0)
         ledger = self.ledger = RankLedger(rank)
@@ -183,8 +200,9 @@ class ElasticRuntime:
                 self.phase = "status"
                 status = torch.zeros(self.world, dtype=torch.long)
                 status[rank] = self.engine.load()
-                dist.all_reduce(status, group=self._group(self.stage))
-                live = int(status.sum())
+                status = self.engine.transport.all_reduce(status.to(self.engine.device),
+                                                          self._group(self.stage)).tolist()
+                live = sum(status)
                 if self.progress is not None and rank == min(plan.stages[self.stage].members):
                     self.progress(tick, self.stage, len(plan.stages[self.stage].members), live)
                 if live == 0:
@@ -198,6 +216,7 @@ class ElasticRuntime:
                     if leaving and self.engine.load() != 0:
                         raise ElasticFault(rank, self.stage, self.phase,
                                            f"would leave with {self.engine.load()} live requests")
+                    expert_bytes = self.engine.expert_bytes() if leaving else 0
                     for e in self.engine.held_experts():
                         if leaving or rank not in plan.stages[nxt].owners[e]:
                             self.engine.drop_expert(e)
@@ -225,9 +244,11 @@ class ElasticRuntime:
             t_prev, tick = now, tick + 1
 
         pool_report: dict = {}
+        freed: dict = {}
         final_members = plan.stages[self.stage].members
         if detached_at is not None:
             self.phase = "detached"
+            freed = {"experts": expert_bytes, "kv_cache": self.engine.release_memory()}
             def restored() -> bool:
                 return self.store.check([self.restore_key])
 
@@ -242,6 +263,7 @@ class ElasticRuntime:
             while not restored():
                 time.sleep(0.005)
             total_ticks, self.stage = map(int, self.store.get(self.restore_key).decode().split(","))
+            self.engine.reclaim_memory()
             now = time.perf_counter()
             idle_s = max(0.0, now - t_prev - leased_s)
             missed = total_ticks - detached_at
@@ -266,8 +288,7 @@ class ElasticRuntime:
             self.phase = "verify"
             bad = sorted(k for k, v in self.engine.checksums().items() if before.get(k) != v)
             bad += sorted(set(before) - set(self.engine.checksums()))
-            flag = torch.tensor([len(bad)], dtype=torch.long)
-            dist.all_reduce(flag)
+            flag = self.engine.transport.all_reduce(torch.tensor([len(bad)], device=self.engine.device))
             if bad:
                 raise ElasticFault(rank, self.stage, "verify",
                                    f"restored weights differ from the pre-rollout checksums: {bad[:5]}")
@@ -283,4 +304,4 @@ class ElasticRuntime:
         last = "transition" if self.stage != 0 else "dummy"
         ledger.add(last, end - t_prev, 0)
         return RankOutcome(ledger, total_ticks, self.stage, detached_at, end - t0, shrink_s,
-                           restore_s, pool_report, start_wall, start_wall + (end - t0), last)
+                           restore_s, pool_report, start_wall, start_wall + (end - t0), last, freed)

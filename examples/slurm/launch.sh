@@ -11,6 +11,8 @@
 #   FLEXFLOOR_HOME     checkout holding examples/ (default: the folder sbatch was called from)
 #   FF_RUN_DIR         run folder for reports, metrics and checkpoints (default runs/JOBNAME-JOBID)
 #   NPROC_PER_NODE     ranks per node (default: GPUs per node of the allocation, else 1)
+#   FF_DEVICE          cuda or cpu, passed as `--device` (default: cuda when the allocation has GPUs:
+#                      one rank per GPU, cuda:LOCAL_RANK, over NCCL; else cpu, gloo)
 #   FF_CONTAINER_IMAGE, FF_CONTAINER_RUNTIME, FF_CONTAINER_MOUNTS
 #                      run each node's torchrun in a container (pyxis, apptainer or docker; container.sh)
 #   FLEXFLOOR_DRY_RUN  1: print the launch command instead of running it
@@ -26,7 +28,7 @@ ff_log() {
     echo "flexfloor-slurm: $*"
 }
 
-# Sets FF_CMD, FF_RUN_DIR, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE.
+# Sets FF_CMD, FF_RUN_DIR, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE, FF_DEVICE.
 ff_init() {
     : "${SLURM_JOB_ID:?submit this script with sbatch (SLURM_JOB_ID is not set)}"
     read -r -a FF_CMD <<< "${FLEXFLOOR:-flexfloor}"
@@ -36,15 +38,29 @@ ff_init() {
     MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     # Derived from the job id so that two jobs sharing a first node do not collide.
     MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
-    local gpus=${SLURM_GPUS_PER_NODE:-}
-    NPROC_PER_NODE=${NPROC_PER_NODE:-${gpus##*:}}
-    NPROC_PER_NODE=${NPROC_PER_NODE:-1}
-    export MASTER_ADDR MASTER_PORT FF_RUN_DIR
+    # `--gpus-per-node=h100:8` sets SLURM_GPUS_PER_NODE (type prefix stripped below); some sites
+    # and `--gres=gpu:8` set only SLURM_GPUS_ON_NODE.
+    local gpus=${SLURM_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}
+    gpus=${gpus##*:}
+    NPROC_PER_NODE=${NPROC_PER_NODE:-${gpus:-1}}
+    if [[ -z ${FF_DEVICE:-} ]]; then
+        FF_DEVICE=cpu
+        if [[ ${gpus:-0} -gt 0 ]]; then
+            FF_DEVICE=cuda
+        fi
+    fi
+    local backend=gloo
+    if [[ $FF_DEVICE == cuda ]]; then
+        backend=NCCL
+    fi
+    export MASTER_ADDR MASTER_PORT FF_RUN_DIR FF_DEVICE
     ff_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES} node(s)" \
-        "x $NPROC_PER_NODE rank(s), rendezvous $MASTER_ADDR:$MASTER_PORT, run folder $FF_RUN_DIR"
+        "x $NPROC_PER_NODE rank(s) per node, device $FF_DEVICE ($backend), rendezvous" \
+        "$MASTER_ADDR:$MASTER_PORT, run folder $FF_RUN_DIR"
 }
 
-# ff_launch ARGS...: run `flexfloor ARGS...` on every rank of the allocation; returns its status.
+# ff_launch COMMAND ARGS...: run `flexfloor COMMAND --device $FF_DEVICE ARGS...` on every rank of the
+# allocation (ARGS may override the device); returns its status.
 ff_launch() {
     local srun_opts=(--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1
                      --kill-on-bad-exit=1)
@@ -60,7 +76,7 @@ ff_launch() {
     local cmd=(srun "${srun_opts[@]}" "${FF_SRUN_CONTAINER[@]}" "${FF_IN_CONTAINER[@]}"
                "${torchrun[@]}" --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"
                --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"
-               --max-restarts=0 --no-python "${FF_CMD[@]}" "$@")
+               --max-restarts=0 --no-python "${FF_CMD[@]}" "$1" --device "$FF_DEVICE" "${@:2}")
     ff_log "${cmd[*]}"
     if [[ ${FLEXFLOOR_DRY_RUN:-0} == 1 ]]; then
         return 0

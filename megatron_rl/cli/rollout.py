@@ -1,4 +1,10 @@
-"""`flexfloor rollout`: one rollout on W CPU ranks (spawned here, or joined under torchrun)."""
+"""`flexfloor rollout`: one rollout on W ranks (spawned here, or joined under torchrun).
+
+Devices: `device: cpu` runs gloo ranks; `device: cuda` runs one rank per GPU (cuda:LOCAL_RANK)
+over NCCL, e.g. 8 ranks per node on 8-GPU nodes (examples/slurm/ starts them and passes
+`--device cuda`); `auto` picks cuda when CUDA is available. `device: cuda` on a machine without CUDA
+stops with one line (exit 2).
+"""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +26,8 @@ def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, pol
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to")
     p.add_argument("--tailguard", action="store_true", default=None, help="guard predictions with TailGuard")
     p.add_argument("--seed", type=int)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="cpu: gloo ranks; cuda: one GPU per rank over NCCL; auto: cuda when available")
     p.add_argument("--sample", action="store_true", help="seeded temperature/top-p sampling instead of greedy")
     p.add_argument("--out", help="folder for plan.json, streamed responses and report.json")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to this file")
@@ -31,7 +39,7 @@ def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, pol
 
 FLAGS = (("trace", "batch.trace"), ("epoch", "batch.epoch"), ("length_scale", "batch.length_scale"),
          ("ranks", "ranks"), ("policy", "policy"), ("floor", "floor"), ("tailguard", "tailguard"),
-         ("seed", "seed"))
+         ("seed", "seed"), ("device", "device"))
 
 
 def resolve_rollout(args, pinned: dict | None = None):
@@ -66,6 +74,9 @@ def run(args) -> int:
         return 0
     report, responses = result
     print(format_report(report))
+    for rank, freed in sorted(report["freed_bytes"].items(), key=lambda kv: int(kv[0])):
+        print(f"detached rank {rank} freed {sum(freed.values()) / 2**20:.2f} MiB for leases "
+              f"(KV cache {freed['kv_cache'] / 2**20:.2f} MiB, experts {freed['experts'] / 2**20:.2f} MiB)")
     if len(report["stages"]) > 1:
         print(f"policy {report['policy']}, floor {report['floor']}: stages "
               f"{' -> '.join(str(len(s)) for s in report['stages'])} ranks, reached stage "
@@ -101,8 +112,8 @@ def log_rollout_wandb(args, cfg, report: dict) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("rollout", help="run one rollout on CPU ranks and print the rank-time ledger",
-                       description=__doc__)
+    p = sub.add_parser("rollout", help="run one rollout on CPU or GPU ranks and print the rank-time ledger",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_rollout_args(p, default_config=None)
     p.add_argument("--wandb", nargs="?", const="flexfloor", metavar="PROJECT",
                    help="log the report to W&B project PROJECT (default flexfloor), offline under --out "

@@ -1,4 +1,7 @@
-"""`flexfloor train`: GRPO post-training on W CPU ranks (spawned here, or joined under torchrun).
+"""`flexfloor train`: GRPO post-training on W ranks (spawned here, or joined under torchrun).
+
+`device: cuda` (or --device cuda) runs one rank per GPU (cuda:LOCAL_RANK) over NCCL, e.g. 8 ranks
+per node on 8-GPU nodes; `cpu` runs gloo ranks; `auto` picks cuda when CUDA is available.
 
 Any config field can be set after the command: `flexfloor train --config c.yaml grpo.group_size=16
 optim.lr=1e-6`; `--print-config` prints the resolved config and exits. Writes DIR/config.yaml (the
@@ -9,6 +12,7 @@ from the latest checkpoint.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -23,7 +27,7 @@ def run(args) -> int:
     from megatron_rl.trainer_config import TrainerConfig
 
     flags = (("policy", "elastic.policy"), ("floor", "elastic.floor"), ("steps", "steps"),
-             ("ranks", "ranks"), ("seed", "seed"))
+             ("ranks", "ranks"), ("seed", "seed"), ("device", "device"))
     cfg = resolve(TrainerConfig, args.config, args, flags, world_size_key="ranks")
     cfg.logging.experiment = cfg.logging.experiment or Path(args.config).stem  # the W&B group
     if args.print_config:
@@ -52,7 +56,7 @@ def run(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="GRPO post-training of the MoE model (rollout -> reward -> update)",
-                       description=__doc__)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML trainer config, e.g. examples/tiny_cpu_grpo.yaml")
     p.add_argument("--out", default="runs/train", help="output folder (resumes if it holds a checkpoint)")
     p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned"],
@@ -61,6 +65,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, help="train until this step")
     p.add_argument("--ranks", type=int, help="number of ranks (ignored under torchrun)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="cpu: gloo ranks; cuda: one GPU per rank over NCCL; auto: cuda when available")
     p.add_argument("--json", metavar="OUT", help="write the run summary (reward curve, wall time) here")
     from megatron_rl.cli.overrides import add_override_args
 

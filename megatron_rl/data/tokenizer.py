@@ -96,9 +96,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         if self.chat_template:
-            return self._tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
+            # transformers 5 returns a BatchEncoding unless asked for the bare ids.
+            return list(self._tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+                return_dict=False))
         return self._tok.encode(text)
 
     def encode_response(self, text: str) -> list[int]:

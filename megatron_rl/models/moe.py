@@ -42,10 +42,10 @@ class Expert(nn.Module):
     """A SwiGLU expert's weights: `linear_fc1` holds [gate; up] stacked as Megatron's GLU does:
     [2F, D]; `linear_fc2` is [D, F]. `ExpertBank.compute` applies them to many experts at once."""
 
-    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype, device: torch.device | None = None):
         super().__init__()
-        self.linear_fc1 = nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype)
-        self.linear_fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
+        self.linear_fc1 = nn.Linear(hidden, 2 * ffn, bias=False, dtype=dtype, device=device)
+        self.linear_fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype, device=device)
 
 
 
@@ -69,7 +69,7 @@ class ExpertBank(nn.Module):
         return self.local_experts[str(e)]
 
     def add(self, e: int, fc1_2FD: torch.Tensor, fc2_DF: torch.Tensor) -> None:
-        ex = Expert(self.hidden, self.ffn, self.dtype)
+        ex = Expert(self.hidden, self.ffn, self.dtype, fc1_2FD.device)
         with torch.no_grad():
             ex.linear_fc1.weight.copy_(fc1_2FD)
             ex.linear_fc2.weight.copy_(fc2_DF)
@@ -77,6 +77,8 @@ class ExpertBank(nn.Module):
 
     def drop(self, e: int) -> None:
         del self.local_experts[str(e)]
+        # The stacked copy refers to the dropped weights: forget it, or their memory stays held.
+        self._stacked_of = self._stacked_params = self._stacked = None
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The held experts' weights stacked in `held()` order, laid out for `_grouped_mm`:

@@ -170,6 +170,10 @@ class Qwen3MoeModel(nn.Module):
             self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
     @property
+    def device(self) -> torch.device:
+        return self.embedding.word_embeddings.weight.device
+
+    @property
     def moe_layers(self) -> list[MoELayer]:
         return [layer.mlp for layer in self.decoder.layers]
 

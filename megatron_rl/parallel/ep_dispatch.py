@@ -8,6 +8,9 @@ A member with no tokens still makes all three calls with zero-sized splits: that
 The dispatcher owns the group and the expert -> owner map; `elastic/` shrinks the group by building a
 new dispatcher over a smaller pre-created group and handing it to the model.
 
+The all-to-alls go through a transport (elastic/runtime/transport.py): directly, or staged through
+host memory when ranks share a GPU. Routing tables live on the tokens' device.
+
 Gradients flow through the all-to-alls (`_AllToAll` sends them back along the reverse splits), so
 the same dispatcher serves expert-parallel training: expert gradients accumulate on their owner.
 """
@@ -18,32 +21,27 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from elastic.runtime.transport import DirectTransport
 from megatron_rl.models.moe import ExpertBank
-
-
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
+    def forward(ctx, x, out_splits, in_splits, group, transport):
+        ctx.splits, ctx.group, ctx.transport = (out_splits, in_splits), group, transport
+        return transport.all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
+        return ctx.transport.all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None, None
 
 
 class AllToAllDispatcher:
     """`owners[e]` is the global rank that computes expert e; every owner must be in `group`."""
 
-    def __init__(self, group, owners: Sequence[int]):
-        self.group = group
+    def __init__(self, group, owners: Sequence[int], transport: DirectTransport | None = None):
+        self.group, self.transport = group, transport or DirectTransport()
         self.members = dist.get_process_group_ranks(group)
         index = {r: i for i, r in enumerate(self.members)}
         missing = sorted({r for r in owners if r not in index})
@@ -57,11 +55,12 @@ class AllToAllDispatcher:
         D = x_TD.shape[1]
         n = len(self.members)
         flat_e = expert_TK.reshape(-1)
+        if self.dest_E.device != flat_e.device:
+            self.dest_E = self.dest_E.to(flat_e.device)
         dest = self.dest_E[flat_e]
         order = torch.argsort(dest, stable=True)
         send = torch.bincount(dest, minlength=n)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
+        recv = self.transport.all_to_all(send, [1] * n, [1] * n, self.group)
         send_l, recv_l = send.tolist(), recv.tolist()
         tokens = x_TD.repeat_interleave(K, dim=0)[order]
         ids = flat_e[order].to(torch.float64)[:, None]
@@ -69,18 +68,18 @@ class AllToAllDispatcher:
         payload = torch.cat([tokens.to(torch.float64), ids], dim=1) if x_TD.dtype == torch.float64 \
             else None
         if payload is not None:
-            got = _AllToAll.apply(payload, recv_l, send_l, self.group)
+            got = _AllToAll.apply(payload, recv_l, send_l, self.group, self.transport)
             got_x, got_e = got[:, :D], got[:, D].long()
         else:
-            got_x = _AllToAll.apply(tokens, recv_l, send_l, self.group)
-            got_e = _all_to_all(flat_e[order], recv_l, send_l, self.group)
+            got_x = _AllToAll.apply(tokens, recv_l, send_l, self.group, self.transport)
+            got_e = self.transport.all_to_all(flat_e[order], recv_l, send_l, self.group)
         out = bank.compute(got_x, got_e)
         if got_x.requires_grad and not out.requires_grad:
             # No token reached this rank's experts, so `out` is a fresh empty tensor outside the
             # graph. Tie it to the input: the backward all-to-alls are collectives, and this rank
             # must join them like every other rank or the group deadlocks.
             out = out + got_x * 0
-        back = _AllToAll.apply(out, send_l, recv_l, self.group)
+        back = _AllToAll.apply(out, send_l, recv_l, self.group, self.transport)
         result = torch.empty_like(back)
         result[order] = back
         return result.view(T, K, D)

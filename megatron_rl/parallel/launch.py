@@ -1,9 +1,10 @@
-"""Start a multi-rank CPU job: spawn W gloo ranks on this machine, or join a torchrun/Slurm world.
+"""Start a multi-rank job: spawn W ranks on this machine, or join a torchrun/Slurm world.
 
 `run_ranks(fn, world, *args)` calls `fn(ctx, *args)` on every rank and returns rank 0's return
 value. Started under torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set), the current process
 is one rank of that world and non-zero ranks return None. Otherwise W processes are spawned; a rank
 that raises or dies ends the whole job with an error naming the rank, after at most `timeout_s`.
+`device` ('cpu' or 'cuda', see parallel/device.py) picks the world's backend: gloo or NCCL.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_rl.errors import FlexFloorError, Interrupted
+from megatron_rl.parallel.device import dist_backend, nccl_environment, rank_device
 from megatron_rl.parallel.groups import ProcessGroups
 from megatron_rl.parallel.signals import GRACE_S, Supervisor, default_signals, rank_signals
 
@@ -35,6 +37,7 @@ class ParallelContext:
     pgs: ProcessGroups
     timeout_s: float
     store: object  # the job's key-value store (control messages that must not block a rank)
+    device: torch.device  # where this rank computes (parallel/device.py)
 
 
 def _free_port() -> int:
@@ -43,18 +46,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_context(timeout_s: float) -> ParallelContext:
+def _make_context(timeout_s: float, device: torch.device) -> ParallelContext:
     world_group = dist.group.WORLD
     pgs = ProcessGroups(world=world_group, ep=world_group, dp=world_group)
     # The default group's store: torch keeps it private, but every launcher (spawn, torchrun,
     # Slurm) creates one, and it is the only channel a rank can poll without blocking.
     store = dist.distributed_c10d._get_default_store()
-    return ParallelContext(dist.get_rank(), dist.get_world_size(), pgs, timeout_s, store)
+    return ParallelContext(dist.get_rank(), dist.get_world_size(), pgs, timeout_s, store, device)
 
 
-def _init(rank: int, world: int, timeout_s: float) -> None:
+def _init(rank: int, world: int, timeout_s: float, device: str, transport: str) -> torch.device:
+    """Join the world; returns this rank's compute device."""
     torch.set_num_threads(1)  # W ranks share this machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    here = rank_device(device, rank, transport)
+    timeout = timedelta(seconds=timeout_s)
+    if dist_backend(device, transport) == "nccl":
+        # The device first, so NCCL's communicator (created eagerly for `device_id`) lands on it.
+        torch.cuda.set_device(here)
+        nccl_environment()
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=here)
+    else:
+        if here.type == "cuda":
+            torch.cuda.set_device(here)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    return here
 
 
 def user_error(e: BaseException) -> FlexFloorError | None:
@@ -69,12 +84,12 @@ def user_error(e: BaseException) -> FlexFloorError | None:
     return None
 
 
-def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid):
+def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid, device="cpu", transport="direct"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rank_signals(launcher_pid)
     try:
-        _init(rank, world, timeout_s)
-        out = fn(_make_context(timeout_s), *args)
+        here = _init(rank, world, timeout_s, device, transport)
+        out = fn(_make_context(timeout_s, here), *args)
         queue.put((rank, "ok", out if rank == 0 else None))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
         from elastic.runtime.runtime import ElasticFault
@@ -111,16 +126,19 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_grace_s: float = GRACE_S):
+def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_grace_s: float = GRACE_S,
+              device: str = "cpu", transport: str = "direct"):
     """`stop_grace_s`: after a SIGTERM/SIGINT/SIGUSR1 to this process, how long the ranks may take
     to finish (a trainer saves a checkpoint) before they are ended; a rank that returns normally
-    then still counts, so a stopped trainer's summary comes back."""
+    then still counts, so a stopped trainer's summary comes back. `device`: 'cpu' or 'cuda'
+    (resolved, `parallel.device.resolve_device`); `transport`: 'direct' (NCCL on GPUs) or 'host' (a
+    gloo world, so ranks may share a GPU; elastic/runtime/transport.py)."""
     if under_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         rank_signals()
-        _init(rank, size, timeout_s)
+        here = _init(rank, size, timeout_s, device, transport)
         try:
-            out = fn(_make_context(timeout_s), *args)
+            out = fn(_make_context(timeout_s, here), *args)
         except Exception as e:
             user = user_error(e)
             if user is None or user is e:
@@ -133,7 +151,8 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, queue, os.getpid()),
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world, port, timeout_s, fn, args, queue, os.getpid(), device, transport),
                          daemon=False)
              for r in range(world)]
     with Supervisor(procs, stop_grace_s) as sup:

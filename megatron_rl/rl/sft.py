@@ -46,9 +46,9 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
         per_rank = len(rows) // world
         tokens = sum(len(r) for _, r in rows[: per_rank * world])
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=model.device)
         for micro in chunks(rows[rank * per_rank : (rank + 1) * per_rank], cfg.grpo.micro_batch):
-            packed = pack(micro, tok.pad_id)
+            packed = pack(micro, tok.pad_id).to(model.device)
             logp = sequence_logprobs(model, packed, chunk_tokens=cfg.logprob_chunk_tokens)
             loss = -(logp * packed.loss_mask).sum() / tokens
             loss.backward()
@@ -72,7 +72,7 @@ def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
     from megatron_rl.data.tokenizer import build_tokenizer
     from megatron_rl.rl.model_setup import build_model, export_hf
 
-    model = build_model(cfg, ctx.rank, ctx.world)
+    model = build_model(cfg, ctx.rank, ctx.world).to(ctx.device)
     losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), data, ctx.rank, ctx.world)
     export_hf(model, cfg.model, out_dir, ctx.rank, ctx.world)
     return losses
@@ -81,9 +81,11 @@ def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
 def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
     """SFT-only run on `cfg.ranks` ranks; writes a HuggingFace checkpoint usable as `init:`."""
     from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.rl.model_setup import check_init
 
+    device = resolve_device(cfg.device)
     check_init(cfg)
     data = load_prompts(cfg.data)
-    return run_ranks(_sft_rank, cfg.ranks, cfg, data, out_dir, timeout_s=cfg.timeout_s)
+    return run_ranks(_sft_rank, cfg.ranks, cfg, data, out_dir, timeout_s=cfg.timeout_s, device=device)

@@ -43,6 +43,9 @@ class Packed:
     def tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def to(self, device) -> "Packed":
+        return Packed(*(t.to(device) for t in (self.input_ids, self.targets, self.loss_mask, self.token_mask)))
+
 
 def pack(rows: list[tuple[list[int], list[int]]], pad_id: int) -> Packed:
     """`rows` of (prompt ids, response ids) -> one padded micro-batch."""
@@ -135,8 +138,9 @@ def clip_global_grad_norm(named: list[tuple[str, torch.Tensor]], max_norm: float
     Dense gradients are identical on every rank after `allreduce_dense_grads`; expert gradients are
     disjoint across ranks, so their squared norms are summed over the world.
     """
-    dense_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
+    device = named[0][1].device if named else torch.device("cpu")
+    dense_sq = torch.zeros((), dtype=torch.float64, device=device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=device)
     grads = []
     for name, p in named:
         if p.grad is None:
@@ -189,7 +193,7 @@ def frozen_copy(model):
     reference. Built, not deep-copied: the dispatcher holds a process group, which cannot be copied."""
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 
-    copy = Qwen3MoeModel(model.config, model.moe_layers[0].experts.held(), model.dtype)
+    copy = Qwen3MoeModel(model.config, model.moe_layers[0].experts.held(), model.dtype).to(model.device)
     copy.load_state_dict(model.state_dict())
     copy.set_dispatcher(model.moe_layers[0].dispatcher)
     return copy.requires_grad_(False)

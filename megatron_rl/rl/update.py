@@ -56,7 +56,8 @@ class PolicyUpdate:
                 rollout = torch.zeros_like(packed.loss_mask, dtype=torch.float64)
                 rollout[packed.loss_mask.bool()] = torch.tensor(
                     [lp for i in rows for lp in responses[i].logprobs], dtype=torch.float64)
-                micro.append(MicroBatch(packed, advantages[rows], rollout))
+                dev = self.model.device
+                micro.append(MicroBatch(packed.to(dev), advantages[rows].to(dev), rollout.to(dev)))
             out.append((micro, tokens))
         return out
 
@@ -72,9 +73,10 @@ class PolicyUpdate:
 
     def update(self, batches: list[tuple[list[MicroBatch], int]]) -> dict[str, float]:
         g, T = self.cfg.grpo, self.cfg.generation.temperature
-        sums = {k: torch.zeros((), dtype=torch.float64) for k in STAT_KEYS}
-        loss_total, norms = torch.zeros((), dtype=torch.float64), []
-        entropy_sum = torch.zeros((), dtype=torch.float64)
+        dev = self.model.device
+        sums = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in STAT_KEYS}
+        loss_total, norms = torch.zeros((), dtype=torch.float64, device=dev), []
+        entropy_sum = torch.zeros((), dtype=torch.float64, device=dev)
         for micro, tokens in batches:
             self.optimizer.zero_grad(set_to_none=True)
             for mb in micro:

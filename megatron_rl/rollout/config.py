@@ -9,6 +9,7 @@ from typing import Literal
 
 from megatron_rl.config import require
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.parallel.device import DeviceChoice, TransportChoice
 from megatron_rl.rollout.sampling import SamplingParams
 
 POLICIES = ("vanilla", "lengthsort", "natural", "planned")
@@ -49,7 +50,7 @@ class RolloutConfig:
     # MoELayer with TransformerEngine kernels; GPUs only, see megatron_rl/models/megatron_backend.py).
     backend: Literal["torch", "megatron"] = "torch"
     seed: int = 0
-    dtype: Literal["float32", "float64"] = "float64"
+    dtype: Literal["float32", "float64", "bfloat16"] = "float64"
     ranks: int = 4
     max_batch_per_rank: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -65,6 +66,16 @@ class RolloutConfig:
     lease_grace_s: float = 5.0
     sidecar_queries: int = 256
     fault: Literal["kill-leased-rank", "fail-transfer", "stuck-lease"] | None = None
+    # Where ranks compute: `cuda` is one GPU per rank over NCCL, `cpu` gloo ranks (the default, as
+    # this is the tiny CPU example), `auto` cuda when CUDA is available. `transport: host` stages EP
+    # and expert-transfer tensors through host memory over gloo, so several ranks can share one GPU
+    # (the one-GPU check, tests/gpu/); never for production.
+    device: DeviceChoice = "cpu"
+    transport: TransportChoice = "direct"
+    # On a GPU the KV cache may take this share of the device's memory, less what is in use after
+    # the weights are loaded (nano-vllm's rule), up to max_batch_per_rank slots; on CPU it has
+    # max_batch_per_rank slots.
+    kv_memory_fraction: float = 0.9
 
     def __post_init__(self):
         require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
@@ -76,6 +87,8 @@ class RolloutConfig:
         bad = sorted(set(self.leases) - {"rewards", "sidecar"})
         require(not bad, f"leases: unknown job {bad[0] if bad else ''!r}; jobs are 'rewards', 'sidecar'")
         require(self.lease_s > 0 and self.lease_grace_s > 0, "lease_s and lease_grace_s must be > 0")
+        require(0 < self.kv_memory_fraction <= 1,
+                f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         require(self.sidecar_queries >= 0, f"sidecar_queries must be >= 0, got {self.sidecar_queries}")
         if self.floor is not None:
             require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")

@@ -2,7 +2,8 @@
 
 Holds the model (with the experts this rank holds now) and the rank's `RolloutEngine`; moves an
 expert as one flat tensor of its weights in every layer; swaps the EP group by building a new
-`AllToAllDispatcher` over a pre-created group and handing it to the model.
+`AllToAllDispatcher` over a pre-created group and handing it to the model. Expert buffers are made
+on the model's device; `transport` carries them (and the dispatcher's tokens) to the collectives.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import hashlib
 
 import torch
 
+from elastic.runtime.transport import DirectTransport
 from megatron_rl.models.moe import LocalDispatcher
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import RolloutEngine
@@ -20,8 +22,9 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 class ElasticRolloutEngine:
-    def __init__(self, engine: RolloutEngine, world: int):
+    def __init__(self, engine: RolloutEngine, world: int, transport: DirectTransport | None = None):
         self.engine, self.model, self.world = engine, engine.model, world
+        self.device, self.transport = engine.device, transport or DirectTransport()
         cfg = self.model.config
         self.fc1_numel = 2 * cfg.moe_ffn_hidden_size * cfg.hidden_size
         self.fc2_numel = cfg.hidden_size * cfg.moe_ffn_hidden_size
@@ -48,7 +51,7 @@ class ElasticRolloutEngine:
 
     def empty_expert(self) -> torch.Tensor:
         n = len(self.model.moe_layers) * (self.fc1_numel + self.fc2_numel)
-        return torch.empty(n, dtype=self.model.dtype)
+        return torch.empty(n, dtype=self.model.dtype, device=self.device)
 
     def split_expert(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The inverse of `export_expert`: (fc1, fc2) views per layer."""
@@ -70,7 +73,24 @@ class ElasticRolloutEngine:
         if self.world == 1:
             self.model.set_dispatcher(LocalDispatcher())
             return
-        self.model.set_dispatcher(AllToAllDispatcher(group, [owners[e] for e in sorted(owners)]))
+        self.model.set_dispatcher(AllToAllDispatcher(group, [owners[e] for e in sorted(owners)], self.transport))
+
+    def expert_bytes(self) -> int:
+        """Memory of the experts this rank holds now (every layer)."""
+        return sum(w.numel() * w.element_size() for e in self.held_experts() for pair in self.expert_layers(e)
+                   for w in pair)
+
+    def release_memory(self) -> int:
+        """A detached rank, its experts already dropped, frees its KV cache for a lease; returns the
+        bytes its cache held (the runtime adds the dropped experts' bytes)."""
+        freed = self.engine.cache.release_memory()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver: a lease may run in another process
+        return freed
+
+    def reclaim_memory(self) -> None:
+        """Before the restore: the KV cache again (the experts come back with the restore's moves)."""
+        self.engine.cache.reclaim_memory()
 
     def checksums(self) -> dict[str, str]:
         out = {}

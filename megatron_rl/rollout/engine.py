@@ -43,13 +43,17 @@ class Request:
 
 
 class RolloutEngine:
+    """Everything it allocates (KV cache, token ids, masks) is on the model's device; only the
+    requests' bookkeeping and the chosen tokens live on the host. `max_batch` is the KV cache's
+    slot count (`kv_cache.kv_cache_slots` sizes it from the device's memory)."""
+
     def __init__(self, model: Qwen3MoeModel, sampling: SamplingParams, max_batch: int,
                  max_len: int, eos_id: int | None = None):
         cfg = model.config
         self.model, self.sampling, self.eos_id = model, sampling, eos_id
-        self.max_batch = max_batch
+        self.max_batch, self.device = max_batch, model.device
         self.cache = SlotKVCache(cfg.num_layers, max_batch, cfg.num_query_groups, max_len,
-                                 cfg.kv_channels, model.dtype)
+                                 cfg.kv_channels, model.dtype, self.device)
         self.pending: list[Request] = []
         self.live: list[Request] = []
         self.finished: list[Request] = []
@@ -82,7 +86,7 @@ class RolloutEngine:
     @torch.inference_mode()
     def dummy_step(self) -> None:
         """Join every MoE layer's collectives with zero tokens."""
-        empty = torch.zeros(0, self.model.config.hidden_size, dtype=self.model.dtype)
+        empty = torch.zeros(0, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
         for moe in self.model.moe_layers:
             moe(empty)
 
@@ -95,8 +99,9 @@ class RolloutEngine:
         for b, r in enumerate(admit):
             r.slot = self.cache.alloc()
             ids[b, : lens[b]] = torch.tensor(r.prompt, dtype=torch.long)
-        lens_B = torch.tensor(lens)
-        mask_BS = torch.arange(S)[None] < lens_B[:, None]
+        ids = ids.to(self.device)
+        lens_B = torch.tensor(lens, device=self.device)
+        mask_BS = torch.arange(S, device=self.device)[None] < lens_B[:, None]
         pos_BS = self.cache.select([r.slot for r in admit], lens)
         logits_BV = self.model(ids, pos_BS, self.cache, mask_BS, logits_at_B=lens_B - 1)
         self.cache.commit()
@@ -105,7 +110,7 @@ class RolloutEngine:
 
     def _decode(self) -> int:
         batch = self.live
-        ids = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long)
+        ids = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long, device=self.device)
         pos = self.cache.select([r.slot for r in batch], [1] * len(batch))
         logits_BV = self.model(ids, pos, self.cache, None)[:, 0]  # one position per row: no gather
         self.cache.commit()

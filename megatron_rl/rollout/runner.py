@@ -23,6 +23,7 @@ from elastic.planning.shape import MemoryBudget
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.megatron_backend import backend_report
+from megatron_rl.parallel.device import dist_backend, resolve_device
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
@@ -32,7 +33,7 @@ from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fau
 from megatron_rl.rollout.lease_jobs import RewardScoringJob, SidecarJob, distinct_ngram_reward
 from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def model_config(cfg: RolloutConfig) -> MoEModelConfig:
@@ -51,9 +52,11 @@ def model_config(cfg: RolloutConfig) -> MoEModelConfig:
 
 
 def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
-    dtype_bytes = 8 if cfg.dtype == "float64" else 4
-    # The runner's ranks compute on CPU (see `prepare`), so host RAM is their device memory.
-    budget = memory_budget(mcfg, dtype_bytes, torch.device("cpu"), ranks_on_this_host(cfg.ranks))
+    dtype_bytes = DTYPES[cfg.dtype].itemsize
+    # Every rank computes on the device the config resolves to; one GPU (or this host's RAM over
+    # the ranks on it) stands for each rank's budget.
+    budget = memory_budget(mcfg, dtype_bytes, torch.device(resolve_device(cfg.device)),
+                           ranks_on_this_host(cfg.ranks))
     plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
                         tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=dtype_bytes, budget=budget,
                         ownership=BACKEND_OWNERSHIP[cfg.backend])
@@ -124,6 +127,8 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
                plan: Plan, out_dir: str | None, quiet: bool):
     from elastic.runtime.pool import IdlePool
     from elastic.runtime.runtime import ElasticRuntime, ledger_of, transitions_of
+    from elastic.runtime.transport import make_transport
+    from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
 
     rank, dtype = ctx.rank, DTYPES[cfg.dtype]
     held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]
@@ -136,12 +141,15 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
 
         model = Qwen3MoeModel(mcfg, held, dtype)
         model.init_weights(cfg.seed)
-    model.eval()
+    model.to(ctx.device).eval()
     # Fresh Request objects: the engine appends tokens to them, and the caller's may be shared
     # between rollouts of one world.
     mine = [replace(r, tokens=[]) for r, a in zip(requests, plan.assignments) if a.rank == rank]
     max_len = max([len(r.prompt) + r.max_new_tokens for r in requests] + [1])
-    engine = RolloutEngine(model, cfg.sampling, cfg.max_batch_per_rank, max_len)
+    # After the weights: the KV cache takes what the device has left (all of max_batch_per_rank on CPU).
+    per_slot = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, max_len, mcfg.kv_channels, dtype)
+    slots = kv_cache_slots(ctx.device, per_slot, cfg.kv_memory_fraction, cfg.max_batch_per_rank)
+    engine = RolloutEngine(model, cfg.sampling, slots, max_len)
     engine.add(mine)
     sink = None
     if out_dir is not None:
@@ -158,9 +166,9 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     if cfg.backend == "megatron":
         from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
 
-        elastic_engine = MegatronElasticEngine.on_gpu(engine, rank, ctx.world)
+        elastic_engine = MegatronElasticEngine.on_gpu(engine, rank, ctx.world)  # NCCL only, no host staging
     else:
-        elastic_engine = ElasticRolloutEngine(engine, ctx.world)
+        elastic_engine = ElasticRolloutEngine(engine, ctx.world, make_transport(cfg.transport))
     jobs = lease_jobs(cfg, engine, rank)
     hit = cfg.fault is not None and rank == fault_rank(plan)
     if hit and cfg.fault == "fail-transfer":
@@ -203,6 +211,8 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
         moe=backend_report(cfg.backend),
+        device=ctx.device.type, transport=cfg.transport,
+        freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
     )
     return report, all_responses
 
@@ -258,11 +268,16 @@ def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = 
     tests pay the start-up once). Returns a list of (report, responses); None on torchrun ranks != 0.
     """
     out_dirs = out_dirs or [None] * len(cfgs)
+    # One world: one rank count, one device and one process-group backend (transports that share
+    # it, as both do on CPU, may differ from job to job).
+    worlds = {(c.ranks, resolve_device(c.device), dist_backend(resolve_device(c.device), c.transport)) for c in cfgs}
+    if len(worlds) != 1:
+        raise FlexFloorError(f"rollouts in one world must share ranks, device and process-group backend, "
+                             f"got {sorted(worlds)}")
+    (_, device, backend), = worlds
     jobs = [prepare(c, d) for c, d in zip(cfgs, out_dirs)]
-    ranks = {c.ranks for c in cfgs}
-    if len(ranks) != 1:
-        raise FlexFloorError(f"rollouts in one world must share the rank count, got {sorted(ranks)}")
-    return run_ranks(rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs))
+    return run_ranks(rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs),
+                     device=device, transport="direct" if backend == "nccl" else "host")
 
 
 def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):

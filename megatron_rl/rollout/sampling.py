@@ -42,14 +42,13 @@ def choose_tokens(logits_BV: torch.Tensor, params: SamplingParams,
     probs_BV = torch.softmax(logits_BV.double() / params.temperature, dim=-1)
     # Stable sort by -p then id: ties resolve by token id, independent of anything else in the batch.
     order_BV = torch.sort(-probs_BV, dim=-1, stable=True).indices
-    sorted_BV = torch.gather(probs_BV, 1, order_BV)
-    cum_BV = sorted_BV.cumsum(dim=-1)
-    out = torch.empty(len(keys), dtype=torch.long)
-    for b, ((pid, s), t) in enumerate(zip(keys, steps)):
-        # Nucleus: the smallest prefix whose mass reaches top_p (at least one token).
-        n = int(torch.searchsorted(cum_BV[b], torch.tensor(params.top_p, dtype=cum_BV.dtype)).item()) + 1
-        n = min(n, cum_BV.shape[1])
-        u = uniform(params.seed, pid, s, t) * cum_BV[b, n - 1].item()
-        j = int(torch.searchsorted(cum_BV[b, :n], torch.tensor(u, dtype=cum_BV.dtype), right=True).item())
-        out[b] = order_BV[b, min(j, n - 1)]
-    return out
+    cum_BV = torch.gather(probs_BV, 1, order_BV).cumsum(dim=-1)
+    # Nucleus: the smallest prefix whose mass reaches top_p (at least one token), n_B tokens long.
+    top_p = torch.full((len(keys), 1), params.top_p, dtype=cum_BV.dtype, device=cum_BV.device)
+    n_B1 = (torch.searchsorted(cum_BV, top_p) + 1).clamp(max=cum_BV.shape[1])
+    draws = [uniform(params.seed, pid, s, t) for (pid, s), t in zip(keys, steps)]
+    u_B1 = torch.tensor(draws, dtype=cum_BV.dtype, device=cum_BV.device)[:, None] * cum_BV.gather(1, n_B1 - 1)
+    # u < the nucleus mass, so searching the whole row finds the same index as searching the nucleus;
+    # the clamp keeps a draw that rounds up to the mass inside it. One batched op: no per-row syncs.
+    j_B1 = torch.minimum(torch.searchsorted(cum_BV, u_B1, right=True), n_B1 - 1)
+    return order_BV.gather(1, j_B1)[:, 0]

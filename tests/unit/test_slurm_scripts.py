@@ -53,14 +53,14 @@ def test_multi_node_launch_is_one_torchrun_per_node_meeting_on_the_first_node(tm
     assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 torchrun" in line
     assert "--nnodes=2 --nproc-per-node=8" in line  # GPUs per node, type prefix stripped
     assert "--rdzv-backend=c10d --rdzv-endpoint=gpu07:24242 --rdzv-id=4242" in line
-    assert line.endswith(f"--no-python flexfloor rollout --config cfg.yaml --json {tmp_path}/run/report.json"
-                         " --policy planned")
+    assert line.endswith(f"--no-python flexfloor rollout --device cuda --config cfg.yaml --json "
+                         f"{tmp_path}/run/report.json --policy planned")
 
 
 def test_qwen3_example_trains_its_config_into_the_same_folder_after_a_requeue(tmp_path):
     first = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch")
     config = REPO / "examples" / "qwen3_30b_a3b_16xh100.yaml"
-    assert _launch_line(first).endswith(f"flexfloor train --config {config} --out {tmp_path}/run")
+    assert _launch_line(first).endswith(f"flexfloor train --device cuda --config {config} --out {tmp_path}/run")
     again = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch", SLURM_RESTART_COUNT="1")
     # `flexfloor train` resumes from the latest checkpoint of its --out folder by itself.
     assert _launch_line(again) == _launch_line(first)
@@ -150,7 +150,7 @@ def test_the_composed_command_runs(tmp_path):
     probe.write_text("import sys, megatron_rl\nprint('ranks run', megatron_rl.__file__, sys.argv[1:])\n")
     out = _dry_run(tmp_path, "rollout.sbatch", "cfg.yaml", FLEXFLOOR_DRY_RUN="0", FLEXFLOOR=f"{sys.executable} {probe}",
                    FF_CONTAINER_RUNTIME="apptainer", FF_CONTAINER_IMAGE="img.sif", PYTHONPATH="")
-    assert f"ranks run {REPO}/megatron_rl/__init__.py ['rollout', '--config', 'cfg.yaml'" in out
+    assert f"ranks run {REPO}/megatron_rl/__init__.py ['rollout', '--device', 'cuda', '--config', 'cfg.yaml'" in out
 
 
 def test_gpu_scripts_ask_for_all_node_memory_and_leave_site_placeholders():
@@ -165,7 +165,31 @@ def test_flexfloor_command_may_be_several_words(tmp_path):
     line = _launch_line(_dry_run(tmp_path, "tiny_cpu.sbatch", FLEXFLOOR="python3 -m megatron_rl.cli",
                                  SLURM_JOB_NUM_NODES="1", SLURM_GPUS_PER_NODE=""))
     assert "--nnodes=1 --nproc-per-node=4" in line
-    assert "--no-python python3 -m megatron_rl.cli rollout --config" in line
+    assert "--no-python python3 -m megatron_rl.cli rollout --device cpu --config" in line
+
+
+def test_16xh100_dry_run_starts_8_nccl_ranks_per_node_one_gpu_each(tmp_path):
+    out = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch")
+    assert "on 2 node(s) x 8 rank(s) per node, device cuda (NCCL)" in out
+    assert "--nnodes=2 --nproc-per-node=8" in _launch_line(out)
+
+
+@pytest.mark.parametrize("env, nproc, device", [
+    ({"SLURM_GPUS_PER_NODE": "", "SLURM_GPUS_ON_NODE": "4"}, 4, "cuda (NCCL)"),  # --gres=gpu:4
+    ({"SLURM_GPUS_PER_NODE": "", "SLURM_GPUS_ON_NODE": ""}, 1, "cpu (gloo)"),
+    ({"SLURM_GPUS_PER_NODE": "gpu:h100:8", "SLURM_GPUS_ON_NODE": "2"}, 8, "cuda (NCCL)"),
+    ({"FF_DEVICE": "cpu", "NPROC_PER_NODE": "3"}, 3, "cpu (gloo)"),
+])
+def test_ranks_per_node_and_device_from_the_allocation(tmp_path, env, nproc, device):
+    out = _dry_run(tmp_path, "rollout.sbatch", "cfg.yaml", **env)
+    assert f"x {nproc} rank(s) per node, device {device}" in out
+    assert f"--nproc-per-node={nproc} " in _launch_line(out)
+    assert f"rollout --device {device.split()[0]} --config cfg.yaml" in _launch_line(out)
+
+
+def test_tiny_cpu_example_stays_on_gloo_on_a_gpu_node(tmp_path):
+    out = _dry_run(tmp_path, "tiny_cpu.sbatch", SLURM_JOB_NUM_NODES="1")
+    assert "x 4 rank(s) per node, device cpu (gloo)" in out and "rollout --device cpu" in _launch_line(out)
 
 
 def test_outside_slurm_the_scripts_say_how_to_submit(tmp_path):

@@ -1,0 +1,35 @@
+"""`tokenizer: kind: hf` on a local tokenizer directory (built here: no download)."""
+import pytest
+
+from megatron_rl.data.tokenizer import HFTokenizer
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "what", "is", "2+2", "?", "4"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                  additional_special_tokens=["<|user|>", "<|assistant|>"])
+    tok.chat_template = ("{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    path = tmp_path_factory.mktemp("tok")
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_chat_template_encode_returns_plain_ids(tokenizer_dir):
+    tok = HFTokenizer(tokenizer_dir, chat_template=True)
+    ids = tok.encode("what is 2+2 ?")
+    assert ids == [2, 4, 5, 6, 7, 3] and all(type(i) is int for i in ids)
+    assert tok.decode(ids) == "what is 2+2 ?"  # specials (the template's markers) dropped
+
+
+def test_plain_encode_and_response(tokenizer_dir):
+    tok = HFTokenizer(tokenizer_dir, chat_template=False)
+    assert tok.encode("what is") == [4, 5] and tok.encode_response("4") == [8, tok.eos_id]
