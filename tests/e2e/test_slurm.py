@@ -79,7 +79,8 @@ def _python_env(tmp_path: Path) -> dict[str, str]:
 def test_train_sbatch_requeues_on_usr1_and_the_real_trainer_resumes_from_its_checkpoint(slurm, tmp_path):
     from tests.tiny_train import tiny_train_config
 
-    steps = 12
+    # Enough steps that the run is still training when the signal comes (a tiny step takes ~0.1 s).
+    steps = 300
     cfg = tiny_train_config(tmp_path, steps=steps)
     env = dict(_python_env(tmp_path), NPROC_PER_NODE="2", WANDB_MODE="disabled")
     run, out = tmp_path / "run", tmp_path / "job.out"
