@@ -27,8 +27,8 @@ from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fault_rank
-from megatron_rl.rollout.lease_jobs import RewardScoringJob, SidecarJob, distinct_ngram_reward
+from megatron_rl.rollout.faults import FailingExport, fault_rank
+from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -110,15 +110,6 @@ def _progress(start: float):
     return report
 
 
-def lease_jobs(cfg: RolloutConfig, engine: RolloutEngine, rank: int) -> list:
-    jobs = []
-    if "rewards" in cfg.leases:
-        jobs.append(RewardScoringJob(engine.finished, distinct_ngram_reward))
-    if "sidecar" in cfg.leases and cfg.sidecar_queries > 0:
-        jobs.append(SidecarJob(cfg.sidecar_queries, seed=cfg.seed * 7919 + rank))
-    return jobs
-
-
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
                plan: Plan, out_dir: str | None, quiet: bool):
     from elastic.runtime.pool import IdlePool
@@ -155,12 +146,12 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
             written[0] = len(engine.finished)
 
     elastic_engine = ElasticRolloutEngine(engine, ctx.world)
-    jobs = lease_jobs(cfg, engine, rank)
     hit = cfg.fault is not None and rank == fault_rank(plan)
     if hit and cfg.fault == "fail-transfer":
         elastic_engine = FailingExport(elastic_engine)
-    if hit and cfg.fault in ("kill-leased-rank", "stuck-lease"):
-        jobs.insert(0, KillSelfJob() if cfg.fault == "kill-leased-rank" else StuckJob())
+    jobs = lease_jobs(cfg.leases, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
+                      sidecar=sidecar_job(cfg.leases, cfg.sidecar, rank, ctx.world),
+                      fault=cfg.fault if hit else None)
     pool = IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.lease_grace_s)
     # The plan's longest predicted response, in this run's scaled tokens, is the predicted
     # restoration tick (one tick of prefill before it) that caps every lease.
