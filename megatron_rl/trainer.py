@@ -189,6 +189,10 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     from megatron_rl.rl.checkpoint import latest_checkpoint
 
     check_init(cfg)
+    if "sglang" in cfg.leases.jobs:
+        from megatron_rl.rollout.sglang_lease import require_sglang
+
+        require_sglang()
     data = load_prompts(cfg.data)
     if data.skipped:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "

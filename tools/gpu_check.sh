@@ -30,3 +30,6 @@ timeout 600 python -m pytest -q -s -rs -p no:cacheprovider tests/distributed/tes
 
 echo "== 2/2 decode tokens/s and shrink latency on $ngpu GPU(s)"
 timeout 600 torchrun --standalone --nproc-per-node="$ngpu" tools/bench_megatron_backend.py "${bench_flags[@]}" "$@"
+
+echo "== sglang sidecar lease (skipped where sglang is not installed: see docker/README.md)"
+timeout 600 python -m pytest -q -s -rs -p no:cacheprovider tests/gpu/

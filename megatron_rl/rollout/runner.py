@@ -212,6 +212,10 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     from megatron_rl.models.megatron_backend import require_backend
 
     require_backend(cfg.backend)
+    if "sglang" in cfg.leases:
+        from megatron_rl.rollout.sglang_lease import require_sglang
+
+        require_sglang()
     if cfg.backend == "megatron":
         # Reached on a CUDA machine only. The runner's ranks are CPU gloo ranks; running the torch
         # backend instead would hide the user's choice.

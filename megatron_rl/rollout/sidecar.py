@@ -90,7 +90,8 @@ class SidecarQueue:
         self.pending: deque[Request] = deque()
         self.repeat, self.passes = repeat, 0
         self.served = self.tokens = self.restarts = 0
-        self.correct: dict[str, bool] = {}  # prompt_id -> first completed answer was right
+        self.answered: dict[str, str] = {}  # prompt_id -> its first completed answer
+        self.correct: dict[str, bool] = {}  # prompt_id -> that answer was right
 
     def take(self) -> Request | None:
         """The next query (a new pass starts when the share is done); None when there is none."""
@@ -112,7 +113,7 @@ class SidecarQueue:
     def complete(self, r: Request) -> None:
         self.served += 1
         if r.prompt_id not in self.correct:
-            answer = self.tok.decode([t for t in r.tokens if t != self.tok.eos_id])
+            answer = self.answered[r.prompt_id] = self.tok.decode(r.tokens)
             self.correct[r.prompt_id] = self.scorer.outcome(answer, self.answers[r.prompt_id]) == CORRECT
 
     @property
