@@ -53,7 +53,7 @@ class SidecarConfig:
     queries: str | None = None  # JSONL of held-out queries: prompt (+ answer, prompt_id)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    max_new_tokens: int = 8
+    max_new_tokens: int = 4  # the arithmetic sidecar answers in at most 3 characters + EOS
     batch: int = 16  # queries decoded together
     dtype: Literal["float32", "float64"] = "float32"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)

@@ -1,26 +1,15 @@
 """The sidecar serves a real checkpoint from a held-out JSONL file; pre-emption never loses a query."""
 import pytest
+from conftest import write_tiny_sidecar
 
-from megatron_rl.data.arith import make_problems, write_jsonl
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.sidecar import SidecarConfig, SidecarJob
-
-SHAPE = dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-             num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=16, vocab_size=20)
 
 
 @pytest.fixture(scope="module")
 def sidecar_cfg(tmp_path_factory):
-    """A HuggingFace checkpoint on disk (random weights: this tests serving, not skill) and queries."""
-    from megatron_rl.models import Qwen3MoeModel, save_hf_checkpoint
-    from megatron_rl.models.config import MoEModelConfig
-
-    tmp = tmp_path_factory.mktemp("sidecar")
-    model = Qwen3MoeModel(MoEModelConfig(**SHAPE))
-    model.init_weights(3)
-    save_hf_checkpoint(model, tmp / "model")
-    write_jsonl(make_problems(24, seed=1, max_operand=9), tmp / "q.jsonl")
-    return SidecarConfig(str(tmp / "model"), str(tmp / "q.jsonl"), max_new_tokens=6, batch=5)
+    model, queries = write_tiny_sidecar(tmp_path_factory.mktemp("sidecar"), queries=24)
+    return SidecarConfig(model, queries, max_new_tokens=6, batch=5)
 
 
 def preempt_after(calls):
