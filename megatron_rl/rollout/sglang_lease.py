@@ -99,7 +99,9 @@ class SGLangEngine:
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
         tm = self.engine.tokenizer_manager
-        self._call(tm.flush_cache()).result()
+        flushed = tm.flush_cache()  # a coroutine in recent sglang, a plain call in older releases
+        if asyncio.iscoroutine(flushed):
+            self._call(flushed).result()
         self._call(tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)).result()
 
     def submit(self, input_ids: list[int], max_new_tokens: int) -> Future:
