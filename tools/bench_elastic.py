@@ -92,13 +92,16 @@ def main(argv=None) -> int:
     restarts = statistics.median(total(r, "sidecar", "restarts") for r in side)
     tokens = statistics.median(total(r, "sidecar", "tokens") for r in side)
     scored = statistics.median(total(r, "rewards", "scored") for r in side)
-    correct, distinct = (sum(total(r, "sidecar", k) for r in side) for k in ("correct", "distinct"))
+    distinct = statistics.median(total(r, "sidecar", "distinct") for r in side)
+    accuracy = statistics.median(total(r, "sidecar", "correct") / max(total(r, "sidecar", "distinct"), 1)
+                                 for r in side)
     slow = med("natural-f1+tg+sidecar", lambda r: r["rollout_time_s"]) / med(plain, lambda r: r["rollout_time_s"]) - 1
-    print(f"sidecar ({sidecar['sidecar.checkpoint']}): per rollout (median) {leased:.2f} leased rank-s served "
-          f"{served:.0f} held-out queries ({tokens:.0f} tokens, {restarts:.0f} restarts after pre-emption) "
-          f"and scored {scored:.0f} responses; accuracy {correct / max(distinct, 1):.1%} over {distinct} "
-          f"answered queries (each counted once); primary rollout slowdown vs the same run without side "
-          f"work: {slow:+.1%} (paper: 2-3% on GPUs; here ranks share CPU cores)")
+    print(f"sidecar ({sidecar['sidecar.checkpoint']}), per rollout (median): {leased:.2f} leased rank-s "
+          f"served {served:.0f} held-out queries ({tokens:.0f} tokens; each detached rank serves its share "
+          f"in repeated passes) with {restarts:.0f} restarts after pre-emption, and scored {scored:.0f} "
+          f"responses; accuracy {accuracy:.1%} over the {distinct:.0f} distinct queries answered (each "
+          f"counted once); primary rollout slowdown vs the same run without side work: {slow:+.1%} "
+          f"(paper: 2-3% on GPUs; here ranks share CPU cores)")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({n: rs for n, rs in runs.items()}, fh, indent=1)

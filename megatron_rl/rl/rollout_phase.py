@@ -193,6 +193,8 @@ class _ResponseStream:
         self.fh = None
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
+            for stale in ("ledger", "lease_rewards"):  # a failed step's, from before a resume
+                (folder / f"{stale}.rank{rank}.json").unlink(missing_ok=True)
             self.fh = open(folder / f"responses.rank{rank}.jsonl", "w", encoding="utf-8")
 
     def flush(self) -> None:
