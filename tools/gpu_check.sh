@@ -6,6 +6,7 @@
 # 2. decode tokens/s of both backends side by side and the megatron backend's EP shrink latency
 #    (tools/bench_megatron_backend.py, one rank per visible GPU).
 # Without TransformerEngine both run megatron-core's SequentialMLP experts and say so.
+# Then the sglang sidecar lease on this GPU (tests/gpu/; skipped where sglang is not installed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
