@@ -193,6 +193,8 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
         from megatron_rl.rollout.sglang_lease import require_sglang
 
         require_sglang()
+    if {"sidecar", "sglang"} & set(cfg.leases.jobs):
+        cfg.leases.sidecar.preflight()
     data = load_prompts(cfg.data)
     if data.skipped:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "

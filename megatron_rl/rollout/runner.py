@@ -216,6 +216,8 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
         from megatron_rl.rollout.sglang_lease import require_sglang
 
         require_sglang()
+    if {"sidecar", "sglang"} & set(cfg.leases):
+        cfg.sidecar.preflight()
     if cfg.backend == "megatron":
         # Reached on a CUDA machine only. The runner's ranks are CPU gloo ranks; running the torch
         # backend instead would hide the user's choice.

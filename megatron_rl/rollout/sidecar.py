@@ -73,6 +73,16 @@ class SidecarConfig:
                 f"grace ({grace_s}): a drain, then an abort, must both fit before LeaseTimeout")
 
 
+    def preflight(self) -> None:
+        """Read the checkpoint's headers and the queries on the driver, so a bad path or row stops
+        the run in one line before any rank starts (the ranks load them again)."""
+        from megatron_rl.data.prompts import DataConfig, load_prompts
+        from megatron_rl.models.hf import check_hf_checkpoint
+
+        check_hf_checkpoint(self.checkpoint)
+        load_prompts(DataConfig(self.queries))
+
+
 class SidecarQueue:
     """This rank's share of the queries, served in passes, with per-query scores and counters."""
 

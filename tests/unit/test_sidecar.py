@@ -47,8 +47,12 @@ def test_shares_split_the_file_and_passes_repeat(sidecar_cfg):
     assert rep["passes"] >= 2 and rep["served"] > rep["distinct"] == 8 and not looping.done()
 
 
-def test_a_sidecar_lease_needs_its_files():
+def test_a_sidecar_lease_needs_its_files(sidecar_cfg, tmp_path):
     with pytest.raises(FlexFloorError, match="sidecar lease needs sidecar.checkpoint"):
         SidecarConfig().check("leases", grace_s=5.0)
+    with pytest.raises(FlexFloorError, match="expected a HuggingFace checkpoint directory"):
+        SidecarConfig(str(tmp_path / "none"), sidecar_cfg.queries).preflight()
+    with pytest.raises(FlexFloorError, match="q.jsonl"):
+        SidecarConfig(sidecar_cfg.checkpoint, str(tmp_path / "q.jsonl")).preflight()
     with pytest.raises(FlexFloorError, match="drain_s"):
         SidecarConfig("m", "q.jsonl").check("leases", grace_s=1.0)
