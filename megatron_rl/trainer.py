@@ -42,6 +42,7 @@ from megatron_rl.rl.checkpoint import (
     save_checkpoint,
 )
 from megatron_rl.rl.grpo import group_advantages
+from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import build_model, check_init, export_hf
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
@@ -84,7 +85,8 @@ class Trainer:
         self.scorer = Scorer(cfg.reward)
         self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store,
                                     resident_bytes=training_state_bytes(self.model, self.optimizer,
-                                                                        self.ref_model))
+                                                                        self.ref_model),
+                                    leases=TrainingLeases(cfg, self.tok, rank, world), out_dir=self.out_dir)
         self.update = PolicyUpdate(cfg, self.model, self.optimizer, self.ref_model, self.tok.pad_id,
                                    rank, world)
         self.logger = None
@@ -106,7 +108,7 @@ class Trainer:
         rollout = self.rollout.run(step, prompts, self.history)
         t = self._lap(times, "rollout", t)
 
-        rewards, counts = self.score(prompts, rollout.responses)
+        rewards, counts = self.score(prompts, rollout.responses, rollout.scored)
         advantages = group_advantages(rewards, G, cfg.grpo.std_normalize)
         t = self._lap(times, "reward", t)
 
@@ -136,19 +138,23 @@ class Trainer:
             "placement": rollout.placement,
             "phase_s": times,
             "step_s": time.perf_counter() - t_step,
+            "lease": rollout.lease,
             "tokens_per_s": sum(lengths) / max(times["rollout"], 1e-9),
             "lr": self.optimizer.param_groups[0]["lr"],
             **stats,
             **gpu_memory(),
         }
 
-    def score(self, prompts, responses) -> tuple[torch.Tensor, dict[str, int]]:
-        """Each rank scores its canonical share; rewards and outcome counts are summed over ranks."""
+    def score(self, prompts, responses, scored: dict[int, str]) -> tuple[torch.Tensor, dict[str, int]]:
+        """Each rank scores its share of what no lease scored (`scored`: index -> outcome, the same
+        on every rank; rank 0 credits those); rewards and outcome counts are summed over ranks."""
         G, n = self.cfg.grpo.group_size, len(responses)
         rewards = torch.zeros(n, dtype=torch.float64)
-        for i in range(self.rank, n, self.world):
+        for i in [i for i in range(n) if i not in scored][self.rank::self.world]:
             text = self.tok.decode(responses[i].tokens)
             rewards[i] = self.scorer(text, prompts[i // G].answer)
+        for i, outcome in scored.items() if self.rank == 0 else ():
+            rewards[i] = self.scorer.credit(outcome)
         counts_local = self.scorer.take_counts()
         counts = torch.tensor([counts_local[k] for k in OUTCOMES], dtype=torch.float64)
         if self.world > 1:  # on the model's device: NCCL reduces GPU tensors only
@@ -255,6 +261,12 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     require_backend(cfg.backend)
     device = resolve_device(cfg.device)
     check_init(cfg)
+    if "sglang" in cfg.leases.jobs:
+        from megatron_rl.rollout.sglang_lease import require_sglang
+
+        require_sglang()
+    if {"sidecar", "sglang"} & set(cfg.leases.jobs):
+        cfg.leases.sidecar.preflight()
     data = load_prompts(cfg.data)
     if data.skipped:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "

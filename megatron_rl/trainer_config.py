@@ -15,6 +15,7 @@ from megatron_rl.metrics import LoggingConfig
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice
 from megatron_rl.rewards import RewardConfig
+from megatron_rl.rollout.lease_jobs import LeaseConfig
 
 
 @dataclass
@@ -126,6 +127,7 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    leases: LeaseConfig = field(default_factory=LeaseConfig)  # side work of detached ranks (rl/leases.py)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

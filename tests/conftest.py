@@ -93,3 +93,19 @@ def documented_keys():
     section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
     first_cells = re.findall(r"^\| (`[^|]+)\|", section, re.M)
     return [re.sub(r"<[^>]+>", "*", key) for cell in first_cells for key in re.findall(r"`([^`]+)`", cell)]
+
+
+def write_tiny_sidecar(folder, queries=24):
+    """A sidecar's inputs on disk: a HuggingFace checkpoint (random weights: for tests of serving,
+    not of skill; tools/make_sidecar_model.py makes a trained one) and held-out arithmetic queries."""
+    from megatron_rl.data.arith import make_problems, write_jsonl
+    from megatron_rl.models import Qwen3MoeModel, save_hf_checkpoint
+    from megatron_rl.models.config import MoEModelConfig
+
+    model = Qwen3MoeModel(MoEModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                         num_query_groups=2, kv_channels=8, num_moe_experts=2,
+                                         moe_router_topk=1, moe_ffn_hidden_size=16, vocab_size=20))
+    model.init_weights(3)
+    save_hf_checkpoint(model, folder / "model")
+    write_jsonl(make_problems(queries, seed=1, max_operand=9), folder / "queries.jsonl")
+    return str(folder / "model"), str(folder / "queries.jsonl")

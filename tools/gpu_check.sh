@@ -12,7 +12,9 @@
 #     torch backend, TE layer weights and attention, gradients and 5 GRPO steps, the 2-GPU elastic
 #     rollout; tools/bench_megatron_backend.py), skipped with the reason when megatron-core is not
 #     importable; in the H100 image a TransformerEngine that does not import fails the run
-#     (tools/te_image_guard.sh), never a silent fallback.
+#     (tools/te_image_guard.sh), never a silent fallback;
+# (s) the sglang sidecar lease on this GPU (tests/gpu/test_sglang_lease_gpu.py; skipped where sglang
+#     is not installed).
 # Installs nothing; needs torch with CUDA, transformers, pytest and pytest-timeout (`pip install -e '.[dev]'`).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -69,6 +71,8 @@ if python -c "import megatron.core" 2>/dev/null; then
 else
     record "m: megatron backend" skip "megatron-core is not importable here" 0
 fi
+
+stage "s: sglang lease" 300 python -m pytest -q -s -rs -p no:cacheprovider tests/gpu/test_sglang_lease_gpu.py
 
 echo
 python tools/gpu_summary.py "$FF_GPU_RESULTS" --expect "${expected[@]}"

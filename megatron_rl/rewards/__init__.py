@@ -57,7 +57,10 @@ class Scorer:
         return verify_math(response, reference, self.cfg.timeout_s)
 
     def __call__(self, response: str, reference: str | None) -> float:
-        outcome = self.outcome(response, reference)
+        return self.credit(self.outcome(response, reference))
+
+    def credit(self, outcome: str) -> float:
+        """The reward of an outcome found elsewhere (a scoring lease), counted here."""
         self.counts[outcome] += 1
         if outcome == CORRECT:
             return self.cfg.correct_reward

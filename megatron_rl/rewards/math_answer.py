@@ -14,6 +14,7 @@ main thread; off the main thread (a scoring lease running beside the rollout) th
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from functools import lru_cache
@@ -23,6 +24,16 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 from sympy.parsing.sympy_parser import parse_expr
 
 CORRECT, WRONG, UNPARSABLE, NO_REFERENCE = "correct", "wrong", "unparsable", "no_reference"
+
+
+def _not_timeout_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Timeout is disabled")
+
+
+# Off the main thread the bound is dropped on purpose (above); math-verify would warn about it at
+# every call, flooding the log of every scoring lease.
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_not_timeout_notice)
 
 _SAFE = re.compile(r"^[0-9.+\-*/() ]{1,64}$")
 _NUMBERISH = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")

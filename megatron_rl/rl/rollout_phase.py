@@ -18,6 +18,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.memory import memory_budget, ranks_on_this_host
@@ -54,6 +56,8 @@ class RolloutResult:
     layout: str = "natural"  # the layout the planner actually used (it may fall back)
     placement: str = ""  # digest of which rank generated each response, in canonical order
     wall_s: float = 0.0
+    scored: dict[int, str] = field(default_factory=dict)  # canonical index -> outcome a lease found
+    lease: dict = field(default_factory=dict)  # `rl/leases.py:lease_metrics`
 
 
 @dataclass(frozen=True)
@@ -87,12 +91,17 @@ def step_seed(seed: int, step: int) -> int:
 
 class RolloutPhase:
     def __init__(self, cfg: TrainerConfig, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int,
-                 world: int, store, resident_bytes: int = 0):
+                 world: int, store, resident_bytes: int = 0, leases: TrainingLeases | None = None,
+                 out_dir: Path | None = None):
         """`resident_bytes`: training state that stays on the device through the rollout (the
-        optimizer's, `training_state_bytes`); the planner prices it with the weights and KV."""
+        optimizer's, `training_state_bytes`); the planner prices it with the weights and KV.
+        `leases`: what detached ranks do until the restore (None: they idle)."""
         self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
         self.store = store  # the job's key-value store: the runtime's restore message goes through it
         self.budget = self._memory_budget(resident_bytes)
+        self.leases = leases
+        # The step in flight's finished responses stream to OUT/rollout/ (kept if the step fails).
+        self.sink_dir = None if out_dir is None else Path(out_dir) / "rollout"
 
     def _memory_budget(self, resident_bytes: int):
         """This device's budget. Every rank computes the same plan, so all ranks take the worst
@@ -121,6 +130,7 @@ class RolloutPhase:
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
         from elastic.runtime.runtime import ElasticRuntime, ledger_of, transitions_of
+        from megatron_rl.rollout.faults import fault_rank
 
         cfg, G = self.cfg, self.cfg.grpo.group_size
         t0 = time.perf_counter()
@@ -147,8 +157,20 @@ class RolloutPhase:
         else:
             originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
             elastic = ElasticRolloutEngine(engine, self.world)
-        outcome = ElasticRuntime(elastic, plan, self.rank, self.store,
-                                 status_interval=cfg.elastic.status_interval).run()
+        pool = None if self.leases is None else self.leases.pool(
+            engine.finished, prompts, self.rank == fault_rank(plan))
+        predicted = plan.meta.get("predicted_max_len")
+        stream = _ResponseStream(self.sink_dir, self.rank, engine)
+        runtime = ElasticRuntime(elastic, plan, self.rank, self.store,
+                                 status_interval=cfg.elastic.status_interval, pool=pool,
+                                 predicted_ticks=None if predicted is None else 1 + predicted,
+                                 after_step=stream.flush)
+        try:
+            outcome = runtime.run()
+        except BaseException:
+            stream.keep(runtime.ledger, self.leases.outcomes() if self.leases is not None else {})
+            raise
+        stream.close()
         if cfg.backend == "megatron":
             self._reinstall_megatron(originals)
         else:
@@ -156,22 +178,26 @@ class RolloutPhase:
         local = [Response(index[r.key], r.prompt_id, r.sample, r.prompt, r.tokens,
                           engine.logprobs[r.key], r.tokens[-1] != self.tok.eos_id)
                  for r in engine.finished]
+        scored = {} if self.leases is None else {index[k]: o for k, o in self.leases.outcomes().items()}
+        step_report = {} if self.leases is None else self.leases.step_report()
         gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, (outcome, local))
-        responses = sorted((r for _, rs in gathered for r in rs), key=lambda r: r.index)
+        dist.all_gather_object(gathered, (outcome, local, scored, step_report))
+        responses = sorted((r for g in gathered for r in g[1]), key=lambda r: r.index)
         assert [r.index for r in responses] == list(range(len(items))), "a response was lost or duplicated"
-        outcomes = [o for o, _ in gathered]
+        outcomes = [g[0] for g in gathered]
         ledger = ledger_of(outcomes)
         ledger.check()
         summary = ledger.summary(sum(len(r.tokens) for r in responses))
         summary.update(transitions_of(outcomes))
+        scored = {i: o for g in gathered for i, o in g[2].items()}
+        lease = lease_metrics(summary, [o.pool_report for o in outcomes], [g[3] for g in gathered], len(scored))
         ranks = [0] * len(items)
         for a in plan.assignments:
             ranks[index[(a.prompt_id, a.sample)]] = a.rank
         return RolloutResult(responses, summary, [list(s.members) for s in plan.stages],
                              plan.meta.get("effective_layout", plan.layout),
                              hashlib.sha256(json.dumps(ranks).encode()).hexdigest()[:16],
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0, scored, lease)
 
     def _reinstall(self, originals: list[dict]) -> None:
         """Put the pre-rollout expert modules back, holding the restored weights."""
@@ -200,6 +226,48 @@ class RolloutPhase:
                     old1.copy_(fc1)
                     old2.copy_(fc2)
             layer.mlp = before
+
+
+class _ResponseStream:
+    """This rank's finished responses of the rollout in flight, on disk as they finish.
+
+    `OUT/rollout/responses.rank<r>.jsonl` is rewritten every step. If the rollout fails (a fault, a
+    lease that does not yield) the file stays, with the rank's ledger so far and the outcomes its
+    scoring leases found beside it: the step's work is on disk, not only in the dead processes.
+    """
+
+    def __init__(self, folder: Path | None, rank: int, engine: RecordingEngine):
+        self.folder, self.rank, self.engine, self.written = folder, rank, engine, 0
+        self.fh = None
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in ("ledger", "lease_rewards"):  # a failed step's, from before a resume
+                (folder / f"{stale}.rank{rank}.json").unlink(missing_ok=True)
+            self.fh = open(folder / f"responses.rank{rank}.jsonl", "w", encoding="utf-8")
+
+    def flush(self) -> None:
+        if self.fh is None or len(self.engine.finished) == self.written:
+            return
+        for r in self.engine.finished[self.written:]:
+            self.fh.write(json.dumps({"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens,
+                                      "logprobs": self.engine.logprobs[r.key]}) + "\n")
+        self.fh.flush()
+        self.written = len(self.engine.finished)
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.flush()
+            self.fh.close()
+
+    def keep(self, ledger, outcomes: dict) -> None:
+        """After a failure: everything this rank has of the step, for the user to inspect."""
+        self.close()
+        if self.folder is None:
+            return
+        if ledger is not None:
+            (self.folder / f"ledger.rank{self.rank}.json").write_text(json.dumps(ledger.to_dict()))
+        (self.folder / f"lease_rewards.rank{self.rank}.json").write_text(
+            json.dumps([[pid, s, o] for (pid, s), o in sorted(outcomes.items())]))
 
 
 def history_records(result: RolloutResult, epoch: int) -> list[TraceRecord]:

@@ -10,7 +10,9 @@ from typing import Literal
 from megatron_rl.config import require
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
+from megatron_rl.rollout.lease_jobs import check_lease_jobs
 from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.rollout.sidecar import SidecarConfig
 
 POLICIES = ("vanilla", "lengthsort", "natural", "planned")
 
@@ -60,11 +62,11 @@ class RolloutConfig:
     tailguard: bool = False
     status_interval: int = 1
     timeout_s: float = 300.0
-    # Side work for detached ranks (elastic policies): "rewards" and/or "sidecar".
+    # Side work for detached ranks (elastic policies): "rewards" and one of "sidecar" / "sglang".
     leases: list[str] = field(default_factory=list)
     lease_s: float = 60.0
     lease_grace_s: float = 5.0
-    sidecar_queries: int = 256
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
     fault: Literal["kill-leased-rank", "fail-transfer", "stuck-lease"] | None = None
     # Where ranks compute: `cuda` is one GPU per rank over NCCL, `cpu` gloo ranks (the default, as
     # this is the tiny CPU example), `auto` cuda when CUDA is available. `transport: host` stages EP
@@ -84,11 +86,11 @@ class RolloutConfig:
         require(self.max_batch_per_rank > 0, "max_batch_per_rank must be > 0")
         require(self.status_interval > 0, f"status_interval must be > 0, got {self.status_interval}")
         require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        bad = sorted(set(self.leases) - {"rewards", "sidecar"})
-        require(not bad, f"leases: unknown job {bad[0] if bad else ''!r}; jobs are 'rewards', 'sidecar'")
+        check_lease_jobs(self.leases, "leases")
+        if {"sidecar", "sglang"} & set(self.leases):
+            self.sidecar.check("leases", self.lease_grace_s)
         require(self.lease_s > 0 and self.lease_grace_s > 0, "lease_s and lease_grace_s must be > 0")
         require(0 < self.kv_memory_fraction <= 1,
                 f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
-        require(self.sidecar_queries >= 0, f"sidecar_queries must be >= 0, got {self.sidecar_queries}")
         if self.floor is not None:
             require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")

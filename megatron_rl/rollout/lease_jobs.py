@@ -1,24 +1,48 @@
-"""Side work a detached rank can lease (see `elastic/runtime/pool.py`), both real and both reporting.
+"""Side work a detached rank can lease (see `elastic/runtime/pool.py`), and how a run picks it.
 
 - `RewardScoringJob`: scores this rank's already finished responses while the tail still decodes,
   so the reward phase after the rollout has less left to do. The score function is the caller's
   (the trainer passes its task reward; the rollout CLI, which replays traces with synthetic prompts
   and has no task, passes `distinct_ngram_reward`, a degeneracy score RL recipes use as a penalty).
-- `SidecarJob`: an auxiliary inference queue served by a second, small dense model (the paper's
-  sidecar serves Qwen3-8B on GSM8K). Each safe point is one decode step; pre-empted queries go back
-  to the queue and restart in the next lease.
+- the sidecar (`megatron_rl/rollout/sidecar.py`): a held-out query queue served by a real
+  checkpoint, on this process's torch engine (`sidecar`) or on a colocated sglang engine
+  (`sglang`, GPU only, `megatron_rl/rollout/sglang_lease.py`).
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
 
-import torch
+from megatron_rl.config import require
+from megatron_rl.rollout.engine import Request
+from megatron_rl.rollout.sidecar import SidecarConfig
 
-from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.sampling import SamplingParams
+LEASE_JOBS = ("rewards", "sidecar", "sglang")
+
+
+def check_lease_jobs(jobs: list[str], where: str) -> None:
+    bad = sorted(set(jobs) - set(LEASE_JOBS))
+    require(not bad, f"{where}: unknown job {bad[0] if bad else ''!r}; jobs are {', '.join(LEASE_JOBS)}")
+    require(not {"sidecar", "sglang"} <= set(jobs),
+            f"{where}: 'sidecar' and 'sglang' serve the same queue; choose one")
+
+
+@dataclass
+class LeaseConfig:
+    """`flexfloor train`'s side work for detached ranks (the rollout CLI has the same fields flat)."""
+
+    jobs: list[str] = field(default_factory=lambda: ["rewards"])
+    lease_s: float = 60.0  # longest single lease
+    grace_s: float = 5.0  # how long a pre-empted lease may take to yield before LeaseTimeout
+    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
+    fault: Literal["stuck-lease"] | None = None  # testing only: the first detached rank's lease hangs
+
+    def __post_init__(self):
+        check_lease_jobs(self.jobs, "leases.jobs")
+        if {"sidecar", "sglang"} & set(self.jobs):
+            self.sidecar.check("leases.jobs", self.grace_s)
+        require(self.lease_s > 0 and self.grace_s > 0,
+                f"leases.lease_s/grace_s: expected > 0, got {self.lease_s}/{self.grace_s}")
 
 
 def distinct_ngram_reward(tokens: list[int], n: int = 4) -> float:
@@ -28,70 +52,57 @@ def distinct_ngram_reward(tokens: list[int], n: int = 4) -> float:
 
 
 class RewardScoringJob:
+    """Scores `finished` (a list the engine appends to) one response at a time; `scores[key]`."""
+
     name = "rewards"
 
-    def __init__(self, finished: list[Request], score: Callable[[list[int]], float]):
+    def __init__(self, finished: list[Request], score: Callable[[Request], Any]):
         self.finished, self.score = finished, score
-        self.rewards: dict[tuple[str, int], float] = {}
+        self.scores: dict[tuple[str, int], Any] = {}
 
     def done(self) -> bool:
-        return len(self.rewards) >= len(self.finished)
+        return len(self.scores) >= len(self.finished)
 
     def run(self, preempted: Callable[[], bool]) -> None:
         for r in list(self.finished):
             if preempted():
                 return
-            if r.key not in self.rewards:
-                self.rewards[r.key] = self.score(r.tokens)
+            if r.key not in self.scores:
+                self.scores[r.key] = self.score(r)
 
     def report(self) -> dict:
-        vals = list(self.rewards.values())
-        return {"scored": len(vals), "reward_mean": sum(vals) / len(vals) if vals else None}
+        return {"scored": len(self.scores)}
 
 
-def sidecar_config() -> MoEModelConfig:
-    """A small dense model: one always-chosen expert makes the FFN a plain SwiGLU."""
-    return MoEModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                          kv_channels=16, num_moe_experts=1, moe_router_topk=1,
-                          moe_ffn_hidden_size=128, vocab_size=256)
+def lease_jobs(names: list[str], *, finished: list[Request], score: Callable[[Request], Any],
+               sidecar=None, fault: str | None = None) -> list:
+    """The jobs a detached rank leases, in order: training work first, then the sidecar.
+
+    `sidecar`: the rank's sidecar job, built by the caller (a trainer keeps one across steps so the
+    model loads once). `fault` (`kill-leased-rank` / `stuck-lease`) puts the injected job first.
+    """
+    from megatron_rl.rollout.faults import KillSelfJob, StuckJob
+
+    jobs: list = []
+    if fault == "kill-leased-rank":
+        jobs.append(KillSelfJob())
+    elif fault == "stuck-lease":
+        jobs.append(StuckJob())
+    if "rewards" in names:
+        jobs.append(RewardScoringJob(finished, score))
+    if sidecar is not None:
+        jobs.append(sidecar)
+    return jobs
 
 
-class SidecarJob:
-    name = "sidecar"
+def sidecar_job(names: list[str], cfg, rank: int, world: int):
+    """The sidecar lease `names` ask for (torch engine or sglang), or None."""
+    if "sidecar" in names:
+        from megatron_rl.rollout.sidecar import SidecarJob
 
-    def __init__(self, queries: int, seed: int, max_new_tokens: int = 16, batch: int = 8):
-        g = torch.Generator().manual_seed(seed)
-        self.queue = deque(
-            Request(f"q{i:05d}", 0, torch.randint(0, 256, (8,), generator=g).tolist(), max_new_tokens)
-            for i in range(queries))
-        self.batch, self.seed = batch, seed
-        self.model: Qwen3MoeModel | None = None
-        self.served = self.tokens = self.restarts = 0
+        return SidecarJob(cfg, rank, world)
+    if "sglang" in names:
+        from megatron_rl.rollout.sglang_lease import SGLangSidecarJob
 
-    def done(self) -> bool:
-        return not self.queue
-
-    def _engine(self) -> RolloutEngine:
-        if self.model is None:  # built on first lease, on the detached rank's memory
-            self.model = Qwen3MoeModel(sidecar_config(), dtype=torch.float32)
-            self.model.init_weights(self.seed)
-            self.model.eval()
-        return RolloutEngine(self.model, SamplingParams(greedy=True), self.batch, 64)
-
-    def run(self, preempted: Callable[[], bool]) -> None:
-        engine = self._engine()
-        while (self.queue or engine.has_work()) and not preempted():
-            while self.queue and engine.load < self.batch:
-                engine.add([self.queue.popleft()])
-            self.tokens += engine.step()
-            self.served += len(engine.finished)
-            engine.finished.clear()
-        # Pre-empted: unfinished queries lose their KV and go back to the front of the queue.
-        for r in reversed(engine.live + engine.pending):
-            r.tokens.clear()
-            self.queue.appendleft(r)
-            self.restarts += 1
-
-    def report(self) -> dict:
-        return {"served": self.served, "tokens": self.tokens, "queued": len(self.queue),
-                "restarts": self.restarts}
+        return SGLangSidecarJob(cfg, rank, world)
+    return None

@@ -29,8 +29,8 @@ from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fault_rank
-from megatron_rl.rollout.lease_jobs import RewardScoringJob, SidecarJob, distinct_ngram_reward
+from megatron_rl.rollout.faults import FailingExport, fault_rank
+from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
 from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -114,15 +114,6 @@ def _progress(start: float):
     return report
 
 
-def lease_jobs(cfg: RolloutConfig, engine: RolloutEngine, rank: int) -> list:
-    jobs = []
-    if "rewards" in cfg.leases:
-        jobs.append(RewardScoringJob(engine.finished, distinct_ngram_reward))
-    if "sidecar" in cfg.leases and cfg.sidecar_queries > 0:
-        jobs.append(SidecarJob(cfg.sidecar_queries, seed=cfg.seed * 7919 + rank))
-    return jobs
-
-
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
                plan: Plan, out_dir: str | None, quiet: bool):
     from elastic.runtime.pool import IdlePool
@@ -169,12 +160,12 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         elastic_engine = MegatronElasticEngine.on_gpu(engine, rank, ctx.world)  # NCCL only, no host staging
     else:
         elastic_engine = ElasticRolloutEngine(engine, ctx.world, make_transport(cfg.transport))
-    jobs = lease_jobs(cfg, engine, rank)
     hit = cfg.fault is not None and rank == fault_rank(plan)
     if hit and cfg.fault == "fail-transfer":
         elastic_engine = FailingExport(elastic_engine)
-    if hit and cfg.fault in ("kill-leased-rank", "stuck-lease"):
-        jobs.insert(0, KillSelfJob() if cfg.fault == "kill-leased-rank" else StuckJob())
+    jobs = lease_jobs(cfg.leases, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
+                      sidecar=sidecar_job(cfg.leases, cfg.sidecar, rank, ctx.world),
+                      fault=cfg.fault if hit else None)
     pool = IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.lease_grace_s)
     # The plan's longest predicted response, in this run's scaled tokens, is the predicted
     # restoration tick (one tick of prefill before it) that caps every lease.
@@ -234,6 +225,12 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     require_backend(cfg.backend)
     if cfg.backend == "megatron" and cfg.dtype == "float64":
         raise FlexFloorError("backend 'megatron': megatron-core runs bfloat16 or float32, not dtype float64")
+    if "sglang" in cfg.leases:
+        from megatron_rl.rollout.sglang_lease import require_sglang
+
+        require_sglang()
+    if {"sidecar", "sglang"} & set(cfg.leases):
+        cfg.sidecar.preflight()
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)

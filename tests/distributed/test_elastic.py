@@ -2,6 +2,7 @@
 import json
 
 import pytest
+from conftest import write_tiny_sidecar
 
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
@@ -17,14 +18,16 @@ def config(**o):
 
 
 @pytest.mark.timeout(600)
-def test_elastic_policies_equal_vanilla_and_keep_invariants():
+def test_elastic_policies_equal_vanilla_and_keep_invariants(tmp_path):
+    model, queries = write_tiny_sidecar(tmp_path, queries=8)
     variants = [dict(policy="vanilla")] + [
         dict(policy=p, floor=f) for p in ("natural", "planned") for f in (1, 2)]
     cfgs, labels = [], []
     for greedy in (True, False):
         for v in variants:
             leases = ["rewards", "sidecar"] if v.get("floor") == 1 else []
-            cfgs.append(config(**v, **{"sampling.greedy": greedy, "leases": leases, "sidecar_queries": 8}))
+            cfgs.append(config(**v, **{"sampling.greedy": greedy, "leases": leases,
+                                       "sidecar.checkpoint": model, "sidecar.queries": queries}))
             labels.append((greedy, v["policy"], v.get("floor")))
     results = run_rollouts(cfgs, quiet=True)
     shas = {}

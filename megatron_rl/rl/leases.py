@@ -1,0 +1,83 @@
+"""Leases inside `flexfloor train`: what a rank the rollout detached does until the restore.
+
+A detached rank holds its own finished responses, the tokenizer, the prompts' reference answers
+and the replicated dense weights; its experts are gone. With that it can do one piece of the
+step's post-rollout work: **reward scoring** (decode + the task's verifier, `reward.kind`; with
+`math` that is math-verify, the slowest part of the reward phase). Its outcomes are all-gathered
+with the responses, and the reward phase scores only what no lease did. The other post-rollout
+work cannot move here: micro-batch packing mixes rows generated on other ranks (rows are owned in
+canonical order, not by the rank that made them), and log-prob recomputation needs every expert.
+After the training work comes the sidecar (`leases.jobs: [rewards, sidecar]`), whose job lives
+as long as the run, so its model loads once.
+
+Rewards are the same with and without leases: a lease records the verifier's outcome, and the
+reward phase credits it exactly as it would have credited its own (one rank adds it into an
+all-reduce of zeros). Deadlines, pre-emption and `LeaseTimeout` are the rollout CLI's: the pool of
+`elastic/runtime/pool.py` with `leases.lease_s` / `leases.grace_s`, capped at the plan's
+predicted restoration.
+"""
+from __future__ import annotations
+
+from elastic.runtime.pool import IdlePool
+from megatron_rl.data.prompts import Prompt
+from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.rewards import Scorer
+from megatron_rl.rollout.engine import Request
+from megatron_rl.rollout.lease_jobs import RewardScoringJob, lease_jobs, sidecar_job
+from megatron_rl.trainer_config import TrainerConfig
+
+SIDECAR_COUNTS = ("served", "tokens", "restarts")
+
+
+class TrainingLeases:
+    """One rank's leases over a training run: a pool per rollout, and what each step's leases did."""
+
+    def __init__(self, cfg: TrainerConfig, tok: Tokenizer, rank: int, world: int):
+        self.cfg, self.tok = cfg.leases, tok
+        self.scorer = Scorer(cfg.reward)  # outcomes only; the reward phase's scorer counts them
+        self.sidecar = sidecar_job(self.cfg.jobs, self.cfg.sidecar, rank, world)
+        self.rewards: RewardScoringJob | None = None
+        self._sidecar_before: dict = {}
+
+    def pool(self, finished: list[Request], prompts: list[Prompt], fault_here: bool) -> IdlePool:
+        answers = {p.prompt_id: p.answer for p in prompts}
+
+        def outcome(r: Request) -> str:
+            return self.scorer.outcome(self.tok.decode(r.tokens), answers[r.prompt_id])
+
+        jobs = lease_jobs(self.cfg.jobs, finished=finished, score=outcome, sidecar=self.sidecar,
+                          fault=self.cfg.fault if fault_here else None)
+        self.rewards = next((j for j in jobs if isinstance(j, RewardScoringJob)), None)
+        if self.sidecar is not None:
+            self._sidecar_before = self.sidecar.report()
+        return IdlePool(jobs, lease_s=self.cfg.lease_s, grace_s=self.cfg.grace_s)
+
+    def outcomes(self) -> dict[tuple[str, int], str]:
+        """The verifier's outcome of each response this rank's leases scored in this rollout."""
+        return dict(self.rewards.scores) if self.rewards is not None else {}
+
+    def step_report(self) -> dict:
+        """This rank's sidecar work in this rollout (counts) and so far (per-query accuracy)."""
+        if self.sidecar is None:
+            return {}
+        now = self.sidecar.report()
+        out = {k: now[k] - self._sidecar_before.get(k, 0) for k in SIDECAR_COUNTS}
+        out.update(correct=now["correct"], distinct=now["distinct"])
+        return out
+
+
+def lease_metrics(ledger: dict, pool_reports: list[dict], step_reports: list[dict], scored: int) -> dict:
+    """The step's `lease` metrics (W&B `lease/...`): rank time, rewards scored in leases, sidecar."""
+    leased, idle = ledger["rank_seconds"]["leased"], ledger["rank_seconds"]["idle"]
+    out = {"leased_rank_s": leased, "idle_rank_s": idle,
+           "leased_share": leased / (leased + idle) if leased + idle > 0 else 0.0,
+           "leases": sum(len(p.get("leases", [])) for p in pool_reports),
+           "rewards_scored": scored}
+    if any(step_reports):
+        for k in SIDECAR_COUNTS:
+            out[f"sidecar_{k}"] = sum(r.get(k, 0) for r in step_reports)
+        distinct = sum(r.get("distinct", 0) for r in step_reports)
+        out["sidecar_queries_answered"] = distinct
+        out["sidecar_accuracy"] = (sum(r.get("correct", 0) for r in step_reports) / distinct
+                                   if distinct else None)
+    return out

@@ -1,0 +1,90 @@
+"""Leases inside `flexfloor train`: rewards scored on detached ranks change nothing training sees;
+a lease that ignores pre-emption ends the run with a clear LeaseTimeout and the step's data kept."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny_cpu_grpo.yaml"
+# What training sees (metrics.jsonl apart from timings, the ledger and the `lease` figures).
+LEARNING = ("reward_mean", "reward_std", "reward_outcomes", "response_len_mean", "loss", "grad_norm",
+            "kl", "clip_frac", "tis_weight_mean", "epoch", "stages", "placement")
+
+
+def _run(*args, expect=0):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, check=False,
+                          timeout=500, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert proc.returncode == expect if expect == 0 else proc.returncode != 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """The example's own warm start (its 250 SFT steps on its 4 ranks), once, as the `init` of every
+    run here: the runs below train exactly what the acceptance command (`flexfloor train --config
+    examples/tiny_cpu_grpo.yaml --policy natural --floor 1`) trains in its first steps, where step 2
+    is the first with a plan that shrinks (step 1 has no length history) and ranks 3 and 1 detach."""
+    out = tmp_path_factory.mktemp("warm") / "sft"
+    _run("tools/sft_warmstart.py", "--config", str(EXAMPLE), "--out", str(out))
+    return out
+
+
+def _config(tmp_path, warm, **leases):
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg.update(init=str(warm), steps=2)
+    cfg["warmstart"]["sft_steps"] = 0
+    cfg["checkpoint"] = {"every": 1, "export_hf": True}
+    cfg["leases"].update(leases)
+    path = tmp_path / f"cfg{len(list(tmp_path.glob('cfg*.yaml')))}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _train(config, out, expect=0):
+    return _run("-m", "megatron_rl.cli", "train", "--config", str(config), "--out", str(out),
+                "--policy", "natural", "--floor", "1", expect=expect)
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rewards_scored_in_leases_train_exactly_like_no_leases(warm, tmp_path):
+    from safetensors.torch import load_file
+
+    _train(_config(tmp_path, warm), tmp_path / "on")
+    _train(_config(tmp_path, warm, jobs=[]), tmp_path / "off")
+    on, off = _metrics(tmp_path / "on"), _metrics(tmp_path / "off")
+    assert [{k: m[k] for k in LEARNING} for m in on] == [{k: m[k] for k in LEARNING} for m in off]
+    wa, wb = (load_file(str(tmp_path / d / "hf" / "model.safetensors")) for d in ("on", "off"))
+    assert wa.keys() == wb.keys() and all(torch_equal(wa[k], wb[k]) for k in wa)
+    print("lease per step:", [m["lease"] for m in on])
+    assert sum(m["lease"]["leased_rank_s"] for m in on) > 0
+    assert sum(m["lease"]["rewards_scored"] for m in on) > 0, "no reward was scored in a lease"
+    assert all(m["lease"]["rewards_scored"] == 0 and m["lease"]["leased_rank_s"] == 0 for m in off)
+    assert any(m["rank_seconds"]["idle"] > 0 for m in off), "no rank detached: the test proves nothing"
+
+
+def torch_equal(a, b):
+    return bool((a == b).all())
+
+
+def test_a_lease_that_ignores_preemption_ends_in_lease_timeout_with_the_step_kept(warm, tmp_path):
+    out = tmp_path / "stuck"
+    cfg = _config(tmp_path, warm, fault="stuck-lease", grace_s=0.5)
+    proc = _train(cfg, out, expect=1)
+    assert "lease 'fault-stuck' did not yield within 0.5s of pre-emption" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    done = _metrics(out)
+    assert done and all(m["lease"]["leased_rank_s"] == 0 for m in done)  # the steps before it
+    assert (out / "checkpoints" / f"step_{done[-1]['step']:06d}").is_dir()
+    streamed = [json.loads(line) for f in (out / "rollout").glob("responses.rank*.jsonl") for line in f.open()]
+    assert streamed and len({(r["prompt_id"], r["sample"]) for r in streamed}) == len(streamed)
+    assert all(len(r["tokens"]) == len(r["logprobs"]) for r in streamed)
+    assert list((out / "rollout").glob("ledger.rank*.json")), "the failing rank's ledger so far"
