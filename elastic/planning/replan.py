@@ -1,0 +1,246 @@
+"""Online re-planning: the decision rule the runtime and the simulator both run at every status check.
+
+The offline plan (`make_plan`) is the starting point: its layout, and its order of leaving ranks.
+`ladder_plan` turns it into a plan whose stages are every candidate group size of that order
+(`schedule.candidate_sizes`, W down to the floor), so the stage groups the rule may choose are known
+before the first decode step and can be created up front: at most `FINE_SPAN + 1` groups for worlds
+within 16 ranks of their floor, `MAX_CANDIDATES + 1` beyond (docs/planner.md). Stages are prefixes
+of one order, so they are nested, and each stage's owners come from the chain through every
+smaller ladder step, so every expert is owned in every stage whichever stage is jumped to.
+
+`OnlineRule.decide` looks at the live state (which rank holds which response, tokens so far, which
+finished) and chooses the stage to be in, never going back up. A shrink to stage j makes the ranks
+outside it leave; their live requests move first, with their KV cache, to members of j
+(`Decision.moves`), so no rank leaves with a live request. Each choice is priced on joint samples
+of the remaining lengths (`online.OnlineModel`): the rollout's remaining steps are fixed per sample
+(moving a request does not change its length), and a step costs `StepCost.decode_step_s` at the
+busiest member's live batch, so a scenario "stay in the current group until step D, then move to j"
+costs its steps at each group's price, plus the shrink (`shrink_s`), the KV moved (`migrate_s`)
+and the restore it commits to. The rule acts only when shrinking now beats every later shrink it
+prices (D = one check, then doubling) and staying, under the same objective as `make_plan`
+(`planner.OBJECTIVES`: fewest occupied rank-seconds, or the shortest rollout).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from elastic.planning.online import OnlineModel
+from elastic.planning.plan import Plan
+from elastic.planning.release import Estimate, StepCost
+from elastic.planning.schedule import build_stages, candidate_sizes, held_counts
+from elastic.planning.shape import ModelShape
+
+# Grid of future steps a scenario is priced on: geometric, so the early decisions are resolved.
+PIECES = 24
+
+
+def leave_order(plan: Plan) -> list[int]:
+    """The plan's ranks, those that stay longest first (`meta["leave_order"]` for one-stage plans)."""
+    if len(plan.stages) == 1:
+        return list(plan.meta.get("leave_order", range(plan.ranks)))
+    order = list(plan.stages[-1].members)
+    for st in reversed(plan.stages[1:]):
+        order += list(st.drained)
+    return order
+
+
+def ladder_plan(plan: Plan, floor: int) -> Plan:
+    """`plan` with a stage for every candidate group size down to `floor`, in its leaving order."""
+    sizes = [plan.ranks] + (candidate_sizes(plan.ranks, floor, plan.num_experts) if floor < plan.ranks else [])
+    stages = build_stages(sizes, plan.num_experts, leave_order(plan))
+    meta = dict(plan.meta, ladder=sizes, offline_chain=[len(s.members) for s in plan.stages])
+    out = Plan(plan.ranks, floor, plan.num_experts, plan.layout, plan.tailguard, plan.assignments,
+               stages, plan.predicted_release_rank_s, meta)
+    out.check()
+    return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    stage: int
+    moves: tuple[tuple[int, int], ...] = ()  # (response index, destination rank), done before the shrink
+    kv_bytes: int = 0  # KV cache the moves carry
+
+
+def migrate_s(cost: StepCost, kv_bytes: float, ep_size: int) -> float:
+    """Seconds to move `kv_bytes` of KV cache inside a group of `ep_size` (0 for a cost model
+    that does not price it)."""
+    price = getattr(cost, "migrate_s", None)
+    return float(price(kv_bytes, ep_size)) if price is not None else 0.0
+
+
+class OnlineRule:
+    """The shared rule; one instance per rollout, built identically on every rank."""
+
+    def __init__(self, plan: Plan, prompt_len: Sequence[int], model: OnlineModel, cost: StepCost,
+                 shape: ModelShape, *, objective: str = "occupied", check_every: int = 16,
+                 samples: int = 16, seed: int = 0):
+        from elastic.planning.planner import OBJECTIVES  # planner imports this module's users
+
+        self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
+        self.prompt = np.asarray(prompt_len, float)
+        self.key = OBJECTIVES[objective]
+        self.k, self.samples, self.seed = check_every, samples, seed
+        self.sizes = [len(s.members) for s in plan.stages]
+        self.moves_to = {}  # (from stage, to stage) -> experts moved
+        self.budget = []  # KV tokens each rank may hold in each stage
+        for st in plan.stages:
+            held = held_counts(st.owners, st.members)
+            self.budget.append({r: shape.kv_budget_bytes(h) // shape.kv_bytes_per_token for r, h in held.items()})
+        self.restore_s = [0.0] + [cost.shrink_s(self._moved(j, 0), self.sizes[j]) for j in range(1, len(plan.stages))]
+        self.decisions = 0
+        self.step_memo: dict[tuple[int, int, int], float] = {}
+
+    def _moved(self, a: int, b: int) -> int:
+        if (a, b) not in self.moves_to:
+            self.moves_to[(a, b)] = len(self.plan.transfers(a, b))
+        return self.moves_to[(a, b)]
+
+    # ---- the rule -------------------------------------------------------------------------------
+    def decide(self, stage: int, step: int, rank_of: np.ndarray, tokens: np.ndarray,
+               done: np.ndarray) -> Decision:
+        """The stage to be in after the check at decode step `step`, and the moves it needs.
+
+        `rank_of[i]`: the rank holding response i now; `tokens[i]`: tokens generated so far (the
+        length once `done[i]`)."""
+        if stage + 1 >= len(self.plan.stages):
+            return Decision(stage)
+        live = np.nonzero(~np.asarray(done, bool))[0]
+        if not len(live):
+            return Decision(stage)
+        self.decisions += 1
+        rank_of, tokens = np.asarray(rank_of), np.asarray(tokens, float)
+        members = set(self.plan.stages[stage].members)
+        targets = []
+        for j in range(stage + 1, len(self.plan.stages)):
+            leaving = members - set(self.plan.stages[j].members)
+            if self.model.options.migrate or not np.isin(rank_of[live], list(leaving)).any():
+                targets.append(j)
+        if not targets:
+            return Decision(stage)
+        rng = np.random.default_rng([self.seed, step])
+        rem = self.model.sample_remaining(live, tokens, done, self.samples, rng)  # (S, n)
+        best = self._price(stage, targets, live, rank_of[live], tokens[live], rem)
+        if best is None:
+            return Decision(stage)
+        moves = self._place(stage, best, live, rank_of, tokens, rem)
+        if moves is None:  # the KV of the leaving ranks' requests fits no member
+            return Decision(stage)
+        kv = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
+        return Decision(best, tuple(moves), kv)
+
+    def _price(self, stage, targets, live, ranks, ell, rem) -> int | None:
+        """The target to shrink to now, or None when staying (perhaps to shrink later) is better."""
+        S, n = rem.shape
+        W, g0 = self.plan.ranks, self.sizes[stage]
+        end = rem.max(axis=1)
+        delays = [self.k * 2**m for m in range(64) if self.k * 2**m < end.max()]
+        bounds = np.unique(np.concatenate([[0.0], np.geomspace(1.0, max(end.max(), 2.0), PIECES),
+                                           np.array(delays, float)]))
+        seg = np.clip(np.minimum(bounds[1:][None, :], end[:, None]) - bounds[:-1][None, :], 0.0, None)
+        mid = (bounds[:-1] + bounds[1:]) / 2
+        alive = (rem[:, None, :] > mid[None, :, None]).astype(float)  # (S, K, n)
+        onehot = np.zeros((n, W))
+        onehot[np.arange(n), ranks] = 1.0
+        per_rank = alive @ onehot  # (S, K, W) live requests per rank
+        total = per_rank.sum(axis=2)
+        context = float(np.mean(self.prompt[live] + ell)) + mid
+
+        def busiest(j: int) -> np.ndarray:
+            kept = list(self.plan.stages[j].members)
+            peak = np.maximum(per_rank[:, :, kept].max(axis=2), np.ceil(total / len(kept)))
+            return np.maximum(peak.mean(axis=0), 1.0)
+
+        tau_now = self._steps(busiest(stage), context, g0)
+        run_now = seg * tau_now[None, :]
+        before = np.concatenate([np.zeros((S, 1)), np.cumsum(run_now, axis=1)], axis=1)  # time to bound k
+        kv_token = float(self.shape.kv_bytes_per_token)
+        stay = before[:, -1] + self.restore_s[stage]
+        options = [(self._estimate(stay, np.zeros(S), g0, g0, W)[0], stage, 0)]
+        d = np.array([0] + delays, float)
+        at = np.searchsorted(bounds, d)
+        for j in targets:
+            g = self.sizes[j]
+            after = seg * self._steps(busiest(j), context, g)[None, :]
+            tail = np.concatenate([np.cumsum(after[:, ::-1], axis=1)[:, ::-1], np.zeros((S, 1))], axis=1)
+            moving = ~np.isin(ranks, self.plan.stages[j].members)
+            held = self.prompt[live][moving] + ell[moving]
+            # The requests still live at the shrink move, their KV grown by d tokens.
+            kv = kv_token * ((rem[:, moving, None] > d).mean(axis=0) * (held[:, None] + d)).sum(axis=0)
+            shrink = self.cost.shrink_s(self._moved(stage, j), g0) + np.array([migrate_s(self.cost, b, g0) for b in kv])
+            until = before[:, at] + shrink[None, :]
+            whole = until + tail[:, at] + self.restore_s[j]
+            for est, delay in zip(self._estimate(whole, until, g0, g, W), d):
+                options.append((est, j, delay))
+        _, j, delay = min(options, key=lambda o: (self.key((o[0],)), o[2]))
+        return j if j != stage and delay == 0 else None
+
+    @staticmethod
+    def _estimate(total_s: np.ndarray, until_s: np.ndarray, g0: int, g: int, W: int) -> list[Estimate]:
+        """Each column's remainder of the rollout as the planner scores it (mean over the sample
+        rows): the current group of g0 until `until_s`, g ranks after; ranks already detached stay so."""
+        total_s, until_s = total_s.reshape(len(total_s), -1), until_s.reshape(len(until_s), -1)
+        T = total_s.mean(axis=0)
+        detached = (W - g0) * T + (g0 - g) * (total_s - until_s).mean(axis=0)
+        return [Estimate(float(t), float(t), float(x), float(W * t - x)) for t, x in zip(T, detached)]
+
+    def _steps(self, batch: np.ndarray, context: np.ndarray, g: int) -> np.ndarray:
+        """Step seconds per segment, memoised for the rollout (context to 64 tokens, where the step
+        changes little)."""
+        out = np.empty(len(batch))
+        for k, (b, c) in enumerate(zip(np.rint(batch).astype(int).tolist(), (context.astype(int) >> 6).tolist())):
+            key = (b, c, g)
+            if key not in self.step_memo:
+                self.step_memo[key] = float(self.cost.decode_step_s(b, (c << 6) + 32, g))
+            out[k] = self.step_memo[key]
+        return out
+
+    def _place(self, stage, j, live, rank_of, tokens, rem) -> list[tuple[int, int]] | None:
+        """Destinations of the live requests on ranks leaving for stage j: longest expected remainder
+        first, each to the member with the least expected remaining work whose KV budget holds it
+        (a request is reserved its tokens so far plus its longest sampled remainder)."""
+        kept = list(self.plan.stages[j].members)
+        mean, top = rem.mean(axis=0), rem.max(axis=0)
+        work = dict.fromkeys(kept, 0.0)
+        kv = dict.fromkeys(kept, 0.0)
+        moving = []
+        for col, i in enumerate(live):
+            r = int(rank_of[i])
+            need = self.prompt[i] + tokens[i] + top[col]
+            if r in work:
+                work[r] += mean[col]
+                kv[r] += need
+            else:
+                moving.append((mean[col], need, int(i)))
+        moves = []
+        for m, need, i in sorted(moving, key=lambda x: (-x[0], x[2])):
+            room = [r for r in kept if kv[r] + need <= self.budget[j][r]]
+            if not room:
+                return None
+            r = min(room, key=lambda r: (work[r], r))
+            work[r] += m
+            kv[r] += need
+            moves.append((i, r))
+        return moves
+
+
+def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence[int],
+                   done: Sequence[bool]) -> None:
+    """Raise ValueError if carrying out `decision` would break an invariant of DESIGN.md: the
+    stage goes back up, a rank leaves with a live request, or a request moves outside the group."""
+    if not stage <= decision.stage < len(plan.stages):
+        raise ValueError(f"decision goes from stage {stage} to {decision.stage}")
+    kept = set(plan.stages[decision.stage].members)
+    where = list(rank_of)
+    for i, r in decision.moves:
+        if done[i]:
+            raise ValueError(f"response {i} is finished and cannot move")
+        if r not in kept:
+            raise ValueError(f"response {i} moves to rank {r}, outside stage {decision.stage}")
+        where[i] = r
+    stranded = [i for i, r in enumerate(where) if not done[i] and r not in kept]
+    if stranded:
+        raise ValueError(f"{len(stranded)} live requests (e.g. {stranded[0]}) would leave with their rank")
