@@ -77,13 +77,14 @@ class OnlineRule:
 
     def __init__(self, plan: Plan, prompt_len: Sequence[int], model: OnlineModel, cost: StepCost,
                  shape: ModelShape, *, objective: str = "occupied", check_every: int = 16,
-                 samples: int = 16, seed: int = 0):
+                 samples: int = 16, seed: int = 0, max_slowdown: float = 0.01):
         from elastic.planning.planner import OBJECTIVES  # planner imports this module's users
 
         self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
         self.prompt = np.asarray(prompt_len, float)
         self.key = OBJECTIVES[objective]
         self.k, self.samples, self.seed = check_every, samples, seed
+        self.max_slowdown = max_slowdown
         self.sizes = [len(s.members) for s in plan.stages]
         self.moves_to = {}  # (from stage, to stage) -> experts moved
         self.budget = []  # KV tokens each rank may hold in each stage
@@ -106,8 +107,6 @@ class OnlineRule:
 
         `rank_of[i]`: the rank holding response i now; `tokens[i]`: tokens generated so far (the
         length once `done[i]`)."""
-        if stage + 1 >= len(self.plan.stages):
-            return Decision(stage)
         live = np.nonzero(~np.asarray(done, bool))[0]
         if not len(live):
             return Decision(stage)
@@ -119,42 +118,47 @@ class OnlineRule:
             leaving = members - set(self.plan.stages[j].members)
             if self.model.options.migrate or not np.isin(rank_of[live], list(leaving)).any():
                 targets.append(j)
-        if not targets:
+        if not targets and not self.model.options.migrate:
             return Decision(stage)
         rng = np.random.default_rng([self.seed, step])
         rem = self.model.sample_remaining(live, tokens, done, self.samples, rng)  # (S, n)
-        best = self._price(stage, targets, live, rank_of[live], tokens[live], rem)
-        if best is None:
+        grid = _Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
+        best = self._price(stage, targets, grid) if targets else None
+        j = stage if best is None else best
+        # The moves a shrink needs (the leaving ranks' requests), and, with migration, the same
+        # shrink with every live request re-placed (a rebalance): whichever the samples price lower.
+        # Only at a shrink: between shrinks, fresh samples at every check would move requests back
+        # and forth for gains within their noise.
+        proposals = []
+        for rebalance in (False, True) if self.model.options.migrate and j != stage else (False,):
+            moves = self._place(j, live, rank_of, tokens, rem, rebalance)
+            if moves is not None:
+                proposals.append((self._exact(stage, j, grid, live, rank_of, moves, tokens), moves))
+        if not proposals:  # the KV of the leaving ranks' requests fits no member
             return Decision(stage)
-        moves = self._place(stage, best, live, rank_of, tokens, rem)
-        if moves is None:  # the KV of the leaving ranks' requests fits no member
+        (est, moves), *rest = proposals
+        if rest and self.key((rest[0][0],)) < self.key((est,)):
+            est, moves = rest[0]
+        if j == stage and not moves:
             return Decision(stage)
         kv = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
-        return Decision(best, tuple(moves), kv)
+        return Decision(j, tuple(moves), kv)
 
-    def _price(self, stage, targets, live, ranks, ell, rem) -> int | None:
-        """The target to shrink to now, or None when staying (perhaps to shrink later) is better."""
-        S, n = rem.shape
+    def _price(self, stage: int, targets: list[int], grid: _Grid) -> int | None:
+        """The target to shrink to now, or None when staying (perhaps to shrink later) is better;
+        the leaving ranks' requests taken as spread evenly over the members that stay."""
+        S = grid.seg.shape[0]
         W, g0 = self.plan.ranks, self.sizes[stage]
-        end = rem.max(axis=1)
-        delays = [self.k * 2**m for m in range(64) if self.k * 2**m < end.max()]
-        bounds = np.unique(np.concatenate([[0.0], np.geomspace(1.0, max(end.max(), 2.0), PIECES),
-                                           np.array(delays, float)]))
-        seg = np.clip(np.minimum(bounds[1:][None, :], end[:, None]) - bounds[:-1][None, :], 0.0, None)
-        mid = (bounds[:-1] + bounds[1:]) / 2
-        alive = (rem[:, None, :] > mid[None, :, None]).astype(float)  # (S, K, n)
-        onehot = np.zeros((n, W))
-        onehot[np.arange(n), ranks] = 1.0
-        per_rank = alive @ onehot  # (S, K, W) live requests per rank
-        total = per_rank.sum(axis=2)
-        context = float(np.mean(self.prompt[live] + ell)) + mid
+        seg, bounds, delays, rem, ranks, held = grid.seg, grid.bounds, grid.delays, grid.rem, grid.ranks, grid.held
+        count, kv = grid.per_rank(ranks)
+        count_all, kv_all = count.sum(axis=2), kv.sum(axis=2)
 
-        def busiest(j: int) -> np.ndarray:
+        def busiest(j: int) -> tuple[np.ndarray, np.ndarray]:
             kept = list(self.plan.stages[j].members)
-            peak = np.maximum(per_rank[:, :, kept].max(axis=2), np.ceil(total / len(kept)))
-            return np.maximum(peak.mean(axis=0), 1.0)
+            return _batch_context(np.maximum(count[:, :, kept].max(axis=2), np.ceil(count_all / len(kept))),
+                                  np.maximum(kv[:, :, kept].max(axis=2), kv_all / len(kept)))
 
-        tau_now = self._steps(busiest(stage), context, g0)
+        tau_now = self._steps(*busiest(stage), g0)
         run_now = seg * tau_now[None, :]
         before = np.concatenate([np.zeros((S, 1)), np.cumsum(run_now, axis=1)], axis=1)  # time to bound k
         kv_token = float(self.shape.kv_bytes_per_token)
@@ -164,17 +168,21 @@ class OnlineRule:
         at = np.searchsorted(bounds, d)
         for j in targets:
             g = self.sizes[j]
-            after = seg * self._steps(busiest(j), context, g)[None, :]
+            after = seg * self._steps(*busiest(j), g)[None, :]
             tail = np.concatenate([np.cumsum(after[:, ::-1], axis=1)[:, ::-1], np.zeros((S, 1))], axis=1)
             moving = ~np.isin(ranks, self.plan.stages[j].members)
-            held = self.prompt[live][moving] + ell[moving]
             # The requests still live at the shrink move, their KV grown by d tokens.
-            kv = kv_token * ((rem[:, moving, None] > d).mean(axis=0) * (held[:, None] + d)).sum(axis=0)
-            shrink = self.cost.shrink_s(self._moved(stage, j), g0) + np.array([migrate_s(self.cost, b, g0) for b in kv])
+            moved = kv_token * ((rem[:, moving, None] > d).mean(axis=0) * (held[moving][:, None] + d)).sum(axis=0)
+            shrink = self.cost.shrink_s(self._moved(stage, j), g0) \
+                + np.array([migrate_s(self.cost, b, g0) for b in moved])
             until = before[:, at] + shrink[None, :]
             whole = until + tail[:, at] + self.restore_s[j]
             for est, delay in zip(self._estimate(whole, until, g0, g, W), d):
                 options.append((est, j, delay))
+        # Whatever the objective, no option predicted to take more than `max_slowdown` longer than
+        # the fastest: in a synchronous job a slower rollout holds every rank back.
+        fastest = min(o[0].rollout_s for o in options)
+        options = [o for o in options if o[0].rollout_s <= fastest * (1 + self.max_slowdown)]
         _, j, delay = min(options, key=lambda o: (self.key((o[0],)), o[2]))
         return j if j != stage and delay == 0 else None
 
@@ -198,33 +206,84 @@ class OnlineRule:
             out[k] = self.step_memo[key]
         return out
 
-    def _place(self, stage, j, live, rank_of, tokens, rem) -> list[tuple[int, int]] | None:
-        """Destinations of the live requests on ranks leaving for stage j: longest expected remainder
-        first, each to the member with the least expected remaining work whose KV budget holds it
-        (a request is reserved its tokens so far plus its longest sampled remainder)."""
+    def _exact(self, stage: int, j: int, grid: _Grid, live, rank_of, moves, tokens) -> Estimate:
+        """The remainder of the rollout if stage j starts now with `moves` made, each sample priced
+        with its own busiest member."""
+        where = dict(zip(live.tolist(), rank_of[live].tolist()))
+        for i, r in moves:
+            where[i] = r
+        count, kv = grid.per_rank(np.array([where[i] for i in live.tolist()]))
+        kept = list(self.plan.stages[j].members)
+        g0, g = self.sizes[stage], self.sizes[j]
+        tau = self._steps(*_batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2)), g)
+        moved = sum(self.prompt[i] + tokens[i] for i, _ in moves) * self.shape.kv_bytes_per_token
+        shrink = (self.cost.shrink_s(self._moved(stage, j), g0) if j != stage else 0.0) \
+            + migrate_s(self.cost, moved, g0)
+        total = (grid.seg * tau[None, :]).sum(axis=1) + shrink + self.restore_s[j]
+        return self._estimate(total, np.full(len(total), shrink), g0, g, self.plan.ranks)[0]
+
+    def _place(self, j, live, rank_of, tokens, rem, rebalance=False) -> list[tuple[int, int]] | None:
+        """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
+        every live request): longest expected remainder first, each to the member with the least
+        expected remaining work whose KV budget holds it (a request is reserved its tokens so far
+        plus its longest sampled remainder). Only requests whose rank changes are listed."""
         kept = list(self.plan.stages[j].members)
         mean, top = rem.mean(axis=0), rem.max(axis=0)
         work = dict.fromkeys(kept, 0.0)
         kv = dict.fromkeys(kept, 0.0)
-        moving = []
+        placing = []
         for col, i in enumerate(live):
             r = int(rank_of[i])
             need = self.prompt[i] + tokens[i] + top[col]
-            if r in work:
+            if r in work and not rebalance:
                 work[r] += mean[col]
                 kv[r] += need
             else:
-                moving.append((mean[col], need, int(i)))
+                placing.append((mean[col], need, int(i)))
         moves = []
-        for m, need, i in sorted(moving, key=lambda x: (-x[0], x[2])):
+        for m, need, i in sorted(placing, key=lambda x: (-x[0], x[2])):
             room = [r for r in kept if kv[r] + need <= self.budget[j][r]]
             if not room:
                 return None
             r = min(room, key=lambda r: (work[r], r))
             work[r] += m
             kv[r] += need
-            moves.append((i, r))
+            if r != rank_of[i]:
+                moves.append((i, r))
         return moves
+
+
+class _Grid:
+    """The sampled future of one decision: segments of remaining decode steps (geometric, plus
+    the delays a later shrink is priced at), and the live requests alive in each."""
+
+    def __init__(self, rem: np.ndarray, held: np.ndarray, ranks: np.ndarray, world: int, check_every: int):
+        self.rem, self.held, self.ranks, self.world = rem, held, np.asarray(ranks), world
+        end = rem.max(axis=1)
+        self.delays = [check_every * 2**m for m in range(64) if check_every * 2**m < end.max()]
+        self.bounds = np.unique(np.concatenate([[0.0], np.geomspace(1.0, max(end.max(), 2.0), PIECES),
+                                                np.array(self.delays, float)]))
+        self.seg = np.clip(np.minimum(self.bounds[1:][None, :], end[:, None]) - self.bounds[:-1][None, :], 0.0, None)
+        self.mid = (self.bounds[:-1] + self.bounds[1:]) / 2
+        self.alive = (rem[:, None, :] > self.mid[None, :, None]).astype(float)  # (S, K, n)
+
+    def per_rank(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(S, K, world) live requests and their KV tokens per rank, with request c on ranks[c]."""
+        order = np.argsort(ranks, kind="stable")
+        present, starts = np.unique(ranks[order], return_index=True)
+        count = np.zeros(self.alive.shape[:2] + (self.world,))
+        kv = np.zeros_like(count)
+        if len(order):
+            alive = self.alive[:, :, order]
+            count[:, :, present] = np.add.reduceat(alive, starts, axis=2)
+            kv[:, :, present] = np.add.reduceat(alive * self.held[order], starts, axis=2)
+        return count, kv + count * self.mid[None, :, None]
+
+
+def _batch_context(batch: np.ndarray, kv_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(S, K) batch and KV tokens of the member that sets each step -> the mean batch and context."""
+    b = np.maximum(batch.mean(axis=0), 1.0)
+    return b, kv_tokens.mean(axis=0) / b
 
 
 def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence[int],

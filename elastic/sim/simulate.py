@@ -71,6 +71,7 @@ class RolloutResult:
     transitions: list[tuple[int, int, int, float]] = field(default_factory=list)
     migrated: int = 0
     migrated_kv_bytes: int = 0
+    rebalances: int = 0  # moves between members that stay (online rule only)
 
 
 def lower_bound_s(prompt_lens, response_lens, cost: CostModel, floor: int, ranks: int) -> float:
@@ -275,21 +276,23 @@ class _Rollout:
     def _run_online(self, rule) -> int:
         """Decode with the online rule deciding at every check; returns the final stage."""
         stage, step, k = 0, 0, self.cfg.check_every
-        last = len(self.plan.stages) - 1
         while step < self.steps_total:
-            end = self.steps_total if stage == last else min(k * (step // k + 1), self.steps_total)
+            end = min(k * (step // k + 1), self.steps_total)
             self._decode(stage, step + 1, end)
             step = end
             if step >= self.steps_total:
                 break
             done = self.length <= step
             d = rule.decide(stage, step, self.rank, np.minimum(self.tokens, step + 1), done)
-            if d.stage == stage:
-                continue
             for i, dst in d.moves:
                 self._move(i, dst, step)
-            self._shrink(stage, d.stage, step, self._moved(list(d.moves), step))
-            stage = d.stage
+            seconds = self._moved(list(d.moves), step)
+            if d.stage != stage:
+                self._shrink(stage, d.stage, step, seconds)
+                stage = d.stage
+            elif d.moves:  # a rebalance inside the group: one transition tick for its members
+                self._transition(np.array(self.plan.stages[stage].members, dtype=np.int64), seconds)
+                self.result.rebalances += 1
         return stage
 
     def run(self, rule=None) -> RolloutResult:
