@@ -27,6 +27,7 @@ from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fault_rank
 from megatron_rl.rollout.lease_jobs import RewardScoringJob, SidecarJob, distinct_ngram_reward
 
@@ -62,14 +63,16 @@ def tiny_shape(mcfg: MoEModelConfig, dtype_bytes: int) -> ModelShape:
 def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
     return plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
                         tailguard=cfg.tailguard, mcfg=mcfg,
-                        dtype_bytes=8 if cfg.dtype == "float64" else 4)
+                        dtype_bytes=8 if cfg.dtype == "float64" else 4, length_scale=cfg.batch.length_scale)
 
 
 def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
                  mcfg: MoEModelConfig, dtype_bytes: int, max_response_len: int | None = None,
-                 shrink_cost_s: float | None = None) -> Plan:
-    """The plan of one rollout under `policy`; `max_response_len` bounds KV when history is empty;
-    `shrink_cost_s` replaces the cost model's fixed cost of a shrink (its default is an H100's)."""
+                 shrink_cost_s: float | None = None, length_scale: float = 1.0) -> Plan:
+    """The plan of one rollout under `policy`; `max_response_len` bounds KV when history is empty.
+    Chains are priced on this CPU engine's measured step and shrink (`engine_cost`, the run decoding
+    `length_scale` of each trace length); `shrink_cost_s` instead prices a shrink at that fixed cost
+    on the H100 shape model. When a shrinking policy keeps every rank, stderr says why."""
     W, E = ranks, mcfg.num_moe_experts
     if E % W or W > E:
         raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
@@ -82,12 +85,20 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
 
     floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
     shape = tiny_shape(mcfg, dtype_bytes)
-    cost = None if shrink_cost_s is None else ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
+    cost = engine_cost(length_scale) if shrink_cost_s is None else ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     try:
-        return make_plan(batch, history, ranks=W, floor=floor, shape=shape, layout=policy,
+        plan = make_plan(batch, history, ranks=W, floor=floor, shape=shape, layout=policy,
                          tailguard=tailguard, max_response_len=max_response_len, cost=cost)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
+    if len(plan.stages) == 1 and floor < W:
+        m = plan.meta
+        print(f"[plan] {policy} floor {floor}: every rank stays: of {m['chains_priced']} chains priced "
+              f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
+              f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
+              f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)",
+              file=sys.stderr, flush=True)
+    return plan
 
 
 def responses_sha256(responses: list[dict]) -> str:
