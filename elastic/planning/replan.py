@@ -35,6 +35,8 @@ from elastic.planning.shape import ModelShape
 
 # Grid of future steps a scenario is priced on: geometric, so the early decisions are resolved.
 PIECES = 24
+# Checks between decisions at the most while few requests finish (see `OnlineRule._due`).
+REPLAN_CHECKS = 8
 
 
 def leave_order(plan: Plan) -> list[int]:
@@ -93,7 +95,18 @@ class OnlineRule:
             self.budget.append({r: shape.kv_budget_bytes(h) // shape.kv_bytes_per_token for r, h in held.items()})
         self.restore_s = [0.0] + [cost.shrink_s(self._moved(j, 0), self.sizes[j]) for j in range(1, len(plan.stages))]
         self.decisions = 0
+        self.last = (-(10**9), 10**9)  # (step, live requests) of the last decision
         self.step_memo: dict[tuple[int, int, int], float] = {}
+
+    def _due(self, step: int, live: int) -> bool:
+        """Whether to re-plan at this check: once a 64th of the live requests has finished since
+        the last decision, or `REPLAN_CHECKS` checks have passed (the samples change little between;
+        a 16,384-response batch would otherwise re-plan at every check of a long tail)."""
+        last_step, last_live = self.last
+        if last_live - live >= max(1, last_live // 64) or step - last_step >= REPLAN_CHECKS * self.k:
+            self.last = (step, live)
+            return True
+        return False
 
     def _moved(self, a: int, b: int) -> int:
         if (a, b) not in self.moves_to:
@@ -108,7 +121,7 @@ class OnlineRule:
         `rank_of[i]`: the rank holding response i now; `tokens[i]`: tokens generated so far (the
         length once `done[i]`)."""
         live = np.nonzero(~np.asarray(done, bool))[0]
-        if not len(live):
+        if not len(live) or not self._due(step, len(live)):
             return Decision(stage)
         self.decisions += 1
         rank_of, tokens = np.asarray(rank_of), np.asarray(tokens, float)
@@ -118,19 +131,20 @@ class OnlineRule:
             leaving = members - set(self.plan.stages[j].members)
             if self.model.options.migrate or not np.isin(rank_of[live], list(leaving)).any():
                 targets.append(j)
-        if not targets and not self.model.options.migrate:
+        if not targets:
             return Decision(stage)
         rng = np.random.default_rng([self.seed, step])
         rem = self.model.sample_remaining(live, tokens, done, self.samples, rng)  # (S, n)
         grid = _Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
-        best = self._price(stage, targets, grid) if targets else None
-        j = stage if best is None else best
+        j = self._price(stage, targets, grid)
+        if j is None:
+            return Decision(stage)
         # The moves a shrink needs (the leaving ranks' requests), and, with migration, the same
         # shrink with every live request re-placed (a rebalance): whichever the samples price lower.
         # Only at a shrink: between shrinks, fresh samples at every check would move requests back
         # and forth for gains within their noise.
         proposals = []
-        for rebalance in (False, True) if self.model.options.migrate and j != stage else (False,):
+        for rebalance in (False, True) if self.model.options.migrate else (False,):
             moves = self._place(j, live, rank_of, tokens, rem, rebalance)
             if moves is not None:
                 proposals.append((self._exact(stage, j, grid, live, rank_of, moves, tokens), moves))
@@ -139,8 +153,6 @@ class OnlineRule:
         (est, moves), *rest = proposals
         if rest and self.key((rest[0][0],)) < self.key((est,)):
             est, moves = rest[0]
-        if j == stage and not moves:
-            return Decision(stage)
         kv = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
         return Decision(j, tuple(moves), kv)
 
