@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ablation", action="store_true")
     args = ap.parse_args(argv)
     cost, shape, config = CostModel(), ModelShape(), SimConfig()
-    cases = [(name, args.ranks) for name in args.traces.split(",")]
+    cases = [(name, args.ranks) for name in args.traces.split(",") if name]
     cases += [("deepscaler", int(w)) for w in args.scale.split(",") if w]
     print("| trace | ranks | objective | policy | rollout s | vs vanilla | tok/occupied rank-s vs vanilla "
           "| share of oracle | plan s | online s | shrinks | migrated | final group |")

@@ -79,14 +79,14 @@ class OnlineRule:
 
     def __init__(self, plan: Plan, prompt_len: Sequence[int], model: OnlineModel, cost: StepCost,
                  shape: ModelShape, *, objective: str = "occupied", check_every: int = 16,
-                 samples: int = 16, seed: int = 0, max_slowdown: float = 0.01):
-        from elastic.planning.planner import OBJECTIVES  # planner imports this module's users
-
+                 samples: int = 16, seed: int = 0, max_slowdown: float | None = 0.01,
+                 max_batch: int | None = None):
         self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
         self.prompt = np.asarray(prompt_len, float)
-        self.key = OBJECTIVES[objective]
+        self.objective = objective  # a name, not the function: the rule is pickled to the ranks
         self.k, self.samples, self.seed = check_every, samples, seed
         self.max_slowdown = max_slowdown
+        self.max_batch = max_batch  # requests an engine rank can hold (its KV slots), if bounded
         self.sizes = [len(s.members) for s in plan.stages]
         self.moves_to = {}  # (from stage, to stage) -> experts moved
         self.budget = []  # KV tokens each rank may hold in each stage
@@ -97,6 +97,11 @@ class OnlineRule:
         self.decisions = 0
         self.last = (-(10**9), 10**9)  # (step, live requests) of the last decision
         self.step_memo: dict[tuple[int, int, int], float] = {}
+
+    def key(self, scored: tuple[Estimate]):
+        from elastic.planning.planner import OBJECTIVES  # the planner imports this module's users
+
+        return OBJECTIVES[self.objective](scored)
 
     def _due(self, step: int, live: int) -> bool:
         """Whether to re-plan at this check: once a 64th of the live requests has finished since
@@ -192,9 +197,11 @@ class OnlineRule:
             for est, delay in zip(self._estimate(whole, until, g0, g, W), d):
                 options.append((est, j, delay))
         # Whatever the objective, no option predicted to take more than `max_slowdown` longer than
-        # the fastest: in a synchronous job a slower rollout holds every rank back.
-        fastest = min(o[0].rollout_s for o in options)
-        options = [o for o in options if o[0].rollout_s <= fastest * (1 + self.max_slowdown)]
+        # the fastest: in a synchronous job a slower rollout holds every rank back (None: no
+        # guard, the objective alone decides, as in `make_plan`).
+        if self.max_slowdown is not None:
+            fastest = min(o[0].rollout_s for o in options)
+            options = [o for o in options if o[0].rollout_s <= fastest * (1 + self.max_slowdown)]
         _, j, delay = min(options, key=lambda o: (self.key((o[0],)), o[2]))
         return j if j != stage and delay == 0 else None
 
@@ -237,12 +244,15 @@ class OnlineRule:
     def _place(self, j, live, rank_of, tokens, rem, rebalance=False) -> list[tuple[int, int]] | None:
         """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
         every live request): longest expected remainder first, each to the member with the least
-        expected remaining work whose KV budget holds it (a request is reserved its tokens so far
-        plus its longest sampled remainder). Only requests whose rank changes are listed."""
+        expected remaining work whose KV budget (and slot count, `max_batch`) holds it (a request
+        is reserved its tokens so far plus its longest sampled remainder). Only requests whose
+        rank changes are listed."""
         kept = list(self.plan.stages[j].members)
         mean, top = rem.mean(axis=0), rem.max(axis=0)
         work = dict.fromkeys(kept, 0.0)
         kv = dict.fromkeys(kept, 0.0)
+        count = dict.fromkeys(kept, 0)
+        slots = self.max_batch or len(live)
         placing = []
         for col, i in enumerate(live):
             r = int(rank_of[i])
@@ -250,16 +260,18 @@ class OnlineRule:
             if r in work and not rebalance:
                 work[r] += mean[col]
                 kv[r] += need
+                count[r] += 1
             else:
                 placing.append((mean[col], need, int(i)))
         moves = []
         for m, need, i in sorted(placing, key=lambda x: (-x[0], x[2])):
-            room = [r for r in kept if kv[r] + need <= self.budget[j][r]]
+            room = [r for r in kept if kv[r] + need <= self.budget[j][r] and count[r] < slots]
             if not room:
                 return None
             r = min(room, key=lambda r: (work[r], r))
             work[r] += m
             kv[r] += need
+            count[r] += 1
             if r != rank_of[i]:
                 moves.append((i, r))
         return moves

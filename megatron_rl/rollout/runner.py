@@ -19,13 +19,14 @@ import torch.distributed as dist
 
 from elastic.planning.layout import natural
 from elastic.planning.plan import Plan, static_plan
+from elastic.planning.replan import ladder_plan
 from elastic.planning.shape import ModelShape
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
-from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.faults import FailingExport, KillSelfJob, StuckJob, fault_rank
@@ -87,10 +88,13 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
     shape = tiny_shape(mcfg, dtype_bytes)
     cost = engine_cost(length_scale) if shrink_cost_s is None else ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     try:
-        plan = make_plan(batch, history, ranks=W, floor=floor, shape=shape, layout=policy,
+        plan = make_plan(batch, history, ranks=W, floor=floor, shape=shape,
+                         layout="planned" if policy == "adaptive" else policy,
                          tailguard=tailguard, max_response_len=max_response_len, cost=cost)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
+    if policy == "adaptive":
+        return ladder_plan(plan, floor)
     if len(plan.stages) == 1 and floor < W:
         m = plan.meta
         print(f"[plan] {policy} floor {floor}: every rank stays: of {m['chains_priced']} chains priced "
@@ -99,6 +103,23 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
               f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)",
               file=sys.stderr, flush=True)
     return plan
+
+
+def online_rule(plan: Plan, batch, history, *, mcfg: MoEModelConfig, dtype_bytes: int, status_interval: int,
+                max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None):
+    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`); `batch` in
+    `plan.assignments` order. It reasons in trace tokens: the driver divides the run's by
+    `length_scale`. On this engine a step costs the same in any group, so a shrink can only
+    lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
+    when the objective's occupied rank-seconds say it pays."""
+    from elastic.planning.online import online_model
+    from elastic.planning.replan import OnlineRule
+
+    cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
+    model = online_model(batch, history, cap or max_response_len)
+    return OnlineRule(plan, [r.prompt_len for r in batch], model, engine_cost(length_scale),
+                      tiny_shape(mcfg, dtype_bytes), check_every=max(1, round(status_interval / length_scale)),
+                      max_slowdown=None, max_batch=max_batch)
 
 
 def responses_sha256(responses: list[dict]) -> str:
@@ -131,7 +152,7 @@ def lease_jobs(cfg: RolloutConfig, engine: RolloutEngine, rank: int) -> list:
 
 
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
-               plan: Plan, out_dir: str | None, quiet: bool):
+               plan: Plan, out_dir: str | None, quiet: bool, rule=None):
     from elastic.runtime.pool import IdlePool
     from elastic.runtime.runtime import ElasticRuntime, ledger_of
 
@@ -165,7 +186,15 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
             sink.flush()
             written[0] = len(engine.finished)
 
-    elastic_engine = ElasticRolloutEngine(engine, ctx.world)
+    online = None
+    if rule is not None:
+        from elastic.runtime.online import OnlineDriver
+
+        elastic_engine = MigratingEngine(engine, ctx.world)
+        online = OnlineDriver(rule, [(a.prompt_id, a.sample) for a in plan.assignments],
+                              [a.rank for a in plan.assignments], rank, cfg.batch.length_scale)
+    else:
+        elastic_engine = ElasticRolloutEngine(engine, ctx.world)
     jobs = lease_jobs(cfg, engine, rank)
     hit = cfg.fault is not None and rank == fault_rank(plan)
     if hit and cfg.fault == "fail-transfer":
@@ -179,7 +208,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     predicted_ticks = None if predicted is None else 1 + predicted * cfg.batch.length_scale
     runtime = ElasticRuntime(elastic_engine, plan, rank, ctx.store, status_interval=cfg.status_interval, pool=pool,
                              progress=None if quiet else _progress(time.perf_counter()),
-                             after_step=flush_finished, predicted_ticks=predicted_ticks)
+                             after_step=flush_finished, predicted_ticks=predicted_ticks, online=online)
     try:
         outcome = runtime.run()
     except BaseException:
@@ -211,6 +240,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         shrink_latency_s={str(k): v for k, v in sorted(shrink.items())},
         restore_s=max(o.restore_s for o in outcomes),
         responses=len(all_responses), responses_sha256=responses_sha256(all_responses),
+        migrated=sum(o.migrated for o in outcomes),
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
     )
@@ -226,6 +256,7 @@ class RolloutJob:
     requests: list[Request]  # in plan.assignments order
     plan: Plan
     out_dir: str | None
+    rule: object | None = None  # `adaptive`: the online rule (elastic.planning.replan.OnlineRule)
 
 
 def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
@@ -245,17 +276,20 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
+    rule = None if cfg.policy != "adaptive" else online_rule(
+        plan, batch, history, mcfg=mcfg, dtype_bytes=8 if cfg.dtype == "float64" else 4,
+        status_interval=cfg.status_interval, max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "plan.json").write_text(plan.to_json())
-    return RolloutJob(cfg, mcfg, requests, plan, out_dir)
+    return RolloutJob(cfg, mcfg, requests, plan, out_dir, rule)
 
 
 def rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
     """This rank's part of every prepared job, in order, inside an existing world (what
     `run_rollouts` runs on each rank; benchmarks call it to share a world with other measurements).
     Returns (report, responses) per job on rank 0, None per job on the other ranks."""
-    return [_rank_main(ctx, j.cfg, j.mcfg, j.requests, j.plan, j.out_dir, quiet) for j in jobs]
+    return [_rank_main(ctx, j.cfg, j.mcfg, j.requests, j.plan, j.out_dir, quiet, j.rule) for j in jobs]
 
 
 def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = None,
