@@ -30,7 +30,8 @@ def test_sibling_icc_is_fitted_from_history():
     assert 0.8 < fit_none.scale < 1.2
 
 
-def _model(icc, options=OnlineOptions(), n=4):
+def _model(icc, options=None, n=4):
+    options = options or OnlineOptions()
     dists = [LengthDist(np.log1p(1000.0), 0.8, 16384, True)] * n
     return OnlineModel(dists, ["a"] * n, SiblingFit(icc, 0.0, 1.0, 100), options)
 
