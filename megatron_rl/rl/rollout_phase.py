@@ -27,9 +27,9 @@ from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.runner import plan_rollout
+from megatron_rl.rollout.runner import online_rule, plan_rollout
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -94,12 +94,15 @@ class RolloutPhase:
         cfg = self.cfg
         plan = plan_rollout(items, history, policy=cfg.elastic.policy, ranks=self.world,
                             floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
-                            dtype_bytes=self.model.embedding.word_embeddings.weight.element_size(),
+                            dtype_bytes=self._dtype_bytes(),
                             max_response_len=cfg.generation.max_response_len,
                             shrink_cost_s=cfg.elastic.shrink_cost_s)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
         assert dict(plan.stages[0].owners) == block_owners(cfg.model.num_moe_experts, range(self.world))
         return plan
+
+    def _dtype_bytes(self) -> int:
+        return self.model.embedding.word_embeddings.weight.element_size()
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
         from elastic.runtime.runtime import ElasticRuntime, ledger_of
@@ -121,8 +124,20 @@ class RolloutPhase:
                                  temperature=cfg.generation.temperature)
         engine.add(mine)
         originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
-        outcome = ElasticRuntime(ElasticRolloutEngine(engine, self.world), plan, self.rank, self.store,
-                                 status_interval=cfg.elastic.status_interval).run()
+        online = None
+        if cfg.elastic.policy == "adaptive":
+            # Re-planning without migration: the recorded log-probabilities of a response stay on
+            # the rank that generated its tokens.
+            from elastic.runtime.online import OnlineDriver
+
+            rule = online_rule(plan, items, history, mcfg=cfg.model, dtype_bytes=self._dtype_bytes(),
+                               status_interval=cfg.elastic.status_interval,
+                               max_batch=cfg.generation.max_batch_per_rank, max_response_len=max_new, migrate=False)
+            online = OnlineDriver(rule, [(a.prompt_id, a.sample) for a in plan.assignments],
+                                  [a.rank for a in plan.assignments], self.rank)
+        wrap = MigratingEngine if online is not None else ElasticRolloutEngine
+        outcome = ElasticRuntime(wrap(engine, self.world), plan, self.rank, self.store,
+                                 status_interval=cfg.elastic.status_interval, online=online).run()
         self._reinstall(originals)
         local = [Response(index[r.key], r.prompt_id, r.sample, r.prompt, r.tokens,
                           engine.logprobs[r.key], r.tokens[-1] != self.tok.eos_id)

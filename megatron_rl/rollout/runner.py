@@ -106,17 +106,18 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
 
 
 def online_rule(plan: Plan, batch, history, *, mcfg: MoEModelConfig, dtype_bytes: int, status_interval: int,
-                max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None):
+                max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
+                migrate: bool = True):
     """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`); `batch` in
     `plan.assignments` order. It reasons in trace tokens: the driver divides the run's by
     `length_scale`. On this engine a step costs the same in any group, so a shrink can only
     lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
     when the objective's occupied rank-seconds say it pays."""
-    from elastic.planning.online import online_model
+    from elastic.planning.online import OnlineOptions, online_model
     from elastic.planning.replan import OnlineRule
 
     cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
-    model = online_model(batch, history, cap or max_response_len)
+    model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate))
     return OnlineRule(plan, [r.prompt_len for r in batch], model, engine_cost(length_scale),
                       tiny_shape(mcfg, dtype_bytes), check_every=max(1, round(status_interval / length_scale)),
                       max_slowdown=None, max_batch=max_batch)
