@@ -41,7 +41,8 @@ class EngineCost:
         return CPU_SHRINK_S
 
     def migrate_s(self, kv_bytes: float, ep_size: int) -> float:
-        return float(kv_bytes) / CPU_MIGRATE_BYTES_PER_S
+        # `kv_bytes` counts trace tokens; the run holds `length_scale` of each response's.
+        return self.length_scale * float(kv_bytes) / CPU_MIGRATE_BYTES_PER_S
 
 
 def engine_cost(length_scale: float = 1.0) -> EngineCost:
