@@ -101,6 +101,7 @@ def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], histo
     if policy.name != "adaptive":
         return None
     model = online_model(batch, history, plan.meta["predictor"]["cap"], policy.online)
+    plan.meta["online"] = {"siblings": model.fit.to_dict(), "options": policy.online.suffix.strip() or "all"}
     return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, objective=policy.objective,
                       check_every=config.check_every)
 

@@ -118,6 +118,7 @@ def online_rule(plan: Plan, batch, history, *, mcfg: MoEModelConfig, dtype_bytes
 
     cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
     model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate))
+    plan.meta["online"] = {"siblings": model.fit.to_dict(), "migrate": migrate}
     return OnlineRule(plan, [r.prompt_len for r in batch], model, engine_cost(length_scale),
                       tiny_shape(mcfg, dtype_bytes), check_every=max(1, round(status_interval / length_scale)),
                       max_slowdown=None, max_batch=max_batch)
