@@ -35,6 +35,8 @@ from elastic.planning.shape import ModelShape
 
 # Grid of future steps a scenario is priced on: geometric, so the early decisions are resolved.
 PIECES = 24
+# A rebalance between shrinks must shorten the priced remainder by this share (see `_rebalance`).
+REBALANCE_GAIN = 0.005
 # Checks between decisions at the most while few requests finish (see `OnlineRule._due`).
 REPLAN_CHECKS = 8
 
@@ -136,18 +138,17 @@ class OnlineRule:
             leaving = members - set(self.plan.stages[j].members)
             if self.model.options.migrate or not np.isin(rank_of[live], list(leaving)).any():
                 targets.append(j)
-        if not targets:
+        if not targets and not self.model.options.migrate:
             return Decision(stage)
         rng = np.random.default_rng([self.seed, step])
         rem = self.model.sample_remaining(live, tokens, done, self.samples, rng)  # (S, n)
         grid = _Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
-        j = self._price(stage, targets, grid)
+        j = self._price(stage, targets, grid) if targets else None
         if j is None:
-            return Decision(stage)
+            return self._rebalance(stage, grid, live, rank_of, tokens, rem) if self.model.options.migrate \
+                else Decision(stage)
         # The moves a shrink needs (the leaving ranks' requests), and, with migration, the same
-        # shrink with every live request re-placed (a rebalance): whichever the samples price lower.
-        # Only at a shrink: between shrinks, fresh samples at every check would move requests back
-        # and forth for gains within their noise.
+        # shrink with every live request re-placed: whichever the samples price lower.
         proposals = []
         for rebalance in (False, True) if self.model.options.migrate else (False,):
             moves = self._place(j, live, rank_of, tokens, rem, rebalance)
@@ -224,6 +225,47 @@ class OnlineRule:
                 self.step_memo[key] = float(self.cost.decode_step_s(b, (c << 6) + 32, g))
             out[k] = self.step_memo[key]
         return out
+
+    def _rebalance(self, stage: int, grid: _Grid, live, rank_of, tokens, rem) -> Decision:
+        """Staying: even out the members' expected remaining KV work with the fewest moves, taken
+        only if it shortens the priced remainder by `REBALANCE_GAIN` net of the moves. Between
+        shrinks the samples are fresh at every decision, so a smaller gain would move requests
+        back and forth within their noise; a balanced group proposes no move at all."""
+        kept = list(self.plan.stages[stage].members)
+        held = self.prompt[live] + tokens[live]
+        work = (rem * (held[None, :] + rem / 2)).mean(axis=0)
+        need = held + rem.max(axis=0)
+        where = {col: int(rank_of[i]) for col, i in enumerate(live)}
+        load, kv, count = dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0)
+        for col, r in where.items():
+            load[r] += work[col]
+            kv[r] += need[col]
+            count[r] += 1
+        moves, moved = [], set()
+        for _ in range(len(kept)):
+            hi = max(kept, key=lambda r: (load[r], -r))
+            lo = min(kept, key=lambda r: (load[r], r))
+            gap = load[hi] - load[lo]
+            fits = [c for c, r in where.items() if r == hi and c not in moved and work[c] < gap
+                    and kv[lo] + need[c] <= self.budget[stage][lo]]
+            if not fits or count[lo] >= (self.max_batch or len(live)):
+                break
+            col = min(fits, key=lambda c: (abs(gap / 2 - work[c]), c))
+            where[col] = lo
+            moved.add(col)
+            for r, sign in ((hi, -1), (lo, 1)):
+                load[r] += sign * work[col]
+                kv[r] += sign * need[col]
+                count[r] += sign
+            moves.append((int(live[col]), lo))
+        if not moves:
+            return Decision(stage)
+        keep = self._exact(stage, stage, grid, live, rank_of, [], tokens)
+        even = self._exact(stage, stage, grid, live, rank_of, moves, tokens)
+        if self.key((even,)) < self.key((keep,)) and even.rollout_s <= keep.rollout_s * (1 - REBALANCE_GAIN):
+            kv_bytes = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
+            return Decision(stage, tuple(moves), kv_bytes)
+        return Decision(stage)
 
     def _exact(self, stage: int, j: int, grid: _Grid, live, rank_of, moves, tokens) -> Estimate:
         """The remainder of the rollout if stage j starts now with `moves` made, each sample priced

@@ -190,6 +190,14 @@ class ElasticRuntime:
                 if self.online is not None:
                     decision = self.online.decide(self.stage, tick)
                     nxt = decision.stage
+                    if nxt == self.stage and decision.moves:
+                        # A rebalance inside the group: one transition tick for its members.
+                        self.phase = "migrate"
+                        self.online.migrate(self.engine, decision.moves)
+                        now = time.perf_counter()
+                        ledger.add("transition", now - t_prev)
+                        t_prev, tick = now, tick + 1
+                        continue
                 else:
                     drained = {r for r in range(self.world) if status[r] == 0}
                     nxt = plan.advance(self.stage, drained)

@@ -74,8 +74,8 @@ def test_decisions_keep_the_invariants(state, migrate, objective):
     kept = set(plan.stages[d.stage].members)
     for i, r in d.moves:
         assert r in kept and r != rank_of[i]
-    # The decision is a function of the state: every rank computes the same one.
-    assert rule.decide(stage, step, rank_of, tokens, done) == d
+    # The decision is a function of the state: every rank's rule computes the same one.
+    assert _rule(plan, prompts, samples, migrate, objective).decide(stage, step, rank_of, tokens, done) == d
 
 
 def test_check_decision_catches_a_stranded_request():
