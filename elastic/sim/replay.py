@@ -100,7 +100,8 @@ def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], histo
     `Plan.advance`); `batch` in the order the simulator indexes responses."""
     if policy.name != "adaptive":
         return None
-    model = online_model(batch, history, plan.meta["predictor"]["cap"], policy.online)
+    predictor = plan.meta["predictor"]  # "oracle" when started from the true-length plan
+    model = online_model(batch, history, predictor["cap"] if isinstance(predictor, dict) else None, policy.online)
     plan.meta["online"] = {"siblings": model.fit.to_dict(), "options": policy.online.suffix.strip() or "all"}
     return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, objective=policy.objective,
                       check_every=config.check_every)
