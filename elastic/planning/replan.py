@@ -29,6 +29,7 @@ import numpy as np
 
 from elastic.planning.online import OnlineModel
 from elastic.planning.plan import Plan
+from elastic.planning.planner import OBJECTIVES
 from elastic.planning.release import Estimate, StepCost
 from elastic.planning.schedule import build_stages, candidate_sizes, held_counts
 from elastic.planning.shape import ModelShape
@@ -65,7 +66,8 @@ def ladder_plan(plan: Plan, floor: int) -> Plan:
 @dataclass(frozen=True)
 class Decision:
     stage: int
-    moves: tuple[tuple[int, int], ...] = ()  # (response index, destination rank), done before the shrink
+    # (response index, destination rank): made before the stage changes, or, staying, a rebalance.
+    moves: tuple[tuple[int, int], ...] = ()
     kv_bytes: int = 0  # KV cache the moves carry
 
 
@@ -83,6 +85,8 @@ class OnlineRule:
                  shape: ModelShape, *, objective: str = "occupied", check_every: int = 16,
                  samples: int = 16, seed: int = 0, max_slowdown: float | None = 0.01,
                  max_batch: int | None = None):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
         self.prompt = np.asarray(prompt_len, float)
         self.objective = objective  # a name, not the function: the rule is pickled to the ranks
@@ -101,8 +105,6 @@ class OnlineRule:
         self.step_memo: dict[tuple[int, int, int], float] = {}
 
     def key(self, scored: tuple[Estimate]):
-        from elastic.planning.planner import OBJECTIVES  # the planner imports this module's users
-
         return OBJECTIVES[self.objective](scored)
 
     def _due(self, step: int, live: int) -> bool:

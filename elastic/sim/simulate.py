@@ -15,6 +15,9 @@ Semantics (DESIGN.md, issue 7), the same the runtime follows:
 - Optional KV migration (`migrate_max > 0`): when the ranks a stage waits for hold at most that many
   live responses in all (stragglers), those move with their KV to resident ranks that have room, and
   the stage starts.
+- With an online rule (`adaptive`), the rule replaces `Plan.advance` at every check, reading only
+  what the runtime's status gives it (tokens so far, finished or not), and its moves are booked
+  like migrations (a rebalance inside the group is one `transition` tick of its members).
 
 A request's progress is counted in steps, so which rank is live at step t does not depend on step
 durations; the simulator uses that to price whole stretches between checks with numpy at once. The
