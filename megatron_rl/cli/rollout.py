@@ -63,6 +63,8 @@ def run(args) -> int:
         print(f"policy {report['policy']}, floor {report['floor']}: stages "
               f"{' -> '.join(str(len(s)) for s in report['stages'])} ranks, reached stage "
               f"{report['final_stage']}; shrink latency per stage (s): {report['shrink_latency_s']}")
+    if report.get("migrated"):
+        print(f"{report['migrated']} live requests moved with their KV cache (online rule)")
     print(f"responses_sha256 {report['responses_sha256']} ({report['responses']} responses, "
           f"{time.perf_counter() - t0:.1f}s total)")
     if out_dir is not None:
