@@ -69,7 +69,7 @@ class OnlineDriver:
             src, key = int(self.rank_of[i]), self.keys[i]
             if self.rank == src:
                 header, ids, kv = engine.export_request(key)
-                for t in (header, ids, kv):
+                for t in (header, ids, kv) if kv.numel() else (header, ids):  # not yet prefilled: no KV
                     dist.send(t, dst=dst, tag=TAG_MIGRATE)
                 ack = torch.zeros(1, dtype=torch.long)
                 dist.recv(ack, src=dst, tag=TAG_MIGRATE)
@@ -81,7 +81,8 @@ class OnlineDriver:
                 ids = torch.zeros(prompt_len + n_tokens, dtype=torch.long)
                 dist.recv(ids, src=src, tag=TAG_MIGRATE)
                 kv = engine.empty_kv(held)
-                dist.recv(kv, src=src, tag=TAG_MIGRATE)
+                if held:
+                    dist.recv(kv, src=src, tag=TAG_MIGRATE)
                 engine.import_request(key, header, ids, kv)
                 dist.send(torch.ones(1, dtype=torch.long), dst=src, tag=TAG_MIGRATE)
                 self.migrated += 1
