@@ -94,6 +94,8 @@ class OnlineRule:
         self.max_slowdown = max_slowdown
         self.max_batch = max_batch  # requests an engine rank can hold (its KV slots), if bounded
         self.sizes = [len(s.members) for s in plan.stages]
+        # Position of each rank in the leaving order (0 stays longest): the last stage it is in.
+        self.stays = {r: -max(j for j, st in enumerate(plan.stages) if r in st.members) for r in range(plan.ranks)}
         self.moves_to = {}  # (from stage, to stage) -> experts moved
         self.budget = []  # KV tokens each rank may hold in each stage
         for st in plan.stages:
@@ -229,7 +231,8 @@ class OnlineRule:
         return out
 
     def _rebalance(self, stage: int, grid: _Grid, live, rank_of, tokens, rem) -> Decision:
-        """Staying: even out the members' expected remaining KV work with the fewest moves, taken
+        """Staying: even out the members' expected remaining KV work with the fewest moves (toward
+        the ranks that stay longest), taken
         only if it shortens the priced remainder by `REBALANCE_GAIN` net of the moves. Between
         shrinks the samples are fresh at every decision, so a smaller gain would move requests
         back and forth within their noise; a balanced group proposes no move at all."""
@@ -246,7 +249,9 @@ class OnlineRule:
         moves, moved = [], set()
         for _ in range(len(kept)):
             hi = max(kept, key=lambda r: (load[r], -r))
-            lo = min(kept, key=lambda r: (load[r], r))
+            # Work moves only toward ranks that stay at least as long (the leaving order), so a
+            # rebalance never loads a rank the next shrink would have to empty again.
+            lo = min((r for r in kept if self.stays[r] <= self.stays[hi]), key=lambda r: (load[r], r))
             gap = load[hi] - load[lo]
             fits = [c for c, r in where.items() if r == hi and c not in moved and work[c] < gap
                     and kv[lo] + need[c] <= self.budget[stage][lo]]
