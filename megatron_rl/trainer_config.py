@@ -74,7 +74,7 @@ class GenerationConfig:
 class ElasticConfig:
     """How the rollout phase places responses and shrinks the EP group (see elastic/)."""
 
-    policy: Literal["vanilla", "lengthsort", "natural", "planned"] = "vanilla"
+    policy: Literal["vanilla", "lengthsort", "natural", "planned", "adaptive"] = "vanilla"
     floor: int | None = None  # default for natural/planned: ranks // 2
     tailguard: bool = False
     status_interval: int = 1

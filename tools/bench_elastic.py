@@ -51,6 +51,7 @@ def main(argv=None) -> int:
         "natural-f1+tg": {"policy": "natural", "floor": 1, "tailguard": True},
         "planned-f2+tg": {"policy": "planned", "floor": 2, "tailguard": True},
         "planned-f1+tg": {"policy": "planned", "floor": 1, "tailguard": True},
+        "adaptive-f1+tg": {"policy": "adaptive", "floor": 1, "tailguard": True},
         "natural-f1+tg+sidecar": {"policy": "natural", "floor": 1, "tailguard": True,
                                   "leases": ["rewards", "sidecar"], **sidecar},
     }
@@ -71,16 +72,19 @@ def main(argv=None) -> int:
     v_time = med("vanilla", lambda r: r["rollout_time_s"])
     v_tok = med("vanilla", lambda r: r["tokens_per_occupied_rank_s"])
     print(f"{'policy':<24}{'T (s)':>8}{'T/van':>8}{'dummy rank-s':>14}{'dummy cut':>11}"
-          f"{'tok/occ rank-s':>16}{'x van':>7}{'detached rank-s':>17}  shrink latency (ms)")
+          f"{'tok/occ rank-s':>16}{'x van':>7}{'detached rank-s':>17}{'dummy steps':>12}{'migrated':>9}"
+          "  shrink latency (ms)")
     for n in variants:
         t = med(n, lambda r: r["rollout_time_s"])
         d = med(n, lambda r: r["rank_seconds"]["dummy"])
         tok = med(n, lambda r: r["tokens_per_occupied_rank_s"])
         det = med(n, lambda r: r["detached_rank_s"])
+        steps = med(n, lambda r: r["rank_steps"]["dummy"])
+        moved = sum(r.get("migrated", 0) for r in runs[n])
         lat = runs[n][-1]["shrink_latency_s"]
         lat_s = ", ".join(f"stage {k}: {1000 * v:.1f}" for k, v in lat.items()) or "-"
         print(f"{n:<24}{t:>8.2f}{t / v_time:>8.3f}{d:>14.2f}{1 - d / v_dummy:>10.1%}"
-              f"{tok:>16.1f}{tok / v_tok:>7.2f}{det:>17.2f}  {lat_s}")
+              f"{tok:>16.1f}{tok / v_tok:>7.2f}{det:>17.2f}{steps:>12.0f}{moved:>9}  {lat_s}")
     print(f"identical responses across all {len(names)} rollouts: {len(shas) == 1}")
     side, plain = runs["natural-f1+tg+sidecar"], "natural-f1+tg"
 

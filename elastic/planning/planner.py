@@ -128,6 +128,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
         "effective_layout": effective, "predicted_rollout_s": est.rollout_s,
         "predicted_static_rollout_s": est.static_s,
         "predicted_occupied_rank_s": est.occupied_rank_s,
+        "leave_order": search.leave_order,
     })
     plan = Plan(ranks=ranks, floor=floor, num_experts=E, layout=layout, tailguard=tailguard,
                 assignments=[Assignment(pid, s, r) for (pid, s), r in zip(keys, rank_of)],

@@ -146,28 +146,52 @@ def _upper_tail_mean(m: np.ndarray, s: float, c: float) -> np.ndarray:
     return np.maximum(m + s * ratio, c)
 
 
+_PPF_A = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02,
+          1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
+_PPF_B = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02,
+          6.680131188771972e01, -1.328068155288572e01)
+_PPF_C = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00,
+          -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
+_PPF_D = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
+_PPF_LO = 0.02425
+
+
 @functools.lru_cache(maxsize=256)
 def norm_ppf(p: float) -> float:
     """Inverse standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9)."""
     if not 0 < p < 1:
         raise ValueError(f"quantile level must be in (0, 1), got {p}")
-    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02,
-         1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
-    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02,
-         6.680131188771972e01, -1.328068155288572e01)
-    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00,
-         -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
-    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00, 3.754408661907416e00)
-    lo = 0.02425
-    if p < lo or p > 1 - lo:
-        q = math.sqrt(-2 * math.log(p if p < lo else 1 - p))
-        x = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
+    return float(norm_ppf_array(np.array([p]))[0])
+
+
+def norm_ppf_array(p: np.ndarray) -> np.ndarray:
+    """`norm_ppf` elementwise over an array of levels in (0, 1) (the online model samples with it)."""
+    p = np.asarray(p, dtype=np.float64)
+    a, b, c, d = _PPF_A, _PPF_B, _PPF_C, _PPF_D
+    tail = np.minimum(p, 1 - p)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.sqrt(-2 * np.log(np.maximum(tail, 1e-300)))
+        xt = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
             ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
-        return x if p < lo else -x
-    q = p - 0.5
-    r = q * q
-    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / \
-        (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+        xt = np.where(p < 0.5, xt, -xt)
+        m = p - 0.5
+        r = m * m
+        xc = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * m / \
+            (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+    return np.where(tail < _PPF_LO, xt, xc)
+
+
+def log_norm_sf(x: np.ndarray) -> np.ndarray:
+    """log(1 - Phi(x)) elementwise, finite far into the upper tail: Numerical Recipes' erfcc
+    (relative error < 1.2e-7) has the form t * exp(-z**2 + poly(t)), whose log never underflows."""
+    x = np.asarray(x, dtype=np.float64)
+    z = np.abs(x) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    log_upper = math.log(0.5) + np.log(t) - z * z + poly  # log Q(|x|)
+    return np.where(x >= 0, log_upper, np.log1p(-np.exp(log_upper)))
 
 
 # ---- quality ---------------------------------------------------------------------------------

@@ -68,6 +68,10 @@ class ShapeCost:
     def shrink_s(self, experts_moved: int, ep_size: int) -> float:
         return self.shrink_fixed_s + experts_moved * self.shape.expert_bytes / self.link_bytes_per_s
 
+    def migrate_s(self, kv_bytes: float, ep_size: int) -> float:
+        """Moving `kv_bytes` of live requests' KV cache over the same link (online re-planning)."""
+        return float(kv_bytes) / self.link_bytes_per_s
+
 
 @dataclass(frozen=True)
 class FixedCost:

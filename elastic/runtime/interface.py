@@ -53,3 +53,22 @@ class ElasticEngine(Protocol):
 
     def checksums(self) -> dict[str, float]:
         """Checksums of the weights this rank holds, by name (experts as `expert.<e>`)."""
+
+
+class MigratingEngine(ElasticEngine, Protocol):
+    """An engine whose live requests can move between ranks (`elastic.runtime.online`)."""
+
+    def progress(self) -> list[tuple[tuple[str, int], int, bool]]:
+        """(key, tokens generated, finished) of every request this rank holds or has finished."""
+
+    def export_request(self, key: tuple[str, int]) -> tuple[Any, Any, Any]:
+        """Header (`online.HEADER_SIZE` ints), prompt + tokens, and KV rows of a live request."""
+
+    def empty_kv(self, held: int) -> Any:
+        """A receive buffer for the KV rows of a request holding `held` positions."""
+
+    def import_request(self, key: tuple[str, int], header: Any, ids: Any, kv: Any) -> None:
+        """Continue the request from exactly where its sender left it."""
+
+    def release_request(self, key: tuple[str, int]) -> None:
+        """Drop a request that another rank has confirmed it holds."""

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from elastic.ledger import Ledger, RankLedger
 from elastic.planning.plan import Plan
 from elastic.runtime.interface import ElasticEngine
+from elastic.runtime.online import OnlineDriver
 
 TAG_EXPERT = 0
 _rollout_ids = itertools.count()  # every rank builds its runtimes in the same order
@@ -72,6 +73,7 @@ class RankOutcome:
     end_wall: float = 0.0
     end_state: str = "dummy"
     freed_bytes: dict = field(default_factory=dict)  # a detached rank's memory freed for its lease
+    migrated: int = 0  # live requests this rank received from leaving ranks (online rule)
 
 
 def ledger_of(outcomes: list[RankOutcome]) -> Ledger:
@@ -146,12 +148,16 @@ class ElasticRuntime:
                  pool: IdlePoolLike | None = None,
                  progress: Callable[[int, int, int, int], None] | None = None,
                  predicted_ticks: float | None = None,
-                 after_step: Callable[[], None] | None = None):
+                 after_step: Callable[[], None] | None = None,
+                 online: OnlineDriver | None = None):
         self.engine, self.plan, self.rank, self.store = engine, plan, rank, store
         self.restore_key = f"flexfloor/rollout{next(_rollout_ids)}/restore"
         self.k = status_interval
         self.pool, self.progress, self.after_step = pool, progress, after_step
         self.predicted_ticks = predicted_ticks
+        # With `online`, the online rule chooses the stage at each status check and may move live
+        # requests first (elastic/runtime/online.py); without, `Plan.advance`.
+        self.online = online
         self.world = plan.ranks
         self.stage, self.phase = 0, "setup"
         self.ledger: RankLedger | None = None
@@ -198,19 +204,38 @@ class ElasticRuntime:
         while True:
             if tick % self.k == 0:
                 self.phase = "status"
-                status = torch.zeros(self.world, dtype=torch.long)
-                status[rank] = self.engine.load()
-                status = self.engine.transport.all_reduce(status.to(self.engine.device),
-                                                          self._group(self.stage)).tolist()
-                live = sum(status)
+                if self.online is not None:
+                    status = torch.as_tensor(self.online.status(self.engine, self._group(self.stage)))
+                else:
+                    status = torch.zeros(self.world, dtype=torch.long)
+                    status[rank] = self.engine.load()
+                    status = self.engine.transport.all_reduce(status.to(self.engine.device),
+                                                              self._group(self.stage)).cpu()
+                live = int(status.sum())
                 if self.progress is not None and rank == min(plan.stages[self.stage].members):
                     self.progress(tick, self.stage, len(plan.stages[self.stage].members), live)
                 if live == 0:
                     break
-                drained = {r for r in range(self.world) if status[r] == 0}
-                nxt = plan.advance(self.stage, drained)
+                if self.online is not None:
+                    decision = self.online.decide(self.stage, tick)
+                    nxt = decision.stage
+                    if nxt == self.stage and decision.moves:
+                        # A rebalance inside the group: one transition tick for its members.
+                        self.phase = "migrate"
+                        self.online.migrate(self.engine, decision.moves)
+                        now = time.perf_counter()
+                        ledger.add("transition", now - t_prev)
+                        t_prev, tick = now, tick + 1
+                        continue
+                else:
+                    drained = {r for r in range(self.world) if status[r] == 0}
+                    nxt = plan.advance(self.stage, drained)
                 if nxt != self.stage:
                     self.phase = "shrink"
+                    if self.online is not None:
+                        self.phase = "migrate"
+                        self.online.migrate(self.engine, decision.moves)
+                        self.phase = "shrink"
                     _move_experts(self.engine, plan.transfers(self.stage, nxt), rank)
                     leaving = rank not in plan.stages[nxt].members
                     if leaving and self.engine.load() != 0:
@@ -304,4 +329,5 @@ class ElasticRuntime:
         last = "transition" if self.stage != 0 else "dummy"
         ledger.add(last, end - t_prev, 0)
         return RankOutcome(ledger, total_ticks, self.stage, detached_at, end - t0, shrink_s,
-                           restore_s, pool_report, start_wall, start_wall + (end - t0), last, freed)
+                           restore_s, pool_report, start_wall, start_wall + (end - t0), last, freed,
+                           self.online.migrated if self.online is not None else 0)

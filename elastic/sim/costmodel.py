@@ -209,6 +209,12 @@ class CostModel:
         bw = self.transfer_intra_bytes_per_s if ep_size <= self.ranks_per_node else self.transfer_inter_bytes_per_s
         return self.shrink_fixed_s + per_receiver * self.expert_bytes / bw
 
+    def migrate_s(self, kv_bytes: float, ep_size: int) -> float:
+        """The planner's estimate of moving `kv_bytes` of KV cache inside a group of `ep_size` (one
+        transfer after another over the group's slower link; it rides on a shrink's barrier)."""
+        bw = self.transfer_intra_bytes_per_s if ep_size <= self.ranks_per_node else self.transfer_inter_bytes_per_s
+        return float(kv_bytes) / bw
+
     def transfer_s(self, moves: Iterable[tuple[int, int, int]]) -> float:
         """Wall time of the expert moves `(expert, from_rank, to_rank)` of one shrink or restore:
         every rank sends and receives concurrently; the busiest sender or receiver sets the time."""

@@ -17,17 +17,20 @@ from dataclasses import dataclass, field
 
 from elastic.ledger import STATES, Ledger, RankLedger
 from elastic.planning.layout import natural
+from elastic.planning.online import OnlineOptions, online_model
 from elastic.planning.plan import OWNERSHIPS, Plan
 from elastic.planning.planner import OBJECTIVES, make_plan
+from elastic.planning.replan import OnlineRule, ladder_plan
 from elastic.planning.schedule import build_stages
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.simulate import RolloutResult, SimConfig, simulate_rollout
 from elastic.trace import Trace, TraceError, TraceRecord
 
-POLICIES = ("vanilla", "lengthsort", "natural", "planned", "oracle")
+POLICIES = ("vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive")
 # The layout each policy asks the planner for.
-_LAYOUT = {"lengthsort": "lengthsort", "natural": "natural", "planned": "planned", "oracle": "planned"}
+_LAYOUT = {"lengthsort": "lengthsort", "natural": "natural", "planned": "planned", "oracle": "planned",
+           "adaptive": "planned"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class Policy:
     oracle: bool = False
     objective: str = "occupied"
     ownership: str = "balanced"
+    # `adaptive` only: the evidence its online rule uses (the ablations switch parts off).
+    online: OnlineOptions = OnlineOptions()
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -64,6 +69,8 @@ class Policy:
         # The default objective stays implicit, so the labels of the capacity rows do not change.
         suffix = f" [{self.objective}]" if self.shrinks and self.objective != "occupied" else ""
         suffix += " [blocks]" if self.shrinks and self.ownership == "blocks" else ""
+        if self.name == "adaptive":
+            suffix = self.online.suffix + suffix
         return base + (" +TailGuard" if self.tailguard else "") + suffix
 
 
@@ -87,10 +94,24 @@ def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *
     oracle = policy.oracle or policy.name == "oracle"
     # lengthsort balances predicted work and keeps every rank to the end (DESIGN.md).
     floor = ranks if policy.name == "lengthsort" else policy.floor
-    return make_plan(batch, history, ranks=ranks, floor=floor, shape=shape, layout=_LAYOUT[policy.name],
+    plan = make_plan(batch, history, ranks=ranks, floor=floor, shape=shape, layout=_LAYOUT[policy.name],
                      tailguard=policy.tailguard, cost=cost, objective=policy.objective,
                      ownership=policy.ownership,
                      true_lengths={r.key: r.response_len for r in batch} if oracle else None)
+    return ladder_plan(plan, floor) if policy.name == "adaptive" else plan
+
+
+def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], history: Trace, *,
+                     shape: ModelShape, cost: CostModel, config: SimConfig) -> OnlineRule | None:
+    """The online rule of an `adaptive` plan (None for the other policies, which follow
+    `Plan.advance`); `batch` in the order the simulator indexes responses."""
+    if policy.name != "adaptive":
+        return None
+    predictor = plan.meta["predictor"]  # "oracle" when started from the true-length plan
+    model = online_model(batch, history, predictor["cap"] if isinstance(predictor, dict) else None, policy.online)
+    plan.meta["online"] = {"siblings": model.fit.to_dict(), "options": policy.online.suffix.strip() or "all"}
+    return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, objective=policy.objective,
+                      check_every=config.check_every)
 
 
 @dataclass
@@ -142,8 +163,10 @@ def simulate_trace(trace: Trace, policy: Policy, *, ranks: int, cost: CostModel,
     for e in epochs if epochs is not None else rollout_epochs(trace):
         batch = trace.epoch(e)
         plan = make_policy_plan(policy, batch, trace.before(e), ranks=ranks, shape=shape, cost=cost)
+        rule = make_policy_rule(policy, plan, batch, trace.before(e), shape=shape, cost=cost,
+                                config=config or SimConfig())
         result.plans.append(plan)
-        result.rollouts.append(simulate_rollout(plan, batch, cost, shape, config))
+        result.rollouts.append(simulate_rollout(plan, batch, cost, shape, config, rule))
     return result
 
 

@@ -15,6 +15,9 @@ Semantics (DESIGN.md, issue 7), the same the runtime follows:
 - Optional KV migration (`migrate_max > 0`): when the ranks a stage waits for hold at most that many
   live responses in all (stragglers), those move with their KV to resident ranks that have room, and
   the stage starts.
+- With an online rule (`adaptive`), the rule replaces `Plan.advance` at every check, reading only
+  what the runtime's status gives it (tokens so far, finished or not), and its moves are booked
+  like migrations (a rebalance inside the group is one `transition` tick of its members).
 
 A request's progress is counted in steps, so which rank is live at step t does not depend on step
 durations; the simulator uses that to price whole stretches between checks with numpy at once. The
@@ -31,6 +34,7 @@ import numpy as np
 
 from elastic.ledger import STATES, Ledger, RankLedger
 from elastic.planning.plan import Plan
+from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.trace import TraceRecord
@@ -70,6 +74,7 @@ class RolloutResult:
     transitions: list[tuple[int, int, int, float]] = field(default_factory=list)
     migrated: int = 0
     migrated_kv_bytes: int = 0
+    rebalances: int = 0  # moves between members that stay (online rule only)
 
 
 def lower_bound_s(prompt_lens, response_lens, cost: CostModel, floor: int, ranks: int) -> float:
@@ -121,6 +126,7 @@ class _Rollout:
         self.ticks = np.zeros((w, len(STATES)), dtype=np.int64)
         self.now = 0.0
         self.detached_at = np.full(w, np.inf)
+        self.origin = self.rank.copy()  # where each response's KV was before its latest move
         self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
         self.result = RolloutResult(ledger=None, response_tokens=int(self.tokens.sum()),  # type: ignore[arg-type]
                                     lower_bound_s=0.0)
@@ -208,7 +214,7 @@ class _Rollout:
     def _migrate(self, stage: int, step: int) -> float | None:
         """Move the live responses of the ranks stage+1 waits for onto residents; seconds, or None
         if some response has nowhere to go without breaking a KV budget."""
-        plan, cost = self.plan, self.cost
+        plan = self.plan
         target = plan.stages[stage + 1]
         residents = [r for r in plan.stages[-1].members if r in target.members]
         owned = self._owned(len(plan.stages) - 1)
@@ -218,7 +224,7 @@ class _Rollout:
             for i in np.nonzero((self.rank == r) & (self.length > step))[0]:
                 moves.append(int(i))
         saved = self.live.copy(), self.psum.copy(), self.rank.copy()
-        seconds, kv_total = 0.0, 0
+        placed = []
         for i in moves:
             span = slice(step + 1, int(self.length[i]) + 1)
             ts = np.arange(span.start, span.stop)
@@ -229,27 +235,75 @@ class _Rollout:
                 self.live, self.psum, self.rank = saved
                 return None
             dst = min(fits, key=lambda r: (self.live[r, step + 1], r))
-            src = int(self.rank[i])
-            for arr, val in ((self.live, 1), (self.psum, int(self.prompt[i]))):
-                arr[src, span] -= val
-                arr[dst, span] += val
-            self.rank[i] = dst
+            self._move(i, dst, step)
+            placed.append((i, dst))
+        return self._moved(placed, step)
+
+    def _move(self, i: int, dst: int, step: int) -> None:
+        """Response i continues on rank `dst` from decode step step + 1."""
+        span = slice(step + 1, int(self.length[i]) + 1)
+        src = int(self.rank[i])
+        for arr, val in ((self.live, 1), (self.psum, int(self.prompt[i]))):
+            arr[src, span] -= val
+            arr[dst, span] += val
+        self.rank[i] = dst
+
+    def _moved(self, moves: list[tuple[int, int]], step: int) -> float:
+        """Book moves already made (their KV as it stood at `step`); the seconds they take, one
+        after another over the link between their ranks."""
+        cost, seconds, kv_total = self.cost, 0.0, 0
+        for i, dst in moves:
             kv_bytes = int(self.prompt[i] + step) * self.shape.kv_bytes_per_token
+            src = int(self.origin[i])
             same = src // cost.ranks_per_node == dst // cost.ranks_per_node
             seconds += kv_bytes / (cost.transfer_intra_bytes_per_s if same else cost.transfer_inter_bytes_per_s)
             kv_total += kv_bytes
+            self.origin[i] = dst
         self.result.migrated += len(moves)
         self.result.migrated_kv_bytes += kv_total
         self.drain[:] = 0
         np.maximum.at(self.drain, self.rank, self.length)
         return seconds
 
-    def run(self) -> RolloutResult:
+    def _shrink(self, stage: int, new: int, step: int, extra_s: float) -> None:
+        """The transition from `stage` to `new` (its expert moves plus `extra_s` of KV moves)."""
+        plan, cost = self.plan, self.cost
+        members = np.array(plan.stages[stage].members, dtype=np.int64)
+        seconds = extra_s + max(cost.transfer_s(plan.transfers(stage, new)), cost.shrink_fixed_s)
+        self._transition(members, seconds)
+        self.result.transitions.append((step, stage, new, seconds))
+        leaving = np.setdiff1d(members, plan.stages[new].members)
+        self.detached_at[leaving] = self.now
+        self.result.timeline.append((self.now, len(plan.stages[new].members)))
+
+    def _run_online(self, rule) -> int:
+        """Decode with the online rule deciding at every check; returns the final stage."""
+        stage, step, k = 0, 0, self.cfg.check_every
+        while step < self.steps_total:
+            end = min(k * (step // k + 1), self.steps_total)
+            self._decode(stage, step + 1, end)
+            step = end
+            if step >= self.steps_total:
+                break
+            done = self.length <= step
+            d = rule.decide(stage, step, self.rank, np.minimum(self.tokens, step + 1), done)
+            for i, dst in d.moves:
+                self._move(i, dst, step)
+            seconds = self._moved(list(d.moves), step)
+            if d.stage != stage:
+                self._shrink(stage, d.stage, step, seconds)
+                stage = d.stage
+            elif d.moves:  # a rebalance inside the group: one transition tick for its members
+                self._transition(np.array(self.plan.stages[stage].members, dtype=np.int64), seconds)
+                self.result.rebalances += 1
+        return stage
+
+    def run(self, rule=None) -> RolloutResult:
         plan, cost, res = self.plan, self.cost, self.result
         w = plan.ranks
         res.timeline.append((0.0, w))
         self._prefill()
-        stage, step = 0, 0
+        stage, step = (self._run_online(rule), self.steps_total) if rule is not None else (0, 0)
         while step < self.steps_total:
             if stage + 1 < len(plan.stages):
                 check, by_migration = self._next_check(stage, step)
@@ -271,14 +325,8 @@ class _Rollout:
             new = plan.advance(stage, drained)
             if new == stage:
                 continue
-            members = np.array(plan.stages[stage].members, dtype=np.int64)
-            seconds = extra + max(cost.transfer_s(plan.transfers(stage, new)), cost.shrink_fixed_s)
-            self._transition(members, seconds)
-            res.transitions.append((step, stage, new, seconds))
-            leaving = np.setdiff1d(members, plan.stages[new].members)
-            self.detached_at[leaving] = self.now
+            self._shrink(stage, new, step, extra)
             stage = new
-            res.timeline.append((self.now, len(plan.stages[new].members)))
         if stage != 0:
             seconds = max(cost.transfer_s(plan.transfers(stage, 0)), cost.shrink_fixed_s) + cost.restore_extra_s
             self._transition(np.arange(w), seconds)
@@ -294,8 +342,11 @@ class _Rollout:
 
 
 def simulate_rollout(plan: Plan, batch: Sequence[TraceRecord], cost: CostModel,
-                     shape: ModelShape | None = None, config: SimConfig | None = None) -> RolloutResult:
-    """Carry out `plan` on `batch` (one rollout) and return its ledger; `Ledger.check` has passed."""
+                     shape: ModelShape | None = None, config: SimConfig | None = None,
+                     rule: OnlineRule | None = None) -> RolloutResult:
+    """Carry out `plan` on `batch` (one rollout) and return its ledger; `Ledger.check` has passed.
+    With `rule` (built on the same batch order), the online rule chooses the stages instead of
+    `Plan.advance`, at every check, and moves requests as it says."""
     if not batch:
         raise ValueError("simulate_rollout: the batch is empty")
-    return _Rollout(plan, batch, cost, shape or ModelShape(), config or SimConfig()).run()
+    return _Rollout(plan, batch, cost, shape or ModelShape(), config or SimConfig()).run(rule)

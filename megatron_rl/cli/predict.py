@@ -5,8 +5,10 @@
 Every epoch that has an earlier one is predicted from the epochs before it only. Columns:
 Spearman rank correlation of predicted and true lengths, mean absolute error (tokens), calibration
 (share of responses at or below the predicted median and 90% quantile: ideally 0.50 and 0.90), the
-share of length variance that belongs to the prompt (icc), and TailGuard's margin and achieved miss
-rate (target: alpha).
+share of length variance that belongs to the prompt (icc), TailGuard's margin and achieved miss
+rate (target: alpha), and `sib`: how much a response's finished siblings in the same rollout tell
+beyond the history's prediction (the online model's sibling share, fitted from the epochs before;
+`adaptive` uses it, docs/planner.md).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from elastic.planning.guard import report
+    from elastic.planning.online import SiblingFit
+    from elastic.planning.predict import infer_cap
     from elastic.trace import TraceError, read_trace
 
     if not 0 < args.alpha < 1:
@@ -38,19 +42,22 @@ def run(args) -> int:
             raise FlexFloorError(f"{args.trace}: needs at least two epochs to evaluate a "
                                  f"prediction, has {len(trace.epochs)}")
         rows = report(trace, args.alpha)
+        cap = infer_cap(list(trace))
+        for r in rows:
+            r["siblings"] = SiblingFit.fit(trace.before(r["epoch"]), cap=cap).to_dict()
     except TraceError as e:
         raise FlexFloorError(str(e)) from None
     if args.json:
         print(json.dumps({"trace": args.trace, "alpha": args.alpha, "epochs": rows}))
         return 0
     print(f"{'epoch':>5} {'resp':>6} {'spearman':>8} {'MAE':>7} {'cal@.5':>6} {'cal@.9':>6} "
-          f"{'icc':>5} {'margin':>6} {'miss':>6}")
+          f"{'icc':>5} {'margin':>6} {'miss':>6} {'sib':>5}")
     for r in rows:
         tg = r["tailguard"]
         print(f"{r['epoch']:>5} {r['responses']:>6} {r['spearman']:>8.3f} {r['mae']:>7.0f} "
               f"{r['calibration']['0.5']:>6.3f} {r['calibration']['0.9']:>6.3f} {r['icc']:>5.2f} "
               f"{'cap' if tg['margin'] is None else format(tg['margin'], '.2f'):>6} "
-              f"{tg['miss_rate']:>6.3f}")
+              f"{tg['miss_rate']:>6.3f} {r['siblings']['icc']:>5.2f}")
     print(f"TailGuard target miss rate {args.alpha:.3f}; mean achieved "
           f"{sum(r['tailguard']['miss_rate'] for r in rows) / len(rows):.3f}")
     return 0

@@ -22,7 +22,7 @@ def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, pol
     p.add_argument("--length-scale", type=float, help="multiply traced lengths by this (CPU runs)")
     p.add_argument("--ranks", type=int, help="number of ranks (ignored under torchrun: WORLD_SIZE)")
     if policy:  # `demo` runs a fixed pair of policies
-        p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned"])
+        p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned", "adaptive"])
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to")
     p.add_argument("--tailguard", action="store_true", default=None, help="guard predictions with TailGuard")
     p.add_argument("--seed", type=int)
@@ -81,6 +81,8 @@ def run(args) -> int:
         print(f"policy {report['policy']}, floor {report['floor']}: stages "
               f"{' -> '.join(str(len(s)) for s in report['stages'])} ranks, reached stage "
               f"{report['final_stage']}; shrink latency per stage (s): {report['shrink_latency_s']}")
+    if report.get("migrated"):
+        print(f"{report['migrated']} live requests moved with their KV cache (online rule)")
     print(f"responses_sha256 {report['responses_sha256']} ({report['responses']} responses, "
           f"{time.perf_counter() - t0:.1f}s total)")
     if out_dir is not None:

@@ -17,7 +17,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "with an earlier epoch is one rollout; figures are summed over rollouts.",
     )
     p.add_argument("--trace", required=True, help="length trace (JSON Lines, see DESIGN.md)")
-    p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned", "oracle"])
+    p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive"],
+                   help="adaptive: planned, then the online rule re-predicts, re-plans and migrates "
+                        "stragglers at every check (docs/planner.md)")
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to (default 4)")
     p.add_argument("--tailguard", action="store_true", default=None,
                    help="plan with TailGuard's calibrated upper bounds")
@@ -35,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease", action="store_true", default=None, help="detached ranks run side work under leases")
     p.add_argument("--migrate", type=int, metavar="N",
                    help="also simulate migrating the last N straggler responses a shrink waits for, "
-                        "with their KV, to resident ranks, and report what that saves (a what-if: the "
-                        "runtime does not migrate)")
+                        "with their KV, to resident ranks, and report what that saves (a what-if for "
+                        "the fixed plans; --policy adaptive migrates by its online rule, as the runtime does)")
     p.add_argument("--epochs", default=None, help="comma-separated epochs to simulate (default: all but the first)")
     p.add_argument("--compare", action="store_true",
                    help="every policy side by side (floors 2, 4, 8; with and without TailGuard), each "

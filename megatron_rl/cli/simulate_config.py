@@ -15,7 +15,7 @@ from megatron_rl.config import require
 @dataclass
 class SimulateConfig:
     trace: str = ""  # --trace is a required flag
-    policy: Literal["vanilla", "lengthsort", "natural", "planned", "oracle"] = "planned"
+    policy: Literal["vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive"] = "planned"
     floor: int = 4
     tailguard: bool = False
     objective: Literal["occupied", "rollout"] = "occupied"
@@ -39,6 +39,8 @@ class SimulateConfig:
         require(self.backend != "megatron" or self.shape.num_experts % self.ranks == 0,
                 f"backend megatron: the {self.shape.num_experts} experts of {self.shape.name} do not divide "
                 f"over ranks {self.ranks} (megatron-core owns experts in equal contiguous blocks)")
+        require(self.policy != "adaptive" or self.backend == "torch",
+                "policy adaptive: its ladder of stages needs arbitrary expert ownership (backend torch)")
         require(self.check_every >= 1, f"check_every must be >= 1, got {self.check_every}")
         require(self.migrate >= 0, f"migrate must be >= 0, got {self.migrate}")
 

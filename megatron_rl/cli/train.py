@@ -59,7 +59,7 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML trainer config, e.g. examples/tiny_cpu_grpo.yaml")
     p.add_argument("--out", default="runs/train", help="output folder (resumes if it holds a checkpoint)")
-    p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned"],
+    p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned", "adaptive"],
                    help="rollout policy (elastic.policy)")
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to (elastic.floor)")
     p.add_argument("--steps", type=int, help="train until this step")

@@ -29,10 +29,10 @@ from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
-from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.memory import memory_budget, ranks_on_this_host
-from megatron_rl.rollout.runner import plan_rollout
+from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
+from megatron_rl.rollout.runner import online_rule, plan_rollout
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -120,13 +120,16 @@ class RolloutPhase:
         cfg = self.cfg
         plan = plan_rollout(items, history, policy=cfg.elastic.policy, ranks=self.world,
                             floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
-                            dtype_bytes=self.model.embedding.word_embeddings.weight.element_size(),
-                            budget=self.budget,
+                            dtype_bytes=self._dtype_bytes(), budget=self.budget,
                             max_response_len=cfg.generation.max_response_len,
-                            shrink_cost_s=cfg.elastic.shrink_cost_s, ownership=BACKEND_OWNERSHIP[cfg.backend])
+                            shrink_cost_s=cfg.elastic.shrink_cost_s, ownership=BACKEND_OWNERSHIP[cfg.backend],
+                            device=self.model.embedding.word_embeddings.weight.device.type)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
         assert dict(plan.stages[0].owners) == block_owners(cfg.model.num_moe_experts, range(self.world))
         return plan
+
+    def _dtype_bytes(self) -> int:
+        return self.model.embedding.word_embeddings.weight.element_size()
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
         from elastic.runtime.runtime import ElasticRuntime, ledger_of, transitions_of
@@ -148,6 +151,7 @@ class RolloutPhase:
                                  max(map(len, encoded)) + max_new, self.tok.eos_id,
                                  temperature=cfg.generation.temperature)
         engine.add(mine)
+        online = None
         if cfg.backend == "megatron":
             from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
 
@@ -156,7 +160,20 @@ class RolloutPhase:
             elastic = MegatronElasticEngine.on_gpu(engine, self.rank, self.world)
         else:
             originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
-            elastic = ElasticRolloutEngine(engine, self.world)
+            if cfg.elastic.policy == "adaptive":
+                # Re-planning without migration: the recorded log-probabilities of a response stay
+                # on the rank that generated its tokens.
+                from elastic.runtime.online import OnlineDriver
+
+                shape = model_shape(cfg.model, self._dtype_bytes(), self.budget,
+                                    ranks_per_node=ranks_on_this_host(self.world))
+                rule = online_rule(plan, items, history, shape=shape,
+                                   status_interval=cfg.elastic.status_interval,
+                                   max_batch=cfg.generation.max_batch_per_rank, max_response_len=max_new,
+                                   migrate=False)
+                online = OnlineDriver(rule, [(a.prompt_id, a.sample) for a in plan.assignments],
+                                      [a.rank for a in plan.assignments], self.rank)
+            elastic = (MigratingEngine if online is not None else ElasticRolloutEngine)(engine, self.world)
         pool = None if self.leases is None else self.leases.pool(
             engine.finished, prompts, self.rank == fault_rank(plan))
         predicted = plan.meta.get("predicted_max_len")
@@ -164,7 +181,7 @@ class RolloutPhase:
         runtime = ElasticRuntime(elastic, plan, self.rank, self.store,
                                  status_interval=cfg.elastic.status_interval, pool=pool,
                                  predicted_ticks=None if predicted is None else 1 + predicted,
-                                 after_step=stream.flush)
+                                 after_step=stream.flush, online=online)
         try:
             outcome = runtime.run()
         except BaseException:

@@ -57,7 +57,7 @@ class RolloutConfig:
     max_batch_per_rank: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
     batch: BatchConfig = field(default_factory=BatchConfig)
-    policy: Literal["vanilla", "lengthsort", "natural", "planned"] = "vanilla"
+    policy: Literal["vanilla", "lengthsort", "natural", "planned", "adaptive"] = "vanilla"
     floor: int | None = None
     tailguard: bool = False
     status_interval: int = 1

@@ -100,3 +100,70 @@ class ElasticRolloutEngine:
         for e in self.held_experts():
             out[f"expert.{e}"] = tensor_digest(self.export_expert(e))
         return out
+
+
+class MigratingEngine(ElasticRolloutEngine):
+    """The elastic engine whose live requests can move to another rank (straggler KV migration).
+
+    A request crosses as three tensors: a header (prompt length, tokens so far, max_new_tokens,
+    fixed_len or -1, KV positions held), its prompt and tokens, and its KV rows of every layer. The
+    sampling state is the request's identity and token count (`sampling.uniform` is keyed by
+    them), so the receiver continues bit-identically. The sender drops the request only when
+    `release_request` is called, after the receiver confirmed (`elastic.runtime.online`).
+    """
+
+    def progress(self) -> list[tuple[tuple[str, int], int, bool]]:
+        """(key, tokens generated, finished) of every request this rank holds or finished."""
+        e = self.engine
+        return [(r.key, len(r.tokens), False) for r in e.pending + e.live] + \
+            [(r.key, len(r.tokens), True) for r in e.finished]
+
+    def _find(self, key: tuple[str, int]):
+        for where in (self.engine.live, self.engine.pending):
+            for r in where:
+                if r.key == key:
+                    return r, where
+        raise KeyError(f"request {key} is not live on this rank")
+
+    def export_request(self, key: tuple[str, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r, where = self._find(key)
+        cache = self.engine.cache
+        held = cache.lengths[r.slot] if where is self.engine.live else 0
+        header = torch.tensor([len(r.prompt), len(r.tokens), r.max_new_tokens,
+                               -1 if r.fixed_len is None else r.fixed_len, held], dtype=torch.long)
+        ids = torch.tensor(r.prompt + r.tokens, dtype=torch.long)
+        kv = torch.cat([t[r.slot, :, :held].reshape(-1) for layer in range(len(cache.k))
+                        for t in (cache.k[layer], cache.v[layer])]) if held else self.empty_kv(0)
+        return header, ids, kv
+
+    def empty_kv(self, held: int) -> torch.Tensor:
+        k = self.engine.cache.k[0]
+        return torch.empty(len(self.engine.cache.k) * 2 * k.shape[1] * held * k.shape[3], dtype=k.dtype,
+                           device=k.device)
+
+    def import_request(self, key: tuple[str, int], header: torch.Tensor, ids: torch.Tensor,
+                       kv: torch.Tensor) -> None:
+        from megatron_rl.rollout.engine import Request
+
+        prompt_len, n_tokens, max_new, fixed, held = header.tolist()
+        r = Request(key[0], key[1], ids[:prompt_len].tolist(), max_new, None if fixed < 0 else fixed,
+                    ids[prompt_len:prompt_len + n_tokens].tolist())
+        e = self.engine
+        if not held:
+            e.pending.append(r)
+            return
+        if not e.cache.free:
+            raise RuntimeError(f"no free KV slot for migrated request {key}")
+        r.slot = e.cache.alloc()
+        chunks = kv.split(kv.numel() // (2 * len(e.cache.k)))
+        for layer in range(len(e.cache.k)):
+            for t, c in zip((e.cache.k[layer], e.cache.v[layer]), chunks[2 * layer:2 * layer + 2]):
+                t[r.slot, :, :held] = c.view(t.shape[1], held, t.shape[3])
+        e.cache.lengths[r.slot] = held
+        e.live.append(r)
+
+    def release_request(self, key: tuple[str, int]) -> None:
+        r, where = self._find(key)
+        where.remove(r)
+        if r.slot >= 0 and where is self.engine.live:
+            self.engine.cache.release(r.slot)

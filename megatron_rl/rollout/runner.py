@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from elastic.planning.layout import natural
 from elastic.planning.plan import BACKEND_OWNERSHIP, Plan, static_plan
-from elastic.planning.shape import MemoryBudget
+from elastic.planning.replan import ladder_plan
+from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.megatron_backend import backend_report
@@ -27,8 +28,9 @@ from megatron_rl.parallel.device import dist_backend, resolve_device
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
-from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.faults import FailingExport, fault_rank
 from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
 from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
@@ -53,26 +55,33 @@ def model_config(cfg: RolloutConfig) -> MoEModelConfig:
 
 def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
     dtype_bytes = DTYPES[cfg.dtype].itemsize
-    # Every rank computes on the device the config resolves to; one GPU (or this host's RAM over
-    # the ranks on it) stands for each rank's budget.
-    budget = memory_budget(mcfg, dtype_bytes, torch.device(resolve_device(cfg.device)),
-                           ranks_on_this_host(cfg.ranks))
+    device = resolve_device(cfg.device)
     plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
-                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=dtype_bytes, budget=budget,
-                        ownership=BACKEND_OWNERSHIP[cfg.backend])
+                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=dtype_bytes,
+                        budget=rollout_budget(cfg, mcfg), ownership=BACKEND_OWNERSHIP[cfg.backend],
+                        length_scale=cfg.batch.length_scale, device=device)
     if "floor_raised" in plan.meta:
         print(f"[rollout] planner: {plan.meta['floor_raised']}", file=sys.stderr)
     return plan
 
 
+def rollout_budget(cfg: RolloutConfig, mcfg: MoEModelConfig) -> MemoryBudget:
+    """Every rank computes on the device the config resolves to; one GPU (or this host's RAM over
+    the ranks on it) stands for each rank's budget."""
+    return memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(resolve_device(cfg.device)),
+                         ranks_on_this_host(cfg.ranks))
+
+
 def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
                  mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
                  max_response_len: int | None = None, shrink_cost_s: float | None = None,
-                 ownership: str = "balanced") -> Plan:
+                 ownership: str = "balanced", length_scale: float = 1.0, device: str = "cpu") -> Plan:
     """The plan of one rollout under `policy`, its memory checks priced against `budget`
-    (`rollout/memory.py`); `max_response_len` bounds KV when history is empty; `shrink_cost_s`
-    replaces the cost model's fixed cost of a shrink (its default is an H100's); `ownership` is the
-    backend's (`elastic.planning.plan.BACKEND_OWNERSHIP`)."""
+    (`rollout/memory.py`); `max_response_len` bounds KV when history is empty; `ownership` is the
+    backend's (`elastic.planning.plan.BACKEND_OWNERSHIP`). On CPU, chains are priced on this CPU
+    engine's measured step and shrink (`engine_cost`, the run decoding `length_scale` of each trace
+    length); on GPU on the shape's cost model; `shrink_cost_s` instead prices a shrink at that fixed
+    cost on the shape's model. When a shrinking policy keeps every rank, stderr says why."""
     W, E = ranks, mcfg.num_moe_experts
     if E % W or W > E:
         raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
@@ -85,13 +94,49 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
 
     floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
     shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=ranks_on_this_host(W))
-    cost = None if shrink_cost_s is None else ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
+    if shrink_cost_s is not None:
+        cost = ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
+    else:
+        cost = engine_cost(length_scale) if device == "cpu" else ShapeCost(shape)
+    if policy == "adaptive" and ownership != "balanced":
+        raise FlexFloorError("policy adaptive: its ladder of stages needs arbitrary expert ownership "
+                             "(backend: torch); megatron-core holds only contiguous blocks")
     try:
-        return make_plan(batch, history, ranks=W, floor=floor, shape=shape, layout=policy,
+        plan = make_plan(batch, history, ranks=W, floor=floor, shape=shape,
+                         layout="planned" if policy == "adaptive" else policy,
                          tailguard=tailguard, max_response_len=max_response_len, cost=cost,
                          budget=budget, ownership=ownership)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
+    if policy == "adaptive":
+        return ladder_plan(plan, floor)
+    if len(plan.stages) == 1 and floor < W:
+        m = plan.meta
+        print(f"[plan] {policy} floor {floor}: every rank stays: of {m['chains_priced']} chains priced "
+              f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
+              f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
+              f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)",
+              file=sys.stderr, flush=True)
+    return plan
+
+
+def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interval: int,
+                max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
+                migrate: bool = True):
+    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`); `batch` in
+    `plan.assignments` order. It reasons in trace tokens: the driver divides the run's by
+    `length_scale`. On this engine a step costs the same in any group, so a shrink can only
+    lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
+    when the objective's occupied rank-seconds say it pays."""
+    from elastic.planning.online import OnlineOptions, online_model
+    from elastic.planning.replan import OnlineRule
+
+    cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
+    model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate))
+    plan.meta["online"] = {"siblings": model.fit.to_dict(), "migrate": migrate}
+    return OnlineRule(plan, [r.prompt_len for r in batch], model, engine_cost(length_scale),
+                      shape, check_every=max(1, round(status_interval / length_scale)),
+                      max_slowdown=None, max_batch=max_batch)
 
 
 def responses_sha256(responses: list[dict]) -> str:
@@ -115,7 +160,7 @@ def _progress(start: float):
 
 
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
-               plan: Plan, out_dir: str | None, quiet: bool):
+               plan: Plan, out_dir: str | None, quiet: bool, rule=None):
     from elastic.runtime.pool import IdlePool
     from elastic.runtime.runtime import ElasticRuntime, ledger_of, transitions_of
     from elastic.runtime.transport import make_transport
@@ -154,10 +199,17 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
             sink.flush()
             written[0] = len(engine.finished)
 
+    online = None
     if cfg.backend == "megatron":
         from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
 
         elastic_engine = MegatronElasticEngine.on_gpu(engine, rank, ctx.world)  # NCCL only, no host staging
+    elif rule is not None:
+        from elastic.runtime.online import OnlineDriver
+
+        elastic_engine = MigratingEngine(engine, ctx.world, make_transport(cfg.transport))
+        online = OnlineDriver(rule, [(a.prompt_id, a.sample) for a in plan.assignments],
+                              [a.rank for a in plan.assignments], rank, cfg.batch.length_scale)
     else:
         elastic_engine = ElasticRolloutEngine(engine, ctx.world, make_transport(cfg.transport))
     hit = cfg.fault is not None and rank == fault_rank(plan)
@@ -173,7 +225,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     predicted_ticks = None if predicted is None else 1 + predicted * cfg.batch.length_scale
     runtime = ElasticRuntime(elastic_engine, plan, rank, ctx.store, status_interval=cfg.status_interval, pool=pool,
                              progress=None if quiet else _progress(time.perf_counter()),
-                             after_step=flush_finished, predicted_ticks=predicted_ticks)
+                             after_step=flush_finished, predicted_ticks=predicted_ticks, online=online)
     try:
         outcome = runtime.run()
     except BaseException:
@@ -199,6 +251,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
         stages=[list(s.members) for s in plan.stages], **transitions_of(outcomes),
         responses=len(all_responses), responses_sha256=responses_sha256(all_responses),
+        migrated=sum(o.migrated for o in outcomes),
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
         moe=backend_report(cfg.backend),
@@ -217,6 +270,7 @@ class RolloutJob:
     requests: list[Request]  # in plan.assignments order
     plan: Plan
     out_dir: str | None
+    rule: object | None = None  # `adaptive`: the online rule (elastic.planning.replan.OnlineRule)
 
 
 def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
@@ -242,6 +296,10 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
+    rule = None if cfg.policy != "adaptive" else online_rule(
+        plan, batch, history, shape=model_shape(mcfg, DTYPES[cfg.dtype].itemsize, rollout_budget(cfg, mcfg),
+                                                ranks_per_node=ranks_on_this_host(cfg.ranks)),
+        status_interval=cfg.status_interval, max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         # A reused folder must not mix an earlier (failed) run's files with this run's.
@@ -249,14 +307,14 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
             for stale in Path(out_dir).glob(pattern):
                 stale.unlink()
         (Path(out_dir) / "plan.json").write_text(plan.to_json())
-    return RolloutJob(cfg, mcfg, requests, plan, out_dir)
+    return RolloutJob(cfg, mcfg, requests, plan, out_dir, rule)
 
 
 def rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
     """This rank's part of every prepared job, in order, inside an existing world (what
     `run_rollouts` runs on each rank; benchmarks call it to share a world with other measurements).
     Returns (report, responses) per job on rank 0, None per job on the other ranks."""
-    return [_rank_main(ctx, j.cfg, j.mcfg, j.requests, j.plan, j.out_dir, quiet) for j in jobs]
+    return [_rank_main(ctx, j.cfg, j.mcfg, j.requests, j.plan, j.out_dir, quiet, j.rule) for j in jobs]
 
 
 def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = None,

@@ -157,3 +157,20 @@ def test_torchrun_joins_the_process_group_and_matches_spawned_ranks(tailed_trace
     a = json.loads((tmp_path / "spawned.json").read_text())
     b = json.loads((tmp_path / "torchrun.json").read_text())
     assert b["ranks"] == 2 and a["responses_sha256"] == b["responses_sha256"]
+
+
+def test_planned_floor1_detaches_a_rank_at_length_scale_1(tmp_path):
+    """The tiny long-tailed trace decoded at its own lengths: plans priced on the CPU engine shrink
+    (under the H100 cost model they kept every rank)."""
+    trace = tmp_path / "tiny.jsonl"
+    made = subprocess.run([sys.executable, "tools/make_trace.py", "--preset", "deepscaler", "--prompts", "16",
+                           "--samples", "4", "--epochs", "3", "--median", "12", "--cap", "96", "--out", trace],
+                          cwd=REPO, capture_output=True, text=True, check=False)
+    assert made.returncode == 0, made.stderr
+    out_json = tmp_path / "report.json"
+    r = cli("rollout", "--trace", trace, "--length-scale", 1, "--policy", "planned", "--floor", 1,
+            "--quiet", "--json", out_json)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out_json.read_text())
+    assert report["final_stage"] > 0 and len(report["stages"]) > 1
+    assert report["rank_seconds"]["idle"] + report["rank_seconds"]["leased"] > 0

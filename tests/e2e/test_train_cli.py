@@ -136,11 +136,12 @@ def test_metrics_jsonl_and_offline_wandb(straight):
     assert not undocumented, f"keys missing from docs/training.md's table: {undocumented}"
 
 
-def test_planned_rollout_trains_exactly_like_vanilla(tmp_path):
+@pytest.mark.parametrize("policy", ["planned", "adaptive"])
+def test_planned_rollout_trains_exactly_like_vanilla(tmp_path, policy):
     # 8 prompts, 4 per step: from step 3 on, the planner has the first epoch's lengths to go by.
     # A random policy's lengths carry no per-prompt signal, so the planner may keep every rank
     # (shrinks and token equality under them are the runtime's tests); the placement does differ.
-    policy = "planned"
+    # `adaptive` re-plans at every status check (without migration in training).
     cfg = _setup(tmp_path, **{"generation.max_response_len": 8, "checkpoint.every": 0, "steps": 4,
                               "elastic.shrink_cost_s": 1e-6, "data.path": str(_small_data(tmp_path))})
     _train(cfg, tmp_path / "vanilla", "--ranks", "4", "--policy", "vanilla")

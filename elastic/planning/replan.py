@@ -1,0 +1,381 @@
+"""Online re-planning: the decision rule the runtime and the simulator both run at every status check.
+
+The offline plan (`make_plan`) is the starting point: its layout, and its order of leaving ranks.
+`ladder_plan` turns it into a plan whose stages are every candidate group size of that order
+(`schedule.candidate_sizes`, W down to the floor), so the stage groups the rule may choose are known
+before the first decode step and can be created up front: at most `FINE_SPAN + 1` groups for worlds
+within 16 ranks of their floor, `MAX_CANDIDATES + 1` beyond (docs/planner.md). Stages are prefixes
+of one order, so they are nested, and each stage's owners come from the chain through every
+smaller ladder step, so every expert is owned in every stage whichever stage is jumped to.
+
+`OnlineRule.decide` looks at the live state (which rank holds which response, tokens so far, which
+finished) and chooses the stage to be in, never going back up. A shrink to stage j makes the ranks
+outside it leave; their live requests move first, with their KV cache, to members of j
+(`Decision.moves`), so no rank leaves with a live request. Each choice is priced on joint samples
+of the remaining lengths (`online.OnlineModel`): the rollout's remaining steps are fixed per sample
+(moving a request does not change its length), and a step costs `StepCost.decode_step_s` at the
+busiest member's live batch, so a scenario "stay in the current group until step D, then move to j"
+costs its steps at each group's price, plus the shrink (`shrink_s`), the KV moved (`migrate_s`)
+and the restore it commits to. The rule acts only when shrinking now beats every later shrink it
+prices (D = one check, then doubling) and staying, under the same objective as `make_plan`
+(`planner.OBJECTIVES`: fewest occupied rank-seconds, or the shortest rollout).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from elastic.planning.online import OnlineModel
+from elastic.planning.plan import Plan
+from elastic.planning.planner import OBJECTIVES
+from elastic.planning.release import Estimate, StepCost
+from elastic.planning.schedule import build_stages, candidate_sizes, held_counts
+from elastic.planning.shape import ModelShape
+
+# Grid of future steps a scenario is priced on: geometric, so the early decisions are resolved.
+PIECES = 24
+# A rebalance between shrinks must shorten the priced remainder by this share (see `_rebalance`).
+REBALANCE_GAIN = 0.005
+# Checks between decisions at the most while few requests finish (see `OnlineRule._due`).
+REPLAN_CHECKS = 8
+
+
+def leave_order(plan: Plan) -> list[int]:
+    """The plan's ranks, those that stay longest first (`meta["leave_order"]` for one-stage plans)."""
+    if len(plan.stages) == 1:
+        return list(plan.meta.get("leave_order", range(plan.ranks)))
+    order = list(plan.stages[-1].members)
+    for st in reversed(plan.stages[1:]):
+        order += list(st.drained)
+    return order
+
+
+def ladder_plan(plan: Plan, floor: int) -> Plan:
+    """`plan` with a stage for every candidate group size down to `floor`, in its leaving order."""
+    sizes = [plan.ranks] + (candidate_sizes(plan.ranks, floor, plan.num_experts) if floor < plan.ranks else [])
+    stages = build_stages(sizes, plan.num_experts, leave_order(plan))
+    meta = dict(plan.meta, ladder=sizes, offline_chain=[len(s.members) for s in plan.stages])
+    out = Plan(plan.ranks, floor, plan.num_experts, plan.layout, plan.tailguard, plan.assignments,
+               stages, plan.predicted_release_rank_s, meta)
+    out.check()
+    return out
+
+
+@dataclass(frozen=True)
+class Decision:
+    stage: int
+    # (response index, destination rank): made before the stage changes, or, staying, a rebalance.
+    moves: tuple[tuple[int, int], ...] = ()
+    kv_bytes: int = 0  # KV cache the moves carry
+
+
+def migrate_s(cost: StepCost, kv_bytes: float, ep_size: int) -> float:
+    """Seconds to move `kv_bytes` of KV cache inside a group of `ep_size` (0 for a cost model
+    that does not price it)."""
+    price = getattr(cost, "migrate_s", None)
+    return float(price(kv_bytes, ep_size)) if price is not None else 0.0
+
+
+class OnlineRule:
+    """The shared rule; one instance per rollout, built identically on every rank."""
+
+    def __init__(self, plan: Plan, prompt_len: Sequence[int], model: OnlineModel, cost: StepCost,
+                 shape: ModelShape, *, objective: str = "occupied", check_every: int = 16,
+                 samples: int = 16, seed: int = 0, max_slowdown: float | None = 0.01,
+                 max_batch: int | None = None):
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
+        self.prompt = np.asarray(prompt_len, float)
+        self.objective = objective  # a name, not the function: the rule is pickled to the ranks
+        self.k, self.samples, self.seed = check_every, samples, seed
+        self.max_slowdown = max_slowdown
+        self.max_batch = max_batch  # requests an engine rank can hold (its KV slots), if bounded
+        self.sizes = [len(s.members) for s in plan.stages]
+        # Position of each rank in the leaving order (0 stays longest): the last stage it is in.
+        self.stays = {r: -max(j for j, st in enumerate(plan.stages) if r in st.members) for r in range(plan.ranks)}
+        self.moves_to = {}  # (from stage, to stage) -> experts moved
+        self.budget = []  # KV tokens each rank may hold in each stage
+        for st in plan.stages:
+            held = held_counts(st.owners, st.members)
+            self.budget.append({r: shape.kv_budget_bytes(h) // shape.kv_bytes_per_token for r, h in held.items()})
+        self.restore_s = [0.0] + [cost.shrink_s(self._moved(j, 0), self.sizes[j]) for j in range(1, len(plan.stages))]
+        self.decisions = 0
+        self.last = (-(10**9), 10**9)  # (step, live requests) of the last decision
+        self.step_memo: dict[tuple[int, int, int], float] = {}
+
+    def key(self, scored: tuple[Estimate]):
+        return OBJECTIVES[self.objective](scored)
+
+    def _due(self, step: int, live: int) -> bool:
+        """Whether to re-plan at this check: once a 64th of the live requests has finished since
+        the last decision, or `REPLAN_CHECKS` checks have passed (the samples change little between;
+        a 16,384-response batch would otherwise re-plan at every check of a long tail)."""
+        last_step, last_live = self.last
+        if last_live - live >= max(1, last_live // 64) or step - last_step >= REPLAN_CHECKS * self.k:
+            self.last = (step, live)
+            return True
+        return False
+
+    def _moved(self, a: int, b: int) -> int:
+        if (a, b) not in self.moves_to:
+            self.moves_to[(a, b)] = len(self.plan.transfers(a, b))
+        return self.moves_to[(a, b)]
+
+    # ---- the rule -------------------------------------------------------------------------------
+    def decide(self, stage: int, step: int, rank_of: np.ndarray, tokens: np.ndarray,
+               done: np.ndarray) -> Decision:
+        """The stage to be in after the check at decode step `step`, and the moves it needs.
+
+        `rank_of[i]`: the rank holding response i now; `tokens[i]`: tokens generated so far (the
+        length once `done[i]`)."""
+        live = np.nonzero(~np.asarray(done, bool))[0]
+        if not len(live) or not self._due(step, len(live)):
+            return Decision(stage)
+        self.decisions += 1
+        rank_of, tokens = np.asarray(rank_of), np.asarray(tokens, float)
+        members = set(self.plan.stages[stage].members)
+        targets = []
+        for j in range(stage + 1, len(self.plan.stages)):
+            leaving = members - set(self.plan.stages[j].members)
+            if self.model.options.migrate or not np.isin(rank_of[live], list(leaving)).any():
+                targets.append(j)
+        if not targets and not self.model.options.migrate:
+            return Decision(stage)
+        rng = np.random.default_rng([self.seed, step])
+        rem = self.model.sample_remaining(live, tokens, done, self.samples, rng)  # (S, n)
+        grid = _Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
+        j = self._price(stage, targets, grid) if targets else None
+        if j is None:
+            # Rebalance only inside one node: across nodes the busiest of many members is mostly
+            # sampling noise, and evening it out measured slower at 64 and 256 ranks.
+            within = self.sizes[stage] <= self.shape.ranks_per_node
+            return self._rebalance(stage, grid, live, rank_of, tokens, rem) \
+                if self.model.options.migrate and within else Decision(stage)
+        # The moves a shrink needs (the leaving ranks' requests), and, with migration, the same
+        # shrink with every live request re-placed: whichever the samples price lower.
+        proposals = []
+        for rebalance in (False, True) if self.model.options.migrate else (False,):
+            moves = self._place(j, live, rank_of, tokens, rem, rebalance)
+            if moves is not None:
+                proposals.append((self._exact(stage, j, grid, live, rank_of, moves, tokens), moves))
+        if not proposals:  # the KV of the leaving ranks' requests fits no member
+            return Decision(stage)
+        (est, moves), *rest = proposals
+        if rest and self.key((rest[0][0],)) < self.key((est,)):
+            est, moves = rest[0]
+        kv = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
+        return Decision(j, tuple(moves), kv)
+
+    def _price(self, stage: int, targets: list[int], grid: _Grid) -> int | None:
+        """The target to shrink to now, or None when staying (perhaps to shrink later) is better;
+        the leaving ranks' requests taken as spread evenly over the members that stay."""
+        S = grid.seg.shape[0]
+        W, g0 = self.plan.ranks, self.sizes[stage]
+        seg, bounds, delays, rem, ranks, held = grid.seg, grid.bounds, grid.delays, grid.rem, grid.ranks, grid.held
+        count, kv = grid.per_rank(ranks)
+        count_all, kv_all = count.sum(axis=2), kv.sum(axis=2)
+
+        def busiest(j: int) -> tuple[np.ndarray, np.ndarray]:
+            kept = list(self.plan.stages[j].members)
+            return _batch_context(np.maximum(count[:, :, kept].max(axis=2), np.ceil(count_all / len(kept))),
+                                  np.maximum(kv[:, :, kept].max(axis=2), kv_all / len(kept)))
+
+        tau_now = self._steps(*busiest(stage), g0)
+        run_now = seg * tau_now[None, :]
+        before = np.concatenate([np.zeros((S, 1)), np.cumsum(run_now, axis=1)], axis=1)  # time to bound k
+        kv_token = float(self.shape.kv_bytes_per_token)
+        stay = before[:, -1] + self.restore_s[stage]
+        options = [(self._estimate(stay, np.zeros(S), g0, g0, W)[0], stage, 0)]
+        d = np.array([0] + delays, float)
+        at = np.searchsorted(bounds, d)
+        for j in targets:
+            g = self.sizes[j]
+            after = seg * self._steps(*busiest(j), g)[None, :]
+            tail = np.concatenate([np.cumsum(after[:, ::-1], axis=1)[:, ::-1], np.zeros((S, 1))], axis=1)
+            moving = ~np.isin(ranks, self.plan.stages[j].members)
+            # The requests still live at the shrink move, their KV grown by d tokens.
+            moved = kv_token * ((rem[:, moving, None] > d).mean(axis=0) * (held[moving][:, None] + d)).sum(axis=0)
+            shrink = self.cost.shrink_s(self._moved(stage, j), g0) \
+                + np.array([migrate_s(self.cost, b, g0) for b in moved])
+            until = before[:, at] + shrink[None, :]
+            whole = until + tail[:, at] + self.restore_s[j]
+            for est, delay in zip(self._estimate(whole, until, g0, g, W), d):
+                options.append((est, j, delay))
+        # Whatever the objective, no option predicted to take more than `max_slowdown` longer than
+        # the fastest: in a synchronous job a slower rollout holds every rank back (None: no
+        # guard, the objective alone decides, as in `make_plan`).
+        if self.max_slowdown is not None:
+            fastest = min(o[0].rollout_s for o in options)
+            options = [o for o in options if o[0].rollout_s <= fastest * (1 + self.max_slowdown)]
+        _, j, delay = min(options, key=lambda o: (self.key((o[0],)), o[2]))
+        return j if j != stage and delay == 0 else None
+
+    @staticmethod
+    def _estimate(total_s: np.ndarray, until_s: np.ndarray, g0: int, g: int, W: int) -> list[Estimate]:
+        """Each column's remainder of the rollout as the planner scores it (mean over the sample
+        rows): the current group of g0 until `until_s`, g ranks after; ranks already detached stay so."""
+        total_s, until_s = total_s.reshape(len(total_s), -1), until_s.reshape(len(until_s), -1)
+        T = total_s.mean(axis=0)
+        detached = (W - g0) * T + (g0 - g) * (total_s - until_s).mean(axis=0)
+        return [Estimate(float(t), float(t), float(x), float(W * t - x)) for t, x in zip(T, detached)]
+
+    def _steps(self, batch: np.ndarray, context: np.ndarray, g: int) -> np.ndarray:
+        """Step seconds per segment, memoised for the rollout (context to 64 tokens, where the step
+        changes little)."""
+        out = np.empty(len(batch))
+        for k, (b, c) in enumerate(zip(np.rint(batch).astype(int).tolist(), (context.astype(int) >> 6).tolist())):
+            key = (b, c, g)
+            if key not in self.step_memo:
+                self.step_memo[key] = float(self.cost.decode_step_s(b, (c << 6) + 32, g))
+            out[k] = self.step_memo[key]
+        return out
+
+    def _rebalance(self, stage: int, grid: _Grid, live, rank_of, tokens, rem) -> Decision:
+        """Staying: even out the members' expected remaining KV work with the fewest moves (toward
+        the ranks that stay longest), taken
+        only if it shortens the priced remainder by `REBALANCE_GAIN` net of the moves. Between
+        shrinks the samples are fresh at every decision, so a smaller gain would move requests
+        back and forth within their noise; a balanced group proposes no move at all."""
+        kept = list(self.plan.stages[stage].members)
+        held = self.prompt[live] + tokens[live]
+        work = (rem * (held[None, :] + rem / 2)).mean(axis=0)
+        need = held + rem.max(axis=0)
+        where = {col: int(rank_of[i]) for col, i in enumerate(live)}
+        load, kv, count = dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0)
+        for col, r in where.items():
+            load[r] += work[col]
+            kv[r] += need[col]
+            count[r] += 1
+        moves, moved = [], set()
+        for _ in range(len(kept)):
+            hi = max(kept, key=lambda r: (load[r], -r))
+            # Work moves only toward ranks that stay at least as long (the leaving order), so a
+            # rebalance never loads a rank the next shrink would have to empty again.
+            lo = min((r for r in kept if self.stays[r] <= self.stays[hi]), key=lambda r: (load[r], r))
+            gap = load[hi] - load[lo]
+            fits = [c for c, r in where.items() if r == hi and c not in moved and work[c] < gap
+                    and kv[lo] + need[c] <= self.budget[stage][lo]]
+            if not fits or count[lo] >= (self.max_batch or len(live)):
+                break
+            col = min(fits, key=lambda c: (abs(gap / 2 - work[c]), c))
+            where[col] = lo
+            moved.add(col)
+            for r, sign in ((hi, -1), (lo, 1)):
+                load[r] += sign * work[col]
+                kv[r] += sign * need[col]
+                count[r] += sign
+            moves.append((int(live[col]), lo))
+        if not moves:
+            return Decision(stage)
+        keep = self._exact(stage, stage, grid, live, rank_of, [], tokens)
+        even = self._exact(stage, stage, grid, live, rank_of, moves, tokens)
+        if self.key((even,)) < self.key((keep,)) and even.rollout_s <= keep.rollout_s * (1 - REBALANCE_GAIN):
+            kv_bytes = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
+            return Decision(stage, tuple(moves), kv_bytes)
+        return Decision(stage)
+
+    def _exact(self, stage: int, j: int, grid: _Grid, live, rank_of, moves, tokens) -> Estimate:
+        """The remainder of the rollout if stage j starts now with `moves` made, each sample priced
+        with its own busiest member."""
+        where = dict(zip(live.tolist(), rank_of[live].tolist()))
+        for i, r in moves:
+            where[i] = r
+        count, kv = grid.per_rank(np.array([where[i] for i in live.tolist()]))
+        kept = list(self.plan.stages[j].members)
+        g0, g = self.sizes[stage], self.sizes[j]
+        tau = self._steps(*_batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2)), g)
+        moved = sum(self.prompt[i] + tokens[i] for i, _ in moves) * self.shape.kv_bytes_per_token
+        shrink = (self.cost.shrink_s(self._moved(stage, j), g0) if j != stage else 0.0) \
+            + migrate_s(self.cost, moved, g0)
+        total = (grid.seg * tau[None, :]).sum(axis=1) + shrink + self.restore_s[j]
+        return self._estimate(total, np.full(len(total), shrink), g0, g, self.plan.ranks)[0]
+
+    def _place(self, j, live, rank_of, tokens, rem, rebalance=False) -> list[tuple[int, int]] | None:
+        """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
+        every live request): longest expected remainder first, each to the member with the least
+        expected remaining work whose KV budget (and slot count, `max_batch`) holds it (a request
+        is reserved its tokens so far plus its longest sampled remainder). Only requests whose
+        rank changes are listed."""
+        kept = list(self.plan.stages[j].members)
+        mean, top = rem.mean(axis=0), rem.max(axis=0)
+        work = dict.fromkeys(kept, 0.0)
+        kv = dict.fromkeys(kept, 0.0)
+        count = dict.fromkeys(kept, 0)
+        slots = self.max_batch or len(live)
+        placing = []
+        for col, i in enumerate(live):
+            r = int(rank_of[i])
+            need = self.prompt[i] + tokens[i] + top[col]
+            if r in work and not rebalance:
+                work[r] += mean[col]
+                kv[r] += need
+                count[r] += 1
+            else:
+                placing.append((mean[col], need, int(i)))
+        moves = []
+        for m, need, i in sorted(placing, key=lambda x: (-x[0], x[2])):
+            room = [r for r in kept if kv[r] + need <= self.budget[j][r] and count[r] < slots]
+            if not room:
+                return None
+            r = min(room, key=lambda r: (work[r], r))
+            work[r] += m
+            kv[r] += need
+            count[r] += 1
+            if r != rank_of[i]:
+                moves.append((i, r))
+        return moves
+
+
+class _Grid:
+    """The sampled future of one decision: segments of remaining decode steps (geometric, plus
+    the delays a later shrink is priced at), and the live requests alive in each."""
+
+    def __init__(self, rem: np.ndarray, held: np.ndarray, ranks: np.ndarray, world: int, check_every: int):
+        self.rem, self.held, self.ranks, self.world = rem, held, np.asarray(ranks), world
+        end = rem.max(axis=1)
+        self.delays = [check_every * 2**m for m in range(64) if check_every * 2**m < end.max()]
+        self.bounds = np.unique(np.concatenate([[0.0], np.geomspace(1.0, max(end.max(), 2.0), PIECES),
+                                                np.array(self.delays, float)]))
+        self.seg = np.clip(np.minimum(self.bounds[1:][None, :], end[:, None]) - self.bounds[:-1][None, :], 0.0, None)
+        self.mid = (self.bounds[:-1] + self.bounds[1:]) / 2
+        self.alive = (rem[:, None, :] > self.mid[None, :, None]).astype(float)  # (S, K, n)
+
+    def per_rank(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(S, K, world) live requests and their KV tokens per rank, with request c on ranks[c]."""
+        order = np.argsort(ranks, kind="stable")
+        present, starts = np.unique(ranks[order], return_index=True)
+        count = np.zeros(self.alive.shape[:2] + (self.world,))
+        kv = np.zeros_like(count)
+        if len(order):
+            alive = self.alive[:, :, order]
+            count[:, :, present] = np.add.reduceat(alive, starts, axis=2)
+            kv[:, :, present] = np.add.reduceat(alive * self.held[order], starts, axis=2)
+        return count, kv + count * self.mid[None, :, None]
+
+
+def _batch_context(batch: np.ndarray, kv_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(S, K) batch and KV tokens of the member that sets each step -> the mean batch and context."""
+    b = np.maximum(batch.mean(axis=0), 1.0)
+    return b, kv_tokens.mean(axis=0) / b
+
+
+def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence[int],
+                   done: Sequence[bool]) -> None:
+    """Raise ValueError if carrying out `decision` would break an invariant of DESIGN.md: the
+    stage goes back up, a rank leaves with a live request, or a request moves outside the group."""
+    if not stage <= decision.stage < len(plan.stages):
+        raise ValueError(f"decision goes from stage {stage} to {decision.stage}")
+    kept = set(plan.stages[decision.stage].members)
+    where = list(rank_of)
+    for i, r in decision.moves:
+        if done[i]:
+            raise ValueError(f"response {i} is finished and cannot move")
+        if r not in kept:
+            raise ValueError(f"response {i} moves to rank {r}, outside stage {decision.stage}")
+        where[i] = r
+    stranded = [i for i, r in enumerate(where) if not done[i] and r not in kept]
+    if stranded:
+        raise ValueError(f"{len(stranded)} live requests (e.g. {stranded[0]}) would leave with their rank")

@@ -1,0 +1,92 @@
+"""The runtime side of online re-planning (`elastic.planning.replan.OnlineRule`): the status check
+that feeds it, and the straggler KV migrations it asks for.
+
+Status: one all-reduce over the current group of a vector with one entry per response of the
+batch: `tokens + 1` where a rank holds the live response, `-(tokens + 1)` where it finished, 0
+elsewhere. Each response is on exactly one rank, so the sum is the whole batch's state, and every
+member feeds the same state to the same rule (pure numpy on the same inputs and seeds) and reaches
+the same decision without another collective. A rank leaves only once its responses have finished,
+and those were in the last status it took part in, so the finished entries are remembered.
+
+Migration: the decision's moves run in its order, point to point. The sender sends the request's
+header, its prompt and tokens, and its KV rows (`MigratingEngine.export_request`); the receiver
+adds it to its batch and sends back one confirmation; only then does the sender drop it. A failure
+anywhere in between surfaces as the runtime's `ElasticFault` with the request still on its sender.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from elastic.planning.replan import OnlineRule, check_decision
+
+TAG_MIGRATE = 1
+# A migrated request's header: prompt length, tokens so far, max_new_tokens, fixed_len (-1: none),
+# KV positions held (the engine's `export_request` writes it in this order).
+HEADER_SIZE = 5
+
+
+class OnlineDriver:
+    """One rank's view of the online rule over a rollout; `keys` in the rule's response order."""
+
+    def __init__(self, rule: OnlineRule, keys: Sequence[tuple[str, int]], rank_of: Sequence[int], rank: int,
+                 token_scale: float = 1.0):
+        # `token_scale`: run tokens per rule token (a trace replayed at a length scale decodes
+        # that share of each traced length; the rule reasons in trace tokens).
+        self.rule, self.rank, self.scale = rule, rank, token_scale
+        self.keys = list(keys)
+        self.index = {k: i for i, k in enumerate(self.keys)}
+        self.rank_of = np.array(rank_of, dtype=np.int64)
+        self.tokens = np.zeros(len(keys), dtype=np.int64)
+        self.done = np.zeros(len(keys), dtype=bool)
+        self.migrated = 0  # requests this rank received
+
+    def status(self, engine, group) -> np.ndarray:
+        """The status all-reduce; returns the live requests per rank (length: the world)."""
+        vec = torch.zeros(len(self.keys), dtype=torch.long)
+        for key, tokens, finished in engine.progress():
+            vec[self.index[key]] = -(tokens + 1) if finished else tokens + 1
+        # Through the engine's transport and on its device: NCCL reduces GPU tensors only.
+        v = engine.transport.all_reduce(vec.to(engine.device), group).cpu().numpy()
+        seen = v != 0
+        self.tokens[seen] = np.abs(v[seen]) - 1
+        self.done[seen] = v[seen] < 0
+        live = ~self.done
+        return np.bincount(self.rank_of[live], minlength=self.rule.plan.ranks)
+
+    def decide(self, stage: int, tick: int):
+        d = self.rule.decide(stage, round(tick / self.scale), self.rank_of,
+                             np.maximum(np.rint(self.tokens / self.scale), 1), self.done)
+        check_decision(self.rule.plan, stage, d, self.rank_of, self.done)
+        return d
+
+    def migrate(self, engine, moves: Sequence[tuple[int, int]]) -> None:
+        """Carry out the moves (response index, destination) in order on every rank. Every message
+        goes through the engine's transport on its device (NCCL sends GPU tensors only)."""
+        send, recv, dev = engine.transport.send, engine.transport.recv, engine.device
+
+        def receive(n: int) -> list[int]:
+            return recv(torch.zeros(n, dtype=torch.long, device=dev), src, TAG_MIGRATE).tolist()
+
+        for i, dst in moves:
+            src, key = int(self.rank_of[i]), self.keys[i]
+            if self.rank == src:
+                header, ids, kv = engine.export_request(key)
+                for t in (header, ids, kv) if kv.numel() else (header, ids):  # not yet prefilled: no KV
+                    send(t.to(dev), dst, TAG_MIGRATE)
+                recv(torch.zeros(1, dtype=torch.long, device=dev), dst, TAG_MIGRATE)  # the confirmation
+                engine.release_request(key)  # the receiver holds it now
+            elif self.rank == dst:
+                header = receive(HEADER_SIZE)
+                prompt_len, n_tokens, _, _, held = header
+                ids = receive(prompt_len + n_tokens)
+                kv = engine.empty_kv(held)
+                if held:
+                    kv = recv(kv, src, TAG_MIGRATE)
+                engine.import_request(key, torch.tensor(header), torch.tensor(ids), kv)
+                send(torch.ones(1, dtype=torch.long, device=dev), src, TAG_MIGRATE)
+                self.migrated += 1
+            self.rank_of[i] = dst
+

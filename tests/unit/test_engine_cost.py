@@ -1,0 +1,34 @@
+"""CPU rollouts are planned on the CPU engine's measured costs, so `planned --floor 1` shrinks on a
+long-tailed trace at --length-scale 1 (it never did with the H100 cost model), and says why when
+it keeps every rank."""
+import torch
+
+from elastic.sim.synth import generate, preset
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.rollout.memory import memory_budget
+from megatron_rl.rollout.runner import plan_rollout
+
+
+def _trace():
+    # What `make_trace.py --preset deepscaler --prompts 16 --samples 4 --epochs 3 --median 12
+    # --cap 96` writes: the README's tiny long-tailed trace, lengths a CPU rollout decodes as is.
+    return generate(preset("deepscaler", prompts=16, samples=4, epochs=3, median=12, cap=96), seed=0)
+
+
+def _plan(trace, **kw):
+    mcfg = MoEModelConfig()
+    return plan_rollout(trace.epoch(2), trace.before(2), policy="planned", ranks=4, floor=1, tailguard=False,
+                        mcfg=mcfg, dtype_bytes=8, budget=memory_budget(mcfg, 8, torch.device("cpu"), 4), **kw)
+
+
+def test_planned_floor1_shrinks_on_the_cpu_engine(capsys):
+    plan = _plan(_trace(), length_scale=1.0)
+    assert len(plan.stages) > 1 and len(plan.stages[-1].members) < 4
+    assert "every rank stays" not in capsys.readouterr().err
+
+
+def test_a_plan_that_keeps_every_rank_says_why(capsys):
+    plan = _plan(_trace(), shrink_cost_s=0.05)  # the H100 model's shrink: nothing pays on this model
+    assert len(plan.stages) == 1
+    err = capsys.readouterr().err
+    assert "planned floor 1: every rank stays" in err and "chains priced" in err
