@@ -62,7 +62,7 @@ if python -c "import megatron.core" 2>/dev/null; then
     start=$SECONDS
     stage "m: megatron backend checks" 300 python -m pytest -q -s -rs -p no:cacheprovider \
         tests/gpu/test_megatron_logits.py tests/gpu/test_megatron_generation.py tests/gpu/test_megatron_te.py \
-        tests/gpu/test_megatron_grpo.py tests/gpu/test_megatron_elastic.py \
+        tests/gpu/test_megatron_grpo.py tests/gpu/test_megatron_elastic_gpu.py \
         && record "m: megatron backend checks" pass "" $((SECONDS - start))
     start=$SECONDS
     stage "m: megatron decode and shrink" 300 torchrun --standalone --nproc-per-node="$ngpu" \
