@@ -276,8 +276,12 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
         if state["step"] >= cfg.steps:
-            raise CheckpointError(f"{resume}: already at step {state['step']} of steps={cfg.steps}; "
-                                  "raise `steps` to train further")
+            done = f"{resume}: already at step {state['step']} of steps={cfg.steps}"
+            if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+                # A requeue that came after the last step was saved: the job is done, not failed.
+                print(f"[train] {done}; the requeued job has nothing left to train", file=sys.stderr)
+                return None
+            raise CheckpointError(f"{done}; raise `steps` to train further")
         print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once

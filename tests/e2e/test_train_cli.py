@@ -84,6 +84,21 @@ def straight(tmp_path_factory):
     return tmp, out
 
 
+def test_a_finished_run_refuses_to_rerun_but_a_late_requeue_ends_clean(straight):
+    """Rerunning a finished run is a user error (exit 2); a Slurm requeue that came after the last
+    step was saved (SLURM_RESTART_COUNT > 0) has nothing to do and must not mark the job failed."""
+    import os
+
+    tmp, out = straight
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(tmp / "cfg0.yaml"), "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_RESTART_COUNT"}
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode == 2 and "already at step 3 of steps=3; raise `steps`" in again.stderr, again.stderr
+    late = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**env, "SLURM_RESTART_COUNT": "1"})
+    assert late.returncode == 0 and "the requeued job has nothing left to train" in late.stderr, late.stderr
+
+
 def test_resume_matches_uninterrupted_run(straight, tmp_path):
     _, full = straight
     cfg = _setup(tmp_path)
