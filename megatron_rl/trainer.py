@@ -70,8 +70,8 @@ class Trainer:
         self.ref_model = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
         o = cfg.optim
         if cfg.backend == "megatron":
+            from megatron_rl.models.qwen3_moe import DTYPES
             from megatron_rl.rl.megatron_train import MegatronOptimizer, training_groups
-            from megatron_rl.rl.model_setup import DTYPES
 
             self.optimizer = MegatronOptimizer(self.model, cfg.model, o, DTYPES[cfg.dtype],
                                                training_groups(rank, world))

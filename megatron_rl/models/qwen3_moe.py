@@ -25,6 +25,9 @@ from torch.utils.checkpoint import checkpoint
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.moe import MoELayer, widens
 
+# The torch dtype that a rollout or trainer config's `dtype` names.
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
 
 class KVCacheLike(Protocol):
     def update(self, layer: int, k_BGSC: torch.Tensor,

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from elastic.planning.plan import block_owners
+from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.rl.checkpoint import gather_full_state
 from megatron_rl.trainer_config import TrainerConfig
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def check_init(cfg: TrainerConfig) -> None:

@@ -17,7 +17,7 @@ from megatron_rl.errors import FlexFloorError
 
 def slot_bytes(num_layers: int, groups: int, max_len: int, channels: int, dtype: torch.dtype) -> int:
     """K and V of one sequence of `max_len` positions in every layer."""
-    return num_layers * 2 * groups * max_len * channels * torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * groups * max_len * channels * dtype.itemsize
 
 
 def kv_budget_slots(total: int, free: int, peak: int, current: int, fraction: float, per_slot: int,

@@ -24,6 +24,7 @@ from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.megatron_backend import backend_report
+from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import dist_backend, resolve_device
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
@@ -34,8 +35,6 @@ from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.faults import FailingExport, fault_rank
 from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
 from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def model_config(cfg: RolloutConfig) -> MoEModelConfig:
@@ -53,13 +52,11 @@ def model_config(cfg: RolloutConfig) -> MoEModelConfig:
     return mcfg
 
 
-def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history) -> Plan:
-    dtype_bytes = DTYPES[cfg.dtype].itemsize
-    device = resolve_device(cfg.device)
+def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history, budget: MemoryBudget) -> Plan:
     plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
-                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=dtype_bytes,
-                        budget=rollout_budget(cfg, mcfg), ownership=BACKEND_OWNERSHIP[cfg.backend],
-                        length_scale=cfg.batch.length_scale, device=device)
+                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
+                        budget=budget, ownership=BACKEND_OWNERSHIP[cfg.backend],
+                        length_scale=cfg.batch.length_scale, device=resolve_device(cfg.device))
     if "floor_raised" in plan.meta:
         print(f"[rollout] planner: {plan.meta['floor_raised']}", file=sys.stderr)
     return plan
@@ -288,7 +285,8 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
-    plan = build_plan(cfg, mcfg, batch, history)
+    budget = rollout_budget(cfg, mcfg)
+    plan = build_plan(cfg, mcfg, batch, history, budget)
     if cfg.backend == "megatron":
         from megatron_rl.rollout.megatron_elastic_engine import check_plan
 
@@ -297,7 +295,7 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
     rule = None if cfg.policy != "adaptive" else online_rule(
-        plan, batch, history, shape=model_shape(mcfg, DTYPES[cfg.dtype].itemsize, rollout_budget(cfg, mcfg),
+        plan, batch, history, shape=model_shape(mcfg, DTYPES[cfg.dtype].itemsize, budget,
                                                 ranks_per_node=ranks_on_this_host(cfg.ranks)),
         status_interval=cfg.status_interval, max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale)
     if out_dir is not None:
