@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--floor", type=int, default=4)
     ap.add_argument("--history", type=int, default=2, help="epochs of history before the rollout")
     ap.add_argument("--scale", default="", help="rank counts for the scale check (deepscaler only)")
+    ap.add_argument("--objectives", default="rollout,occupied")
     ap.add_argument("--ablation", action="store_true")
     args = ap.parse_args(argv)
     cost, shape, config = CostModel(), ModelShape(), SimConfig()
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
                   for s in range(args.seeds)]
         van = [run(t, Policy("vanilla", ranks), ranks, cost, shape, config) for t in traces]
         vT, vtok, vocc = (sum(v[k] for v in van) for k in ("T", "tokens", "occupied"))
-        for objective in ("rollout", "occupied"):
+        for objective in args.objectives.split(","):
             base = Policy("adaptive", floor, True, objective=objective)
             policies = [Policy("oracle", floor, objective=objective), base]
             if args.ablation:

@@ -40,6 +40,10 @@ PIECES = 24
 REBALANCE_GAIN = 0.005
 # Checks between decisions at the most while few requests finish (see `OnlineRule._due`).
 REPLAN_CHECKS = 8
+# A rebalance evens out the KV the members will hold over this many checks (two re-planning
+# periods), not over the requests' whole remainders: a step waits for the member holding the most
+# KV now, and a later imbalance is the next decision's to fix.
+REBALANCE_HORIZON_CHECKS = 2 * REPLAN_CHECKS
 
 
 def leave_order(plan: Plan) -> list[int]:
@@ -94,13 +98,13 @@ class OnlineRule:
         self.max_slowdown = max_slowdown
         self.max_batch = max_batch  # requests an engine rank can hold (its KV slots), if bounded
         self.sizes = [len(s.members) for s in plan.stages]
-        # Position of each rank in the leaving order (0 stays longest): the last stage it is in.
-        self.stays = {r: -max(j for j, st in enumerate(plan.stages) if r in st.members) for r in range(plan.ranks)}
         self.moves_to = {}  # (from stage, to stage) -> experts moved
         self.budget = []  # KV tokens each rank may hold in each stage
         for st in plan.stages:
             held = held_counts(st.owners, st.members)
             self.budget.append({r: shape.kv_budget_bytes(h) // shape.kv_bytes_per_token for r, h in held.items()})
+        # Position of each rank in the leaving order (0 stays longest): the last stage it is in.
+        self.stays = {r: -max(j for j, st in enumerate(plan.stages) if r in st.members) for r in range(plan.ranks)}
         self.restore_s = [0.0] + [cost.shrink_s(self._moved(j, 0), self.sizes[j]) for j in range(1, len(plan.stages))]
         self.decisions = 0
         self.last = (-(10**9), 10**9)  # (step, live requests) of the last decision
@@ -149,11 +153,8 @@ class OnlineRule:
         grid = _Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
         j = self._price(stage, targets, grid) if targets else None
         if j is None:
-            # Rebalance only inside one node: across nodes the busiest of many members is mostly
-            # sampling noise, and evening it out measured slower at 64 and 256 ranks.
-            within = self.sizes[stage] <= self.shape.ranks_per_node
             return self._rebalance(stage, grid, live, rank_of, tokens, rem) \
-                if self.model.options.migrate and within else Decision(stage)
+                if self.model.options.migrate else Decision(stage)
         # The moves a shrink needs (the leaving ranks' requests), and, with migration, the same
         # shrink with every live request re-placed: whichever the samples price lower.
         proposals = []
@@ -166,6 +167,12 @@ class OnlineRule:
         (est, moves), *rest = proposals
         if rest and self.key((rest[0][0],)) < self.key((est,)):
             est, moves = rest[0]
+        # `_price` spread the leaving ranks' requests evenly; priced with their actual places, the
+        # shrink must still beat staying as the group is now.
+        stay = self._exact(stage, stage, grid, live, rank_of, [], tokens)
+        if self.key((stay,)) <= self.key((est,)) or (
+                self.max_slowdown is not None and est.rollout_s > stay.rollout_s * (1 + self.max_slowdown)):
+            return Decision(stage)
         kv = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
         return Decision(j, tuple(moves), kv)
 
@@ -234,14 +241,16 @@ class OnlineRule:
         return out
 
     def _rebalance(self, stage: int, grid: _Grid, live, rank_of, tokens, rem) -> Decision:
-        """Staying: even out the members' expected remaining KV work with the fewest moves (toward
-        the ranks that stay longest), taken
-        only if it shortens the priced remainder by `REBALANCE_GAIN` net of the moves. Between
-        shrinks the samples are fresh at every decision, so a smaller gain would move requests
-        back and forth within their noise; a balanced group proposes no move at all."""
+        """Staying: even out the KV the members are expected to hold over the next
+        `REBALANCE_HORIZON_CHECKS` checks, with the fewest moves, to whichever member holds least
+        (a request moved onto a rank that leaves later moves again then, priced then), taken only
+        if it shortens the priced remainder by `REBALANCE_GAIN` net of the moves. Between shrinks
+        the samples are fresh at every decision, so a smaller gain would move requests back and
+        forth within their noise; a balanced group proposes no move at all."""
         kept = list(self.plan.stages[stage].members)
         held = self.prompt[live] + tokens[live]
-        work = (rem * (held[None, :] + rem / 2)).mean(axis=0)
+        soon = np.minimum(rem, REBALANCE_HORIZON_CHECKS * self.k)
+        work = (soon * (held[None, :] + soon / 2)).mean(axis=0)
         need = held + rem.max(axis=0)
         where = {col: int(rank_of[i]) for col, i in enumerate(live)}
         load, kv, count = dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0)
@@ -252,9 +261,10 @@ class OnlineRule:
         moves, moved = [], set()
         for _ in range(len(kept)):
             hi = max(kept, key=lambda r: (load[r], -r))
-            # Work moves only toward ranks that stay at least as long (the leaving order), so a
-            # rebalance never loads a rank the next shrink would have to empty again.
-            lo = min((r for r in kept if self.stays[r] <= self.stays[hi]), key=lambda r: (load[r], r))
+            # For capacity, work moves only toward ranks that stay at least as long (the leaving
+            # order), so a rebalance never loads a rank the next shrink would have to empty.
+            lo = min((r for r in kept if self.objective == "rollout" or self.stays[r] <= self.stays[hi]),
+                     key=lambda r: (load[r], r))
             gap = load[hi] - load[lo]
             fits = [c for c, r in where.items() if r == hi and c not in moved and work[c] < gap
                     and kv[lo] + need[c] <= self.budget[stage][lo]]
