@@ -36,6 +36,18 @@ class StepCost(Protocol):
         """Seconds a shrink takes that moves `experts_moved` experts out of a group of `ep_size`."""
 
 
+def step_table(cost: StepCost, batch: np.ndarray, context: np.ndarray, ep_size: int) -> np.ndarray:
+    """`cost.decode_step_s` of every (batch[k], context[k]) in a group of `ep_size`: one call on
+    the arrays for a cost model that broadcasts (`takes_arrays = True`, the simulator's), else one
+    call per entry. The planner prices thousands of these per plan."""
+    if getattr(cost, "takes_arrays", False):
+        out = np.asarray(cost.decode_step_s(batch, context, ep_size), dtype=np.float64)
+        return np.broadcast_to(out, np.shape(batch)).copy()
+    return np.array([cost.decode_step_s(int(b), int(c), ep_size)
+                     for b, c in zip(np.ravel(batch).tolist(), np.ravel(context).tolist())],
+                    dtype=np.float64).reshape(np.shape(batch))
+
+
 @dataclass(frozen=True)
 class ShapeCost:
     """Default step cost from the model shape (H100 figures; see ../shared/REFERENCES.md).
@@ -142,13 +154,14 @@ class Timeline:
         live = np.add.reduceat(alive, starts, axis=2, dtype=np.int32)  # (S, K, ranks present)
         self.batch = live.max(axis=2).mean(axis=0)
         self.context = prompt_mean + mid.mean(axis=0)
-        self._tau: dict[tuple[int, int], float] = {}
+        self._tau: dict[int, np.ndarray] = {}
 
-    def step_s(self, k: int, g: int) -> float:
-        if (k, g) not in self._tau:
-            batch = max(1, round(self.batch[k]))
-            self._tau[(k, g)] = self.cost.decode_step_s(batch, int(self.context[k]), g)
-        return self._tau[(k, g)]
+    def steps_s(self, g: int) -> np.ndarray:
+        """(K,) step seconds of every segment in a group of g."""
+        if g not in self._tau:
+            self._tau[g] = step_table(self.cost, np.maximum(np.rint(self.batch), 1),
+                                      self.context.astype(np.int64), g)
+        return self._tau[g]
 
     def estimate(self, sizes: Sequence[int], shrink_s: Sequence[float]) -> Estimate:
         """Mean over samples of the chain `sizes` (W first); `shrink_s[i]` is the shrink into i."""
@@ -160,7 +173,7 @@ class Timeline:
         fired = fire < self.end[:, None]
         # Stages active in each segment: those fired at or before the segment's start.
         active = np.sum(fired[:, None, :] & (fire[:, None, :] <= self.bounds[:, :K, None]), axis=2)
-        tau = np.array([[self.step_s(k, g) for g in sizes] for k in range(K)])  # (K, stages)
+        tau = np.column_stack([self.steps_s(g) for g in sizes])  # (K, stages)
         step_time = self.seg * tau[np.arange(K)[None, :], active]
         static = float((self.seg * tau[:, 0][None, :]).sum(axis=1).mean())  # sizes[0] is W
         shrink = np.asarray(shrink_s[1:], float)[None, :] * fired  # (S, stages - 1)

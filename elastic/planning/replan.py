@@ -30,7 +30,7 @@ import numpy as np
 from elastic.planning.online import OnlineModel
 from elastic.planning.plan import Plan
 from elastic.planning.planner import OBJECTIVES
-from elastic.planning.release import Estimate, StepCost
+from elastic.planning.release import Estimate, StepCost, step_table
 from elastic.planning.schedule import build_stages, candidate_sizes, held_counts
 from elastic.planning.shape import ModelShape
 
@@ -108,7 +108,7 @@ class OnlineRule:
         self.restore_s = [0.0] + [cost.shrink_s(self._moved(j, 0), self.sizes[j]) for j in range(1, len(plan.stages))]
         self.decisions = 0
         self.last = (-(10**9), 10**9)  # (step, live requests) of the last decision
-        self.step_memo: dict[tuple[int, int, int], float] = {}
+        self.step_memo: dict[int, dict[tuple[int, int], float]] = {}  # g -> (batch, context/64) -> s
 
     def key(self, scored: tuple[Estimate]):
         return OBJECTIVES[self.objective](scored)
@@ -232,13 +232,13 @@ class OnlineRule:
     def _steps(self, batch: np.ndarray, context: np.ndarray, g: int) -> np.ndarray:
         """Step seconds per segment, memoised for the rollout (context to 64 tokens, where the step
         changes little)."""
-        out = np.empty(len(batch))
-        for k, (b, c) in enumerate(zip(np.rint(batch).astype(int).tolist(), (context.astype(int) >> 6).tolist())):
-            key = (b, c, g)
-            if key not in self.step_memo:
-                self.step_memo[key] = float(self.cost.decode_step_s(b, (c << 6) + 32, g))
-            out[k] = self.step_memo[key]
-        return out
+        keys = list(zip(np.rint(batch).astype(int).tolist(), (context.astype(int) >> 6).tolist()))
+        memo = self.step_memo.setdefault(g, {})
+        missing = sorted(set(keys) - memo.keys())
+        if missing:
+            b, c = np.array(missing).T
+            memo.update(zip(missing, step_table(self.cost, b, (c << 6) + 32, g).tolist()))
+        return np.array([memo[k] for k in keys])
 
     def _rebalance(self, stage: int, grid: _Grid, live, rank_of, tokens, rem) -> Decision:
         """Staying: even out the KV the members are expected to hold over the next

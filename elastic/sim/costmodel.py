@@ -44,6 +44,8 @@ def _require(cond: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class CostModel:
+    # `decode_step_s` broadcasts over numpy arrays (`release.step_table` prices whole tables at once).
+    takes_arrays = True
     name: str = "qwen3-30b-a3b@h100-80g"
     # ---- model (Qwen3-30B-A3B HF config.json) ---------------------------------------------------
     num_layers: int = 48

@@ -3,6 +3,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from elastic.planning.release import ShapeCost, step_table
+from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import DEFAULT_COST, CostModel, calibrate, calibrate_transitions, fit_error
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import ConfigError
@@ -134,3 +136,14 @@ def test_scaled_model_is_uniformly_slower():
     assert slow.transfer_s([(0, 9, 0)]) == pytest.approx(2.5 * c.transfer_s([(0, 9, 0)]))
     with pytest.raises(ValueError):
         c.scaled(0)
+
+
+def test_step_table_prices_whole_tables_as_the_scalar_calls_do():
+    # The planner prices its timelines with one array call on the simulator's model; a cost model
+    # without `takes_arrays` is called per entry. Both must give the scalar calls' figures.
+    batch = np.array([1, 3, 17, 64, 200])
+    context = np.array([50, 900, 3000, 12000, 16000])
+    for cost in (CostModel(), ShapeCost(ModelShape())):
+        for g in (1, 4, 8, 16, 64):
+            want = [cost.decode_step_s(int(b), int(c), g) for b, c in zip(batch, context)]
+            np.testing.assert_allclose(step_table(cost, batch, context, g), want, rtol=1e-12)
