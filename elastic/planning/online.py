@@ -148,7 +148,8 @@ class OnlineModel:
         lower = ~exact if self.options.conditional else cut
         ll[lower] = log_norm_sf((z[lower, None] - loc) / self.noise)
         post = np.tile(self.log_prior, (self.groups, 1))
-        np.add.at(post, self.group, ll)
+        for k in range(ll.shape[1]):  # per grid point: bincount sums in order, as np.add.at, but fast
+            post[:, k] += np.bincount(self.group, ll[:, k], minlength=self.groups)
         post -= post.max(axis=1, keepdims=True)
         w = np.exp(post)
         return w / w.sum(axis=1, keepdims=True)

@@ -81,7 +81,8 @@ class ShapeCost:
         return self.shrink_fixed_s + experts_moved * self.shape.expert_bytes / self.link_bytes_per_s
 
     def migrate_s(self, kv_bytes: float, ep_size: int) -> float:
-        """Moving `kv_bytes` of live requests' KV cache over the same link (online re-planning)."""
+        """Moving live requests' KV cache over the same link (online re-planning); `kv_bytes` is
+        what the busiest rank sends or receives."""
         return float(kv_bytes) / self.link_bytes_per_s
 
 

@@ -18,10 +18,15 @@ busiest member's live batch, so a scenario "stay in the current group until step
 costs its steps at each group's price, plus the shrink (`shrink_s`), the KV moved (`migrate_s`)
 and the restore it commits to. The rule acts only when shrinking now beats every later shrink it
 prices (D = one check, then doubling) and staying, under the same objective as `make_plan`
-(`planner.OBJECTIVES`: fewest occupied rank-seconds, or the shortest rollout).
+(`planner.OBJECTIVES`: fewest occupied rank-seconds, or the shortest rollout), and, with
+`max_slowdown`, only within the time it may spend (`OnlineRule._bound`: what the rollout has gained
+on vanilla so far, priced on both clocks, plus the margin). Between shrinks it rebalances: live
+requests move inside the group so the KV its members hold over the next checks is even
+(`OnlineRule._rebalance`), since a step waits for the member holding the most.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +41,7 @@ from elastic.planning.shape import ModelShape
 
 # Grid of future steps a scenario is priced on: geometric, so the early decisions are resolved.
 PIECES = 24
-# A rebalance between shrinks must shorten the priced remainder by this share (see `_rebalance`).
+# A rebalance between shrinks must shorten its horizon's priced time by this share (`_rebalance`).
 REBALANCE_GAIN = 0.005
 # Checks between decisions at the most while few requests finish (see `OnlineRule._due`).
 REPLAN_CHECKS = 8
@@ -76,8 +81,8 @@ class Decision:
 
 
 def migrate_s(cost: StepCost, kv_bytes: float, ep_size: int) -> float:
-    """Seconds to move `kv_bytes` of KV cache inside a group of `ep_size` (0 for a cost model
-    that does not price it)."""
+    """Seconds to move KV cache inside a group of `ep_size`, `kv_bytes` being what the busiest rank
+    sends or receives (0 for a cost model that does not price it)."""
     price = getattr(cost, "migrate_s", None)
     return float(price(kv_bytes, ep_size)) if price is not None else 0.0
 
@@ -106,6 +111,13 @@ class OnlineRule:
         # Position of each rank in the leaving order (0 stays longest): the last stage it is in.
         self.stays = {r: -max(j for j, st in enumerate(plan.stages) if r in st.members) for r in range(plan.ranks)}
         self.restore_s = [0.0] + [cost.shrink_s(self._moved(j, 0), self.sizes[j]) for j in range(1, len(plan.stages))]
+        # Vanilla's layout (verl's contiguous chunks of the batch) and two clocks, its and this
+        # rollout's, priced at every check: the reference `max_slowdown` is measured against.
+        sizes = [len(c) for c in np.array_split(np.arange(len(self.prompt)), plan.ranks)]
+        self.natural = np.repeat(np.arange(plan.ranks), sizes)
+        self.clock = {"own": 0.0, "vanilla": 0.0}
+        self.clock_step = 0
+        self.deadline = math.inf  # see `_bound`
         self.decisions = 0
         self.last = (-(10**9), 10**9)  # (step, live requests) of the last decision
         self.step_memo: dict[int, dict[tuple[int, int], float]] = {}  # g -> (batch, context/64) -> s
@@ -136,10 +148,11 @@ class OnlineRule:
         `rank_of[i]`: the rank holding response i now; `tokens[i]`: tokens generated so far (the
         length once `done[i]`)."""
         live = np.nonzero(~np.asarray(done, bool))[0]
+        rank_of, tokens = np.asarray(rank_of), np.asarray(tokens, float)
+        self._tick(stage, step, live, rank_of, tokens)
         if not len(live) or not self._due(step, len(live)):
             return Decision(stage)
         self.decisions += 1
-        rank_of, tokens = np.asarray(rank_of), np.asarray(tokens, float)
         members = set(self.plan.stages[stage].members)
         targets = []
         for j in range(stage + 1, len(self.plan.stages)):
@@ -171,10 +184,40 @@ class OnlineRule:
         # shrink must still beat staying as the group is now.
         stay = self._exact(stage, stage, grid, live, rank_of, [], tokens)
         if self.key((stay,)) <= self.key((est,)) or (
-                self.max_slowdown is not None and est.rollout_s > stay.rollout_s * (1 + self.max_slowdown)):
+                self.max_slowdown is not None and est.rollout_s > self._bound(stay.rollout_s)):
             return Decision(stage)
         kv = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
+        self.clock["own"] += self.cost.shrink_s(self._moved(stage, j), self.sizes[stage]) \
+            + migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), self.sizes[stage])
         return Decision(j, tuple(moves), kv)
+
+    def _tick(self, stage: int, step: int, live: np.ndarray, rank_of: np.ndarray, tokens: np.ndarray) -> None:
+        """Advance both clocks to `step`: the steps since the last check, each priced at the
+        busiest member's live batch and KV as they are now, this rollout's in its group, vanilla's
+        on its chunks of all W ranks (the lengths do not depend on where a response runs)."""
+        steps, self.clock_step = step - self.clock_step, step
+        if steps <= 0 or not len(live):
+            return
+        held = self.prompt[live] + tokens[live]
+        for name, ranks, g in (("own", rank_of[live], self.sizes[stage]),
+                               ("vanilla", self.natural[live], self.plan.ranks)):
+            count = np.bincount(ranks, minlength=self.plan.ranks)
+            kv = np.bincount(ranks, held, minlength=self.plan.ranks)
+            b = max(int(count.max()), 1)
+            self.clock[name] += steps * float(step_table(self.cost, np.array([b]), np.array([kv.max() / b]), g)[0])
+
+    def _bound(self, fastest_s: float) -> float:
+        """The longest remainder an option may be priced at, given the fastest option's: within
+        `max_slowdown` of it, or within the deadline. The deadline is the earliest finish ever
+        promised: vanilla's priced clock (what it would have taken to here) plus the then fastest
+        remainder, with `max_slowdown`, so what the layout and rebalances have gained on vanilla
+        may be spent on releasing ranks, once: a shrink makes the later fastest slower, and a
+        deadline taken from it would spend the same gain again. Only realised gains count: the
+        sampled futures of vanilla's chunks run long (a hard prompt's samples share a rank there),
+        and spending them measured up to 3% slower than vanilla."""
+        margin = 1 + self.max_slowdown
+        self.deadline = min(self.deadline, self.clock["vanilla"] + fastest_s * margin)
+        return max(fastest_s * margin, self.deadline - self.clock["own"])
 
     def _price(self, stage: int, targets: list[int], grid: _Grid) -> int | None:
         """The target to shrink to now, or None when staying (perhaps to shrink later) is better;
@@ -203,8 +246,13 @@ class OnlineRule:
             after = seg * self._steps(*busiest(j), g)[None, :]
             tail = np.concatenate([np.cumsum(after[:, ::-1], axis=1)[:, ::-1], np.zeros((S, 1))], axis=1)
             moving = ~np.isin(ranks, self.plan.stages[j].members)
-            # The requests still live at the shrink move, their KV grown by d tokens.
-            moved = kv_token * ((rem[:, moving, None] > d).mean(axis=0) * (held[moving][:, None] + d)).sum(axis=0)
+            # The requests still live at the shrink move, their KV grown by d tokens: each leaving
+            # rank sends its own, the members receive them spread evenly (`_busiest_bytes`).
+            per = (rem[:, moving, None] > d).mean(axis=0) * (held[moving][:, None] + d)  # (moving, delays)
+            _, sender = np.unique(ranks[moving], return_inverse=True)
+            sent = np.zeros((sender.max() + 1 if len(sender) else 1, len(d)))
+            np.add.at(sent, sender, per)
+            moved = kv_token * np.maximum(sent.max(axis=0), per.sum(axis=0) / g)
             shrink = self.cost.shrink_s(self._moved(stage, j), g0) \
                 + np.array([migrate_s(self.cost, b, g0) for b in moved])
             until = before[:, at] + shrink[None, :]
@@ -215,8 +263,8 @@ class OnlineRule:
         # the fastest: in a synchronous job a slower rollout holds every rank back (None: no
         # guard, the objective alone decides, as in `make_plan`).
         if self.max_slowdown is not None:
-            fastest = min(o[0].rollout_s for o in options)
-            options = [o for o in options if o[0].rollout_s <= fastest * (1 + self.max_slowdown)]
+            bound = self._bound(min(o[0].rollout_s for o in options))
+            options = [o for o in options if o[0].rollout_s <= bound]
         _, j, delay = min(options, key=lambda o: (self.key((o[0],)), o[2]))
         return j if j != stage and delay == 0 else None
 
@@ -243,22 +291,24 @@ class OnlineRule:
     def _rebalance(self, stage: int, grid: _Grid, live, rank_of, tokens, rem) -> Decision:
         """Staying: even out the KV the members are expected to hold over the next
         `REBALANCE_HORIZON_CHECKS` checks, with the fewest moves, to whichever member holds least
-        (a request moved onto a rank that leaves later moves again then, priced then), taken only
-        if it shortens the priced remainder by `REBALANCE_GAIN` net of the moves. Between shrinks
-        the samples are fresh at every decision, so a smaller gain would move requests back and
-        forth within their noise; a balanced group proposes no move at all."""
+        (for `occupied`, among those that stay at least as long), taken only if it shortens those
+        checks, priced, by `REBALANCE_GAIN` net of the moves. Priced over the whole remainder, the
+        near gain drowns in the far samples' noise; the samples are fresh at every decision, so a
+        smaller gain would move requests back and forth within their noise; a balanced group
+        proposes no move at all."""
         kept = list(self.plan.stages[stage].members)
         held = self.prompt[live] + tokens[live]
         soon = np.minimum(rem, REBALANCE_HORIZON_CHECKS * self.k)
         work = (soon * (held[None, :] + soon / 2)).mean(axis=0)
         need = held + rem.max(axis=0)
-        where = {col: int(rank_of[i]) for col, i in enumerate(live)}
+        on = {r: [] for r in kept}  # each member's movable requests (columns), ascending
         load, kv, count = dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0)
-        for col, r in where.items():
+        for col, r in enumerate(rank_of[live].tolist()):
+            on[r].append(col)
             load[r] += work[col]
             kv[r] += need[col]
             count[r] += 1
-        moves, moved = [], set()
+        moves = []
         for _ in range(len(kept)):
             hi = max(kept, key=lambda r: (load[r], -r))
             # For capacity, work moves only toward ranks that stay at least as long (the leaving
@@ -266,13 +316,12 @@ class OnlineRule:
             lo = min((r for r in kept if self.objective == "rollout" or self.stays[r] <= self.stays[hi]),
                      key=lambda r: (load[r], r))
             gap = load[hi] - load[lo]
-            fits = [c for c, r in where.items() if r == hi and c not in moved and work[c] < gap
-                    and kv[lo] + need[c] <= self.budget[stage][lo]]
-            if not fits or count[lo] >= (self.max_batch or len(live)):
+            cand = np.array(on[hi], dtype=np.int64)
+            fits = cand[(work[cand] < gap) & (kv[lo] + need[cand] <= self.budget[stage][lo])]
+            if not len(fits) or count[lo] >= (self.max_batch or len(live)):
                 break
-            col = min(fits, key=lambda c: (abs(gap / 2 - work[c]), c))
-            where[col] = lo
-            moved.add(col)
+            col = int(fits[np.argmin(np.abs(gap / 2 - work[fits]))])  # ties: the first column
+            on[hi].remove(col)  # a moved request stays put for the rest of this rebalance
             for r, sign in ((hi, -1), (lo, 1)):
                 load[r] += sign * work[col]
                 kv[r] += sign * need[col]
@@ -280,16 +329,19 @@ class OnlineRule:
             moves.append((int(live[col]), lo))
         if not moves:
             return Decision(stage)
-        keep = self._exact(stage, stage, grid, live, rank_of, [], tokens)
-        even = self._exact(stage, stage, grid, live, rank_of, moves, tokens)
+        horizon = REBALANCE_HORIZON_CHECKS * self.k
+        keep = self._exact(stage, stage, grid, live, rank_of, [], tokens, horizon)
+        even = self._exact(stage, stage, grid, live, rank_of, moves, tokens, horizon)
         if self.key((even,)) < self.key((keep,)) and even.rollout_s <= keep.rollout_s * (1 - REBALANCE_GAIN):
             kv_bytes = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
+            self.clock["own"] += migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), self.sizes[stage])
             return Decision(stage, tuple(moves), kv_bytes)
         return Decision(stage)
 
-    def _exact(self, stage: int, j: int, grid: _Grid, live, rank_of, moves, tokens) -> Estimate:
+    def _exact(self, stage: int, j: int, grid: _Grid, live, rank_of, moves, tokens,
+               horizon: float | None = None) -> Estimate:
         """The remainder of the rollout if stage j starts now with `moves` made, each sample priced
-        with its own busiest member."""
+        with its own busiest member (with `horizon`: only its next `horizon` steps, no restore)."""
         where = dict(zip(live.tolist(), rank_of[live].tolist()))
         for i, r in moves:
             where[i] = r
@@ -297,11 +349,26 @@ class OnlineRule:
         kept = list(self.plan.stages[j].members)
         g0, g = self.sizes[stage], self.sizes[j]
         tau = self._steps(*_batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2)), g)
-        moved = sum(self.prompt[i] + tokens[i] for i, _ in moves) * self.shape.kv_bytes_per_token
         shrink = (self.cost.shrink_s(self._moved(stage, j), g0) if j != stage else 0.0) \
-            + migrate_s(self.cost, moved, g0)
-        total = (grid.seg * tau[None, :]).sum(axis=1) + shrink + self.restore_s[j]
+            + migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), g0)
+        seg, restore = grid.seg, self.restore_s[j]
+        if horizon is not None:
+            start = grid.bounds[:-1][None, :]
+            seg, restore = np.clip(np.minimum(seg + start, horizon) - start, 0.0, None), 0.0
+        total = (seg * tau[None, :]).sum(axis=1) + shrink + restore
         return self._estimate(total, np.full(len(total), shrink), g0, g, self.plan.ranks)[0]
+
+    def _busiest_bytes(self, moves, rank_of, tokens) -> float:
+        """KV bytes the busiest rank sends or receives in `moves`. Moves between distinct pairs run
+        at once (the runtime's loop blocks only the two ranks of each move; the simulator books them
+        so), so a batch of moves takes about as long as its busiest rank's share, as expert moves do
+        (`CostModel.transfer_s`)."""
+        load: dict[tuple[str, int], float] = {}
+        for i, r in moves:
+            held = float(self.prompt[i] + tokens[i])
+            for key in (("tx", int(rank_of[i])), ("rx", int(r))):
+                load[key] = load.get(key, 0.0) + held
+        return max(load.values(), default=0.0) * self.shape.kv_bytes_per_token
 
     def _place(self, j, live, rank_of, tokens, rem, rebalance=False) -> list[tuple[int, int]] | None:
         """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
@@ -351,18 +418,18 @@ class _Grid:
                                                 np.array(self.delays, float)]))
         self.seg = np.clip(np.minimum(self.bounds[1:][None, :], end[:, None]) - self.bounds[:-1][None, :], 0.0, None)
         self.mid = (self.bounds[:-1] + self.bounds[1:]) / 2
-        self.alive = (rem[:, None, :] > self.mid[None, :, None]).astype(float)  # (S, K, n)
+        alive = rem[:, None, :] > self.mid[None, :, None]  # (S, K, n)
+        self.alive_T = np.ascontiguousarray(alive.reshape(-1, alive.shape[2]).T, dtype=np.float64)  # (n, S*K)
 
     def per_rank(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(S, K, world) live requests and their KV tokens per rank, with request c on ranks[c]."""
-        order = np.argsort(ranks, kind="stable")
-        present, starts = np.unique(ranks[order], return_index=True)
-        count = np.zeros(self.alive.shape[:2] + (self.world,))
-        kv = np.zeros_like(count)
-        if len(order):
-            alive = self.alive[:, :, order]
-            count[:, :, present] = np.add.reduceat(alive, starts, axis=2)
-            kv[:, :, present] = np.add.reduceat(alive * self.held[order], starts, axis=2)
+        """(S, K, world) live requests and their KV tokens per rank, with request c on ranks[c]
+        (one matrix product with the requests' one-hot ranks: the sums are of whole numbers, so
+        exact in float64)."""
+        S, K = self.seg.shape
+        onehot = np.zeros((self.world, len(ranks)))
+        onehot[np.asarray(ranks), np.arange(len(ranks))] = 1.0
+        count = (onehot @ self.alive_T).T.reshape(S, K, self.world)
+        kv = ((onehot * self.held) @ self.alive_T).T.reshape(S, K, self.world)
         return count, kv + count * self.mid[None, :, None]
 
 

@@ -212,8 +212,9 @@ class CostModel:
         return self.shrink_fixed_s + per_receiver * self.expert_bytes / bw
 
     def migrate_s(self, kv_bytes: float, ep_size: int) -> float:
-        """The planner's estimate of moving `kv_bytes` of KV cache inside a group of `ep_size` (one
-        transfer after another over the group's slower link; it rides on a shrink's barrier)."""
+        """The planner's estimate of moving KV cache inside a group of `ep_size`, `kv_bytes` being
+        what the busiest rank sends or receives (moves between distinct pairs run at once) over the
+        group's slower link; it rides on a shrink's barrier."""
         bw = self.transfer_intra_bytes_per_s if ep_size <= self.ranks_per_node else self.transfer_inter_bytes_per_s
         return float(kv_bytes) / bw
 

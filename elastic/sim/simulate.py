@@ -249,16 +249,21 @@ class _Rollout:
         self.rank[i] = dst
 
     def _moved(self, moves: list[tuple[int, int]], step: int) -> float:
-        """Book moves already made (their KV as it stood at `step`); the seconds they take, one
-        after another over the link between their ranks."""
-        cost, seconds, kv_total = self.cost, 0.0, 0
+        """Book moves already made (their KV as it stood at `step`); the seconds they take. Moves
+        between distinct pairs run at once, so the busiest rank's sends or receives set the time,
+        each over the link between its ranks (as `CostModel.transfer_s` books expert moves)."""
+        cost, kv_total = self.cost, 0
+        load: dict[tuple[str, int], float] = {}
         for i, dst in moves:
             kv_bytes = int(self.prompt[i] + step) * self.shape.kv_bytes_per_token
             src = int(self.origin[i])
             same = src // cost.ranks_per_node == dst // cost.ranks_per_node
-            seconds += kv_bytes / (cost.transfer_intra_bytes_per_s if same else cost.transfer_inter_bytes_per_s)
+            secs = kv_bytes / (cost.transfer_intra_bytes_per_s if same else cost.transfer_inter_bytes_per_s)
+            for key in (("tx", src), ("rx", dst)):
+                load[key] = load.get(key, 0.0) + secs
             kv_total += kv_bytes
             self.origin[i] = dst
+        seconds = max(load.values(), default=0.0)
         self.result.migrated += len(moves)
         self.result.migrated_kv_bytes += kv_total
         self.drain[:] = 0

@@ -105,3 +105,37 @@ def test_adaptive_in_the_simulator():
         assert s["shrinks"] >= 1
         assert s["rollout_time_s"] <= van["rollout_time_s"] * 1.01
         assert s["tokens_per_occupied_rank_s"] > van["tokens_per_occupied_rank_s"]
+
+
+def test_time_gained_on_vanilla_is_spent_once():
+    # `_bound` lets an option run longer than the fastest by what the rollout has gained on
+    # vanilla so far; after a shrink the fastest remainder is itself slower, and a bound taken
+    # from it must not hand out the same gain again.
+    keys = [(f"p{p}", s) for p in range(4) for s in range(4)]
+    rule = _rule(_plan(8, 2, keys), 4, 4)
+    rule.clock = {"own": 50.0, "vanilla": 60.0}  # 10 s gained
+    first = rule._bound(100.0)
+    assert first == pytest.approx(60.0 + 101.0 - 50.0)  # margin 1% plus the 10 s
+    # A shrink spent it: the next fastest remainder is 10 s longer, the clocks have not moved yet.
+    assert rule._bound(110.0) == pytest.approx(111.1)  # only the margin on the new fastest
+    assert rule._bound(110.0) < 60.0 + 110.0 * 1.01 - 50.0
+    # Without a gain the bound is the margin alone.
+    fresh = _rule(_plan(8, 2, keys), 4, 4)
+    assert fresh._bound(100.0) == pytest.approx(101.0)
+
+
+def test_rebalance_evens_a_group_across_nodes():
+    # 16 ranks span two nodes (8 per node); rank 0 holds most of the long, live requests. The rule
+    # stays (floor 16: nowhere to shrink to) and moves some of them to the idle members.
+    ranks, prompts, samples = 16, 16, 4
+    keys = [(f"p{p}", s) for p in range(prompts) for s in range(samples)]
+    plan = _plan(ranks, ranks, keys)
+    rule = _rule(plan, prompts, samples, objective="rollout")
+    n = prompts * samples
+    rank_of = np.array([0 if i < 32 else 1 + i % 15 for i in range(n)])
+    tokens, done = np.full(n, 200), np.zeros(n, bool)
+    done[32:] = np.arange(n - 32) % 2 == 0  # the other ranks have half their requests finished
+    d = rule.decide(0, 64, rank_of, tokens, done)
+    assert d.stage == 0 and d.moves
+    assert {rank_of[i] for i, _ in d.moves} == {0}
+    assert any(r >= 8 for _, r in d.moves)  # across the node boundary

@@ -131,6 +131,29 @@ def test_migration_moves_stragglers_to_residents_and_reports_it():
     moved.ledger.check()
 
 
+def test_moves_between_distinct_pairs_run_at_once():
+    # KV moves are booked like expert moves: the busiest sender or receiver sets the time, each
+    # move over the link between its two ranks (intra-node 0-7, inter-node beyond).
+    from elastic.planning.shape import ModelShape
+    from elastic.sim.simulate import _Rollout
+
+    batch = [TraceRecord(f"p{i}", 1, 0, 100, 500) for i in range(32)]
+    plan = vanilla(batch, 16)  # responses 2r and 2r + 1 on rank r
+    one = (100 + 10) * ModelShape().kv_bytes_per_token / DEFAULT_COST.transfer_intra_bytes_per_s
+
+    def seconds(moves):  # (response, destination rank)
+        run = _Rollout(plan, batch, DEFAULT_COST, ModelShape(), SimConfig())
+        for i, dst in moves:
+            run._move(i, dst, 10)
+        return run._moved(moves, 10)
+
+    assert seconds([(0, 1), (4, 3)]) == pytest.approx(one)  # ranks 0->1 and 2->3 at once
+    assert seconds([(0, 1), (1, 2)]) == pytest.approx(2 * one)  # rank 0 sends both
+    assert seconds([(0, 2), (2, 2)]) == pytest.approx(2 * one)  # rank 2 receives both
+    inter = one * DEFAULT_COST.transfer_intra_bytes_per_s / DEFAULT_COST.transfer_inter_bytes_per_s
+    assert seconds([(0, 1), (4, 9)]) == pytest.approx(inter)  # the cross-node move is the slower
+
+
 def test_plan_and_cost_model_must_agree_on_experts():
     batch = tailed_batch(prompts=4)
     plan = static_plan("natural", natural([r.key for r in batch], 4), 4, 64)
