@@ -139,3 +139,22 @@ def test_rebalance_evens_a_group_across_nodes():
     assert d.stage == 0 and d.moves
     assert {rank_of[i] for i, _ in d.moves} == {0}
     assert any(r >= 8 for _, r in d.moves)  # across the node boundary
+
+
+def test_shrinks_are_priced_with_the_leaving_requests_dealt_to_members():
+    # `_price` deals the leaving ranks' requests (longest expected remainder first, snake order
+    # over the members, least loaded first), so a large shrink is priced at its busiest member
+    # rather than at an even spread.
+    keys = [(f"p{p}", s) for p in range(4) for s in range(2)]
+    plan = _plan(4, 2, keys)
+    rule = _rule(plan, 4, 2)
+    j = len(plan.stages) - 1
+    kept = list(plan.stages[j].members)
+    ranks = np.array([0, 1, 2, 3, 0, 1, 2, 3])
+    rem = np.array([[10.0, 20.0, 400.0, 300.0, 30.0, 40.0, 200.0, 100.0]])
+    out = rule._deal(j, ranks, rem)
+    assert set(out) <= set(kept)
+    assert (out[np.isin(ranks, kept)] == ranks[np.isin(ranks, kept)]).all()  # members keep theirs
+    load = {r: rem[0][out == r].sum() for r in kept}
+    assert max(load.values()) <= rem[0].sum() / 2 + 100  # the two long ones went to different members
+    assert out[2] != out[3]
