@@ -5,7 +5,8 @@
     python tools/bench_adaptive.py --scale 64,256 --seeds 1
 
 Each trace (tools/make_trace.py presets: `deepscaler`, `eurus`, `trunc` = deepscaler cut at 4,096
-tokens, `nosignal`) is generated with `--history` epochs before the rollout epoch, which is the one
+tokens, `nosignal`; `--traces held-out`: five more with the presets' parameters moved, which no
+constant was chosen on) is generated with `--history` epochs before the rollout epoch, which is the one
 simulated. Per trace and objective it prints, summed over seeds:
 - `rollout` objective: rollout-time cut against vanilla, and adaptive's share of the oracle's cut;
 - `occupied` objective: tokens per occupied rank-second against vanilla, and adaptive's share of
@@ -33,6 +34,14 @@ from elastic.sim.synth import generate, preset
 
 TRACES = {"deepscaler": ("deepscaler", {}), "eurus": ("eurus", {}),
           "trunc": ("deepscaler", {"cap": 4096}), "nosignal": ("nosignal", {})}
+DEFAULT_TRACES = ",".join(TRACES)
+# Traces no constant was chosen on (`--traces held-out`): the presets with their parameters moved.
+HELD_OUT = {"weak": ("deepscaler", {"prompt_share": 0.35, "drift": 0.06}),
+            "wide": ("deepscaler", {"sigma": 1.0, "hard_share": 0.25, "hard_factor": 4.0}),
+            "short": ("eurus", {"median": 450.0, "cap": 2048}),
+            "growing": ("deepscaler", {"trend": 0.08, "median": 1500.0}),
+            "flat": ("nosignal", {"sigma": 0.5})}
+TRACES.update(HELD_OUT)
 ABLATIONS = {"-conditional": OnlineOptions(conditional=False), "-siblings": OnlineOptions(siblings=False),
              "-migrate": OnlineOptions(migrate=False)}
 
@@ -64,7 +73,7 @@ def run(trace, policy: Policy, ranks: int, cost: CostModel, shape: ModelShape, c
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--traces", default=DEFAULT_TRACES)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--floor", type=int, default=4)
@@ -74,7 +83,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ablation", action="store_true")
     args = ap.parse_args(argv)
     cost, shape, config = CostModel(), ModelShape(), SimConfig()
-    cases = [(name, args.ranks) for name in args.traces.split(",") if name]
+    names = args.traces.replace("held-out", ",".join(HELD_OUT)).split(",")
+    unknown = [n for n in names if n and n not in TRACES]
+    if unknown:
+        ap.error(f"unknown trace {unknown[0]!r}; traces are {', '.join(TRACES)} (or held-out)")
+    cases = [(name, args.ranks) for name in names if name]
     cases += [("deepscaler", int(w)) for w in args.scale.split(",") if w]
     print("| trace | ranks | objective | policy | rollout s | vs vanilla | tok/occupied rank-s vs vanilla "
           "| share of oracle | plan s | online s | shrinks | migrated | final group |")

@@ -23,7 +23,8 @@ CPU_STEP_PER_REQUEST_S = 0.00025
 # A shrink moving one or two experts per rank (measured 6-9 ms), the restore's extra left out.
 CPU_SHRINK_S = 0.010
 # Moving live requests over gloo on one host: 54 requests, 12.9 MB of KV, took 2.0 s (`flexfloor
-# rollout --policy adaptive`, 2026-11-30): per-message latency, not bandwidth, dominates.
+# rollout --policy adaptive`, 2026-11-30): per-message latency, not bandwidth, dominates. The rule
+# prices the busiest rank's sends or receives; those runs moved nearly all requests onto one rank.
 CPU_MIGRATE_BYTES_PER_S = 6e6
 
 
