@@ -59,10 +59,17 @@ def flag_overrides(args, table) -> tuple[dict, dict[str, str]]:
     return values, sources
 
 
+# The commands that take a config file, and their configs' classes (module, name), so a file given
+# to the wrong one is named as the other's.
+CONFIG_COMMANDS = {"flexfloor rollout": ("megatron_rl.rollout.config", "RolloutConfig"),
+                   "flexfloor train": ("megatron_rl.trainer_config", "TrainerConfig")}
+
+
 def resolve(cls, path, args, table, world_size_key: str | None = None, extra: dict | None = None):
     """The command's config: file (or defaults), then the flags of `table` and `extra`
     ({key: (value, label)}), then `key=value`. Under torchrun, `world_size_key` is WORLD_SIZE."""
     from megatron_rl.config import load_dataclass
+    from megatron_rl.errors import ConfigError
 
     values, sources = flag_overrides(args, table)
     for key, (value, label) in (extra or {}).items():
@@ -73,7 +80,33 @@ def resolve(cls, path, args, table, world_size_key: str | None = None, extra: di
     kv, kv_sources = parse_overrides(getattr(args, "overrides", None) or [])
     values.update(kv)
     sources.update(kv_sources)
-    return load_dataclass(cls, path, values, sources)
+    try:
+        return load_dataclass(cls, path, values, sources)
+    except ConfigError as e:
+        raise ConfigError(f"{e}{_other_command(cls, path)}") from None
+
+
+def _other_command(cls, path) -> str:
+    """A hint when `path`'s top-level fields are another command's config and not `cls`'s."""
+    import dataclasses
+    import importlib
+
+    from megatron_rl.config import load_yaml
+    from megatron_rl.errors import ConfigError
+
+    if path is None:
+        return ""
+    try:
+        keys = set(load_yaml(path))
+    except ConfigError:
+        return ""
+    if not keys or keys <= {f.name for f in dataclasses.fields(cls)}:
+        return ""
+    for command, (module, name) in CONFIG_COMMANDS.items():
+        other = getattr(importlib.import_module(module), name)
+        if other is not cls and keys <= {f.name for f in dataclasses.fields(other)}:
+            return f"; {path} is a `{command}` config ({name})"
+    return ""
 
 
 def _under_torchrun() -> bool:

@@ -77,3 +77,13 @@ def test_resolved_config_reads_back_as_the_same_config(capsys, tmp_path):
     saved.write_text(out)
     rc, again, _ = _run(capsys, ["train", "--config", str(saved), "--print-config"])
     assert rc == 0 and again == out
+
+
+@pytest.mark.parametrize("argv,other", [
+    (["rollout", "--config", "examples/qwen3_30b_a3b_16xh100.yaml"], "`flexfloor train` config"),
+    (["train", "--config", "examples/tiny_cpu.yaml"], "`flexfloor rollout` config"),
+])
+def test_a_config_given_to_the_wrong_command_is_named(capsys, argv, other):
+    rc, _, err = _run(capsys, [*argv, "--print-config"])
+    assert rc == 2
+    assert "unknown field" in err and other in err
