@@ -5,7 +5,8 @@ Status: one all-reduce over the current group of a vector with one entry per res
 batch: `tokens + 1` where a rank holds the live response, `-(tokens + 1)` where it finished, 0
 elsewhere. Each response is on exactly one rank, so the sum is the whole batch's state, and every
 member feeds the same state to the same rule (pure numpy on the same inputs and seeds) and reaches
-the same decision without another collective. A rank leaves only once its responses have finished,
+the same decision; before acting on one (a shrink or moves) the members check they agree with one
+small all-reduce (`OnlineDriver.agree`). A rank leaves only once its responses have finished,
 and those were in the last status it took part in, so the finished entries are remembered.
 
 Migration: the decision's moves run in its order, point to point. The sender sends the request's
@@ -15,6 +16,7 @@ anywhere in between surfaces as the runtime's `ElasticFault` with the request st
 """
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,6 +63,18 @@ class OnlineDriver:
                              np.maximum(np.rint(self.tokens / self.scale), 1), self.done)
         check_decision(self.rule.plan, stage, d, self.rank_of, self.done)
         return d
+
+    def agree(self, engine, group, decision) -> bool:
+        """Whether every member of `group` reached `decision`. The rule is replicated, so they
+        should; a rank that differed (another numpy, a corrupted state) would otherwise wait in a
+        shrink or a move its peers never start. One all-reduce of (1, h, h^2) for a 20-bit hash h
+        of the decision: the sums are (n, n*h, n*h^2) exactly when all n hashes are equal. Taken
+        only before a decision is acted on (a shrink or moves), so it costs nothing while nothing
+        changes."""
+        h = zlib.crc32(repr((decision.stage, decision.moves)).encode()) & 0xFFFFF
+        v = engine.transport.all_reduce(torch.tensor([1, h, h * h], dtype=torch.long, device=engine.device),
+                                        group).cpu().tolist()
+        return v[1] == v[0] * h and v[2] == v[0] * h * h
 
     def migrate(self, engine, moves: Sequence[tuple[int, int]]) -> None:
         """Carry out the moves (response index, destination) in order on every rank. Every message

@@ -219,6 +219,10 @@ class ElasticRuntime:
                 if self.online is not None:
                     decision = self.online.decide(self.stage, tick)
                     nxt = decision.stage
+                    if (nxt != self.stage or decision.moves) and \
+                            not self.online.agree(self.engine, self._group(self.stage), decision):
+                        raise ElasticFault(rank, self.stage, "decide",
+                                           "the members reached different online decisions from the same status")
                     if nxt == self.stage and decision.moves:
                         # A rebalance inside the group: one transition tick for its members.
                         self.phase = "migrate"

@@ -71,3 +71,27 @@ def test_receiver_lost_mid_migration_keeps_the_response_on_its_sender(tmp_path):
         run_ranks(_migrate_then_lose_receiver, 2, str(tmp_path), timeout_s=10.0)
     held = json.loads((tmp_path / "sender.json").read_text())
     assert held == [[["p", 0], 4]], "the sender must still hold the response, with its tokens"
+
+
+def _agree(ctx, out_dir: str):
+    from elastic.planning.replan import Decision
+    from elastic.runtime.online import OnlineDriver
+    from elastic.runtime.transport import DirectTransport
+
+    class Engine:
+        transport, device = DirectTransport(), torch.device("cpu")
+
+    driver = OnlineDriver(rule=None, keys=[("p", 0)], rank_of=[0], rank=ctx.rank)
+    same = driver.agree(Engine(), None, Decision(2, ((0, 1),)))
+    differs = driver.agree(Engine(), None, Decision(2, ((0, 1 + (ctx.rank == 2)),)))
+    with open(os.path.join(out_dir, f"agree{ctx.rank}.json"), "w") as f:
+        json.dump([same, differs], f)
+
+
+@pytest.mark.timeout(120)
+def test_members_check_they_reached_the_same_decision(tmp_path):
+    # One rank of three computing another move must be seen by every rank, before any acts on it.
+    from megatron_rl.parallel.launch import run_ranks
+
+    run_ranks(_agree, 3, str(tmp_path), timeout_s=30.0)
+    assert [json.loads((tmp_path / f"agree{r}.json").read_text()) for r in range(3)] == [[True, False]] * 3
