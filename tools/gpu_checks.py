@@ -131,21 +131,26 @@ def grpo_steps(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str = "cuda", 
 
 def elastic_on_one_device(*, device: str = "cuda", prompts: int = 8, samples: int = 4,
                           length_scale: float = 0.01) -> dict:
-    """Vanilla and natural floor 1 on 2 ranks sharing `device` through the host-staged transport."""
+    """Vanilla, natural floor 1 and adaptive floor 1 (its live requests moved with their KV cache
+    through the transport) on 2 ranks sharing `device` through the host-staged transport."""
     from megatron_rl.config import load_dataclass
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.runner import run_rollouts
 
     base = {"ranks": 2, "device": device, "transport": "host", "batch.prompts": prompts,
             "batch.samples": samples, "batch.length_scale": length_scale, "timeout_s": 120.0}
-    cfgs = [load_dataclass(RolloutConfig, None, {**base, "policy": "vanilla"}),
-            load_dataclass(RolloutConfig, None, {**base, "policy": "natural", "floor": 1})]
-    (vanilla, _), (natural, _) = run_rollouts(cfgs, quiet=True)
+    cfgs = [load_dataclass(RolloutConfig, None, {**base, "policy": policy, **extra})
+            for policy, extra in (("vanilla", {}), ("natural", {"floor": 1}), ("adaptive", {"floor": 1}))]
+    (vanilla, _), (natural, _), (adaptive, _) = run_rollouts(cfgs, quiet=True)
     same = natural["responses_sha256"] == vanilla["responses_sha256"]
+    moved_same = adaptive["responses_sha256"] == vanilla["responses_sha256"]
     freed = {r: sum(f.values()) for r, f in natural["freed_bytes"].items()}
     return {"device": natural["device"], "final_stage": natural["final_stage"], "freed_bytes": natural["freed_bytes"],
-            "ok": natural["final_stage"] == 1 and same,
+            "migrated": adaptive["migrated"],
+            "ok": natural["final_stage"] == 1 and same and adaptive["migrated"] > 0 and moved_same,
             "summary": f"on {natural['device']}: stage {natural['final_stage']} reached, shrink "
                        f"{sum(natural['shrink_latency_s'].values()):.3f} s, restore {natural['restore_s']:.3f} s, "
-                       f"freed bytes by rank {freed}; sha256 {natural['responses_sha256'][:12]} "
+                       f"freed bytes by rank {freed}; adaptive moved {adaptive['migrated']} live requests "
+                       f"(sha256 {'equals' if moved_same else 'differs from'} vanilla's); natural's sha256 "
+                       f"{natural['responses_sha256'][:12]} "
                        + ("equals vanilla's" if same else f"differs from vanilla's {vanilla['responses_sha256'][:12]}")}
