@@ -89,12 +89,15 @@ def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
 
     trainer = Trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
     g, T = cfg.grpo, cfg.generation.temperature
-    before, after, reward = [], [], []
+    before, after, reward, signal = [], [], [], []
     for step in range(1, steps + 1):
         batch = trainer.iterator.next_batch()
         rollout = trainer.rollout.run(step, [trainer.data[i] for i in batch.indices], trainer.history)
         rewards = _shaped_rewards(rollout.responses)
-        batches = trainer.update.minibatches(rollout.responses, group_advantages(rewards, g.group_size))
+        advantages = group_advantages(rewards, g.group_size)
+        # A step whose groups all scored alike has zero advantages: nothing to lower, not judged.
+        signal.append(bool(torch.as_tensor(advantages).abs().max() > 0))
+        batches = trainer.update.minibatches(rollout.responses, advantages)
         trainer.update.recompute_logprobs(batches)
         before.append(trainer.update.update(batches)["loss"])
         with torch.no_grad():  # the same surrogate, on the same batch, with the updated weights
@@ -103,10 +106,12 @@ def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
                                                clip_high=g.clip_high, normalizer=max(tokens, 1))[0])
                              for micro, tokens in batches for mb in micro) / len(batches))
         reward.append(float(rewards.mean()))
-    return {"loss_before": before, "loss_after": after, "reward": reward,
-            "ok": all(a < b for a, b in zip(after, before)),
-            "summary": "surrogate before -> after update: " + ", ".join(f"{b:+.3f}->{a:+.3f}" for b, a in
-                                                                        zip(before, after))
+    judged = [(b, a) for b, a, s in zip(before, after, signal) if s]
+    return {"loss_before": before, "loss_after": after, "reward": reward, "signal": signal,
+            "ok": len(judged) > 0 and all(a < b for b, a in judged),
+            "summary": "surrogate before -> after update: "
+                       + ", ".join(f"{b:+.3f}->{a:+.3f}" + ("" if s else " (no signal)")
+                                   for b, a, s in zip(before, after, signal))
                        + f"; reward {reward[0]:.2f} -> {reward[-1]:.2f}"}
 
 
