@@ -168,9 +168,15 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size, dtype=dtype))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Scores in at least fp32, as HF Qwen3-MoE and Megatron's router do.
-        logits_TE = F.linear(x_TD, self.weight)
-        logits_TE = logits_TE.float() if widens(logits_TE.dtype) else logits_TE
+        # The gating product itself in fp32 (inputs and weight upcast), as megatron-core's router
+        # computes it with moe_router_dtype='fp32' (the megatron backend's setting). Rounded to
+        # bf16 (HF rounds there), the logits flip top-k choices on weight changes of one Adam step
+        # at lr 1e-3: the bf16 GRPO check then jumped 0.54 -> 0.99 in reward and raised its own
+        # surrogate; with fp32 gating it ran like fp32 (docs/gpu.md).
+        if widens(x_TD.dtype):
+            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        else:
+            logits_TE = F.linear(x_TD, self.weight)
         if self.pre_softmax:
             probs_TK, expert_TK = torch.topk(torch.softmax(logits_TE, dim=-1), self.topk, dim=-1)
         else:
