@@ -156,7 +156,7 @@ def _run(args) -> int:
                 "dummy_rank_s_saved": summary["rank_seconds"]["dummy"] - moved["rank_seconds"]["dummy"],
             }
         print(json.dumps(summary) if args.json else single_report(summary))
-        results, table = [result], [{"label": args.policy, **summary}]
+        results, table = [result], [{"label": c.policy, **summary}]
     plots = []
     if args.plot:
         from elastic.sim.plot import write_plots
@@ -165,20 +165,22 @@ def _run(args) -> int:
         for path in plots:
             print(f"wrote {path}", file=sys.stderr)
     if args.wandb:
-        _log_wandb(args, table, results, plots)
+        _log_wandb(args, c, table, results, plots)
     return 0
 
 
-def _log_wandb(args, table: list[dict], results: list, plots: list) -> None:
+def _log_wandb(args, c, table: list[dict], results: list, plots: list) -> None:
     """One W&B run: the first row's numbers as metrics, every row as a W&B table, the figures."""
     import tempfile
+    from dataclasses import asdict
 
     from megatron_rl.metric_keys import grouped, numeric
     from megatron_rl.wandb_run import LoggingConfig, log_report, policy_tags
 
     flat = [grouped(r) for r in table]
-    columns = ["label", *sorted({k for f in flat for k in numeric(f)})]
-    rows = [[str(f.get("label", "")), *(numeric(f).get(c) for c in columns[1:])] for f in flat]
+    nums = [numeric(f) for f in flat]
+    columns = ["label", *sorted({k for n in nums for k in n})]
+    rows = [[str(f.get("label", "")), *(n.get(k) for k in columns[1:])] for f, n in zip(flat, nums)]
     with tempfile.TemporaryDirectory() as tmp:
         if not plots:
             try:
@@ -187,9 +189,10 @@ def _log_wandb(args, table: list[dict], results: list, plots: list) -> None:
                 plots = write_plots(results, tmp)
             except ImportError:
                 print("simulate: matplotlib is not installed; W&B gets no figures", file=sys.stderr)
-        logging = LoggingConfig(project=args.wandb, experiment=f"simulate-{args.ranks}ranks")
-        folder = log_report(".", logging, job_type="simulate", config=vars(args) | {"func": None},
-                            tags=policy_tags("compare" if args.compare else args.policy, args.floor),
-                            metrics=numeric(flat[0]), tables={"compare": (columns, rows)}, images=plots)
+        # The resolved config (flags, overrides, defaults), not the raw flags: an unset flag is None.
+        logging = LoggingConfig(project=args.wandb, experiment=f"simulate-{c.ranks}ranks")
+        folder = log_report(".", logging, job_type="simulate", config=vars(args) | asdict(c) | {"func": None},
+                            tags=policy_tags("compare" if args.compare else c.policy, c.floor),
+                            metrics=nums[0], tables={"compare": (columns, rows)}, images=plots)
     if folder is not None:
         print(f"wandb: {folder}", file=sys.stderr)

@@ -81,6 +81,15 @@ def test_wandb_without_plot_still_gets_the_figures(trace, tmp_path):
     assert not (tmp_path / "plots").exists()
 
 
+def test_wandb_names_the_run_from_the_resolved_config(trace, tmp_path):
+    # No --ranks and no --policy: the run's name and tags come from the defaults that ran, not None.
+    cli("--trace", str(trace), "--floor", "2", "--wandb", "t", cwd=tmp_path)
+    run_file = next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    run = wandb_records(run_file, "run")[0]
+    assert run.display_name == "simulate-16ranks"
+    assert not any("None" in t for t in run.tags), list(run.tags)
+
+
 def test_migration_report_and_lease(trace):
     out = json.loads(cli("--trace", str(trace), "--policy", "planned", "--floor", "2", "--ranks", "8",
                          "--lease", "--migrate", "2", "--json").stdout)
