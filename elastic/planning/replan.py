@@ -187,8 +187,9 @@ class OnlineRule:
             est, moves = min(proposals, key=lambda p: self.key((p[0],)))
             if self.key((est,)) < self.key((stay,)) and est.rollout_s <= bound:
                 kv = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
-                self.clock["own"] += self.cost.shrink_s(self._moved(stage, j), self.sizes[stage]) \
-                    + migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), self.sizes[stage])
+                if self.max_slowdown is not None:
+                    self.clock["own"] += self.cost.shrink_s(self._moved(stage, j), self.sizes[stage]) \
+                        + migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), self.sizes[stage])
                 return Decision(j, tuple(moves), kv)
         return Decision(stage)
 
@@ -217,7 +218,7 @@ class OnlineRule:
         busiest member's live batch and KV as they are now, this rollout's in its group, vanilla's
         on its chunks of all W ranks (the lengths do not depend on where a response runs)."""
         steps, self.clock_step = step - self.clock_step, step
-        if steps <= 0 or not len(live):
+        if self.max_slowdown is None or steps <= 0 or not len(live):  # nothing reads the clocks
             return
         held = self.prompt[live] + tokens[live]
         for name, ranks, g in (("own", rank_of[live], self.sizes[stage]),
@@ -360,7 +361,9 @@ class OnlineRule:
         even = self._exact(stage, stage, grid, live, rank_of, moves, tokens, horizon)
         if self.key((even,)) < self.key((keep,)) and even.rollout_s <= keep.rollout_s * (1 - REBALANCE_GAIN):
             kv_bytes = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
-            self.clock["own"] += migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), self.sizes[stage])
+            if self.max_slowdown is not None:
+                self.clock["own"] += migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens),
+                                               self.sizes[stage])
             return Decision(stage, tuple(moves), kv_bytes)
         return Decision(stage)
 
@@ -446,6 +449,7 @@ class _Grid:
         self.mid = (self.bounds[:-1] + self.bounds[1:]) / 2
         self.by_rem = np.argsort(rem, axis=1, kind="stable")  # each sample's requests, shortest first
         self.span = float(rem.max()) + 1.0 if rem.size else 1.0
+        self.memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # a decision asks for a layout twice
 
     def per_rank(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(S, K, world) live requests and their KV tokens per rank, with request c on ranks[c].
@@ -453,9 +457,15 @@ class _Grid:
         Per sample, the requests sorted by rank and, within a rank, by remainder: those alive at
         a segment's middle are a suffix of their rank's run, found by one binary search per
         (rank, segment) on the key rank * span + remainder (whole numbers below 2**53: exact)."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        key = ranks.tobytes()
+        if key not in self.memo:
+            self.memo[key] = self._per_rank(ranks)
+        return self.memo[key]
+
+    def _per_rank(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         S, K = self.seg.shape
         W = self.world
-        ranks = np.asarray(ranks)
         per = np.bincount(ranks, minlength=W)
         ends = np.cumsum(per)
         query = np.arange(W)[:, None] * self.span + self.mid[None, :]  # (W, K)
