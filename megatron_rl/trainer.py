@@ -61,7 +61,7 @@ class Trainer:
         rank, world = ctx.rank, ctx.world
         self.out_dir = Path(out_dir)
         self.tok = build_tokenizer(cfg.tokenizer)
-        self.model = build_model(cfg, rank, world).to(ctx.device)
+        self.model = build_model(cfg, rank, world, ctx.device)
         self.iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
         self.history = Trace([], "length history")
         self.start_step = 0

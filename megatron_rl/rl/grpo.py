@@ -49,6 +49,15 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and `token_entropy` from one float32 log-softmax over the vocabulary (the
+    update asks for both on every micro-batch); the entropy carries no gradient."""
+    logp_V = F.log_softmax(logits.float(), dim=-1)
+    with torch.no_grad():
+        entropy = -(logp_V.exp() * logp_V).sum(-1)
+    return logp_V.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the policy's next-token distribution at every position [...], in float32."""

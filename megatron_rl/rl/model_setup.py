@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from elastic.planning.plan import block_owners
@@ -24,8 +25,9 @@ def check_init(cfg: TrainerConfig) -> None:
     check_same_shape(cfg.init, cfg.model)
 
 
-def build_model(cfg: TrainerConfig, rank: int, world: int):
-    """This rank's model: dense weights and the experts Megatron's contiguous blocks give it."""
+def build_model(cfg: TrainerConfig, rank: int, world: int, device: torch.device | None = None):
+    """This rank's model on `device`: dense weights and the experts Megatron's contiguous blocks give
+    it. On the device before the megatron backend is installed, which needs it on CUDA."""
     from megatron_rl.models.moe import LocalDispatcher
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
     from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
@@ -40,6 +42,8 @@ def build_model(cfg: TrainerConfig, rank: int, world: int):
     else:
         model = Qwen3MoeModel(cfg.model, held, dtype)
         model.init_weights(cfg.seed)
+    if device is not None:
+        model.to(device)
     model.recompute_activations = cfg.recompute_activations
     model.set_dispatcher(LocalDispatcher() if world == 1 else
                          AllToAllDispatcher(dist.group.WORLD, [owners[e][0] for e in sorted(owners)]))

@@ -238,8 +238,9 @@ class RolloutPhase:
             assert now.local_experts == before.local_experts, "restore left a different block of experts"
             with torch.no_grad():
                 before.router_weight.copy_(now.router_weight)
+                old = before.expert_weights()  # one walk of the layer's experts, not one per expert
                 for e, (fc1, fc2) in now.expert_weights().items():
-                    old1, old2 = before.expert_weights()[e]
+                    old1, old2 = old[e]
                     old1.copy_(fc1)
                     old2.copy_(fc2)
             layer.mlp = before

@@ -72,7 +72,7 @@ def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
     from megatron_rl.data.tokenizer import build_tokenizer
     from megatron_rl.rl.model_setup import build_model, export_hf
 
-    model = build_model(cfg, ctx.rank, ctx.world).to(ctx.device)
+    model = build_model(cfg, ctx.rank, ctx.world, ctx.device)
     losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), data, ctx.rank, ctx.world)
     export_hf(model, cfg.model, out_dir, ctx.rank, ctx.world)
     return losses

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megatron_rl.rl.grpo import token_entropy, token_logprobs
+from megatron_rl.rl.grpo import token_logprobs, token_logprobs_entropy
 from megatron_rl.rl.mixed_precision import MixedPrecisionOptimizer, needs_masters
 
 
@@ -105,8 +105,7 @@ def _linear_logprobs(h_TD, weight_VD, targets_T, temperature: float, entropy: bo
 def _scaled_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
     if temperature != 1.0:
         logits = logits / temperature
-    logp = token_logprobs(logits, targets)
-    return (logp, token_entropy(logits)) if entropy else logp
+    return token_logprobs_entropy(logits, targets) if entropy else token_logprobs(logits, targets)
 
 
 def chunks(items: list, size: int) -> list[list]:
