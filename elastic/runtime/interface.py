@@ -62,7 +62,7 @@ class MigratingEngine(ElasticEngine, Protocol):
         """(key, tokens generated, finished) of every request this rank holds or has finished."""
 
     def export_request(self, key: tuple[str, int]) -> tuple[Any, Any, Any]:
-        """Header (`online.HEADER_SIZE` ints), prompt + tokens, and KV rows of a live request."""
+        """Header (`online.HEADER_SIZE` ints), prompt + tokens (+ carried values), and KV rows of a live request."""
 
     def empty_kv(self, held: int) -> Any:
         """A receive buffer for the KV rows of a request holding `held` positions."""

@@ -26,8 +26,9 @@ from elastic.planning.replan import OnlineRule, check_decision
 
 TAG_MIGRATE = 1
 # A migrated request's header: prompt length, tokens so far, max_new_tokens, fixed_len (-1: none),
-# KV positions held (the engine's `export_request` writes it in this order).
-HEADER_SIZE = 5
+# KV positions held, values carried with it (the engine's `export_request` writes it in this order;
+# the ids that follow hold the prompt, the tokens, then the carried values).
+HEADER_SIZE = 6
 
 
 class OnlineDriver:
@@ -94,8 +95,8 @@ class OnlineDriver:
                 engine.release_request(key)  # the receiver holds it now
             elif self.rank == dst:
                 header = receive(HEADER_SIZE)
-                prompt_len, n_tokens, _, _, held = header
-                ids = receive(prompt_len + n_tokens)
+                prompt_len, n_tokens, _, _, held, carried = header
+                ids = receive(prompt_len + n_tokens + carried)
                 kv = engine.empty_kv(held)
                 if held:
                     kv = recv(kv, src, TAG_MIGRATE)

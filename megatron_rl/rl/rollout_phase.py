@@ -29,10 +29,10 @@ from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
-from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
-from megatron_rl.rollout.runner import online_rule, plan_rollout
+from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
+from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -132,9 +132,6 @@ class RolloutPhase:
         return self.model.embedding.word_embeddings.weight.element_size()
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
-        from elastic.runtime.runtime import ElasticRuntime, ledger_of, transitions_of
-        from megatron_rl.rollout.faults import fault_rank
-
         cfg, G = self.cfg, self.cfg.grpo.group_size
         t0 = time.perf_counter()
         encoded = [self.tok.encode(p.text) for p in prompts]
@@ -151,43 +148,24 @@ class RolloutPhase:
                                  max(map(len, encoded)) + max_new, self.tok.eos_id,
                                  temperature=cfg.generation.temperature)
         engine.add(mine)
-        online = None
         if cfg.backend == "megatron":
-            from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
-
             # A shrink rebuilds megatron-core's layers; the optimizer holds the originals' parameters.
             originals = [layer.mlp for layer in self.model.decoder.layers]
-            elastic = MegatronElasticEngine.on_gpu(engine, self.rank, self.world)
         else:
             originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
-            if cfg.elastic.policy == "adaptive":
-                # Re-planning without migration: the recorded log-probabilities of a response stay
-                # on the rank that generated its tokens.
-                from elastic.runtime.online import OnlineDriver
-
-                shape = model_shape(cfg.model, self._dtype_bytes(), self.budget,
-                                    ranks_per_node=ranks_on_this_host(self.world))
-                rule = online_rule(plan, items, history, shape=shape,
-                                   status_interval=cfg.elastic.status_interval,
-                                   max_batch=cfg.generation.max_batch_per_rank, max_response_len=max_new,
-                                   migrate=False)
-                online = OnlineDriver(rule, [(a.prompt_id, a.sample) for a in plan.assignments],
-                                      [a.rank for a in plan.assignments], self.rank)
-            elastic = (MigratingEngine if online is not None else ElasticRolloutEngine)(engine, self.world)
-        pool = None if self.leases is None else self.leases.pool(
-            engine.finished, prompts, self.rank == fault_rank(plan))
-        predicted = plan.meta.get("predicted_max_len")
-        stream = _ResponseStream(self.sink_dir, self.rank, engine)
-        runtime = ElasticRuntime(elastic, plan, self.rank, self.store,
-                                 status_interval=cfg.elastic.status_interval, pool=pool,
-                                 predicted_ticks=None if predicted is None else 1 + predicted,
-                                 after_step=stream.flush, online=online)
-        try:
-            outcome = runtime.run()
-        except BaseException:
-            stream.keep(runtime.ledger, self.leases.outcomes() if self.leases is not None else {})
-            raise
-        stream.close()
+        spec = RankRollout(plan, self.rank, self.world, self.store, backend=cfg.backend,
+                           rule=self._online_rule(plan, items, history), status_interval=cfg.elastic.status_interval)
+        leases = self.leases
+        pool = None if leases is None else (lambda hit: leases.pool(engine.finished, prompts, hit))
+        stream = None
+        if self.sink_dir is not None:
+            lease_rewards = {} if leases is None else {"lease_rewards": lambda: [
+                [pid, s, o] for (pid, s), o in sorted(leases.outcomes().items())]}
+            stream = ResponseStream(self.sink_dir, self.rank, engine, lambda r: {
+                "prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens,
+                "logprobs": engine.logprobs[r.key]}, kept=lease_rewards)
+        # The recorded log-probs travel with a migrated request.
+        outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=engine.logprobs)
         if cfg.backend == "megatron":
             self._reinstall_megatron(originals)
         else:
@@ -195,19 +173,15 @@ class RolloutPhase:
         local = [Response(index[r.key], r.prompt_id, r.sample, r.prompt, r.tokens,
                           engine.logprobs[r.key], r.tokens[-1] != self.tok.eos_id)
                  for r in engine.finished]
-        scored = {} if self.leases is None else {index[k]: o for k, o in self.leases.outcomes().items()}
-        step_report = {} if self.leases is None else self.leases.step_report()
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, (outcome, local, scored, step_report))
-        responses = sorted((r for g in gathered for r in g[1]), key=lambda r: r.index)
+        scored = {} if leases is None else {index[k]: o for k, o in leases.outcomes().items()}
+        step_report = {} if leases is None else leases.step_report()
+        gathered = gather_rollout(spec, engine, outcome, (local, scored, step_report))
+        responses = sorted((r for g in gathered.payloads for r in g[0]), key=lambda r: r.index)
         assert [r.index for r in responses] == list(range(len(items))), "a response was lost or duplicated"
-        outcomes = [g[0] for g in gathered]
-        ledger = ledger_of(outcomes)
-        ledger.check()
-        summary = ledger.summary(sum(len(r.tokens) for r in responses))
-        summary.update(transitions_of(outcomes))
-        scored = {i: o for g in gathered for i, o in g[2].items()}
-        lease = lease_metrics(summary, [o.pool_report for o in outcomes], [g[3] for g in gathered], len(scored))
+        summary = gathered.summary()
+        scored = {i: o for g in gathered.payloads for i, o in g[1].items()}
+        lease = lease_metrics(summary, [o.pool_report for o in gathered.outcomes],
+                              [g[2] for g in gathered.payloads], len(scored))
         ranks = [0] * len(items)
         for a in plan.assignments:
             ranks[index[(a.prompt_id, a.sample)]] = a.rank
@@ -215,6 +189,16 @@ class RolloutPhase:
                              plan.meta.get("effective_layout", plan.layout),
                              hashlib.sha256(json.dumps(ranks).encode()).hexdigest()[:16],
                              time.perf_counter() - t0, scored, lease)
+
+    def _online_rule(self, plan, items: list[_Item], history: Trace):
+        """`adaptive` (torch backend): the online rule that re-plans, and migrates, as the rollout runs."""
+        cfg = self.cfg
+        if cfg.elastic.policy != "adaptive" or cfg.backend == "megatron":
+            return None
+        shape = model_shape(cfg.model, self._dtype_bytes(), self.budget, ranks_per_node=ranks_on_this_host(self.world))
+        return online_rule(plan, items, history, shape=shape, status_interval=cfg.elastic.status_interval,
+                           max_batch=cfg.generation.max_batch_per_rank,
+                           max_response_len=cfg.generation.max_response_len)
 
     def _reinstall(self, originals: list[dict]) -> None:
         """Put the pre-rollout expert modules back, holding the restored weights."""
@@ -244,48 +228,6 @@ class RolloutPhase:
                     old1.copy_(fc1)
                     old2.copy_(fc2)
             layer.mlp = before
-
-
-class _ResponseStream:
-    """This rank's finished responses of the rollout in flight, on disk as they finish.
-
-    `OUT/rollout/responses.rank<r>.jsonl` is rewritten every step. If the rollout fails (a fault, a
-    lease that does not yield) the file stays, with the rank's ledger so far and the outcomes its
-    scoring leases found beside it: the step's work is on disk, not only in the dead processes.
-    """
-
-    def __init__(self, folder: Path | None, rank: int, engine: RecordingEngine):
-        self.folder, self.rank, self.engine, self.written = folder, rank, engine, 0
-        self.fh = None
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            for stale in ("ledger", "lease_rewards"):  # a failed step's, from before a resume
-                (folder / f"{stale}.rank{rank}.json").unlink(missing_ok=True)
-            self.fh = open(folder / f"responses.rank{rank}.jsonl", "w", encoding="utf-8")
-
-    def flush(self) -> None:
-        if self.fh is None or len(self.engine.finished) == self.written:
-            return
-        for r in self.engine.finished[self.written:]:
-            self.fh.write(json.dumps({"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens,
-                                      "logprobs": self.engine.logprobs[r.key]}) + "\n")
-        self.fh.flush()
-        self.written = len(self.engine.finished)
-
-    def close(self) -> None:
-        if self.fh is not None:
-            self.flush()
-            self.fh.close()
-
-    def keep(self, ledger, outcomes: dict) -> None:
-        """After a failure: everything this rank has of the step, for the user to inspect."""
-        self.close()
-        if self.folder is None:
-            return
-        if ledger is not None:
-            (self.folder / f"ledger.rank{self.rank}.json").write_text(json.dumps(ledger.to_dict()))
-        (self.folder / f"lease_rewards.rank{self.rank}.json").write_text(
-            json.dumps([[pid, s, o] for (pid, s), o in sorted(outcomes.items())]))
 
 
 def history_records(result: RolloutResult, epoch: int) -> list[TraceRecord]:

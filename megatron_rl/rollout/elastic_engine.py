@@ -106,11 +106,19 @@ class MigratingEngine(ElasticRolloutEngine):
     """The elastic engine whose live requests can move to another rank (straggler KV migration).
 
     A request crosses as three tensors: a header (prompt length, tokens so far, max_new_tokens,
-    fixed_len or -1, KV positions held), its prompt and tokens, and its KV rows of every layer. The
-    sampling state is the request's identity and token count (`sampling.uniform` is keyed by
-    them), so the receiver continues bit-identically. The sender drops the request only when
-    `release_request` is called, after the receiver confirmed (`elastic.runtime.online`).
+    fixed_len or -1, KV positions held, carried values), its prompt and tokens followed by its
+    carried values' float64 bits, and its KV rows of every layer. The sampling state is the
+    request's identity and token count (`sampling.uniform` is keyed by them), so the receiver
+    continues bit-identically. `carried` (key -> list of floats) is what the caller records per
+    request beside the engine (the trainer's sampling log-probs); it moves with the request. The
+    sender drops the request only when `release_request` is called, after the receiver confirmed
+    (`elastic.runtime.online`).
     """
+
+    def __init__(self, engine: RolloutEngine, world: int, transport: DirectTransport | None = None,
+                 carried: dict[tuple[str, int], list[float]] | None = None):
+        super().__init__(engine, world, transport)
+        self.carried = carried
 
     def progress(self) -> list[tuple[tuple[str, int], int, bool]]:
         """(key, tokens generated, finished) of every request this rank holds or finished."""
@@ -129,9 +137,11 @@ class MigratingEngine(ElasticRolloutEngine):
         r, where = self._find(key)
         cache = self.engine.cache
         held = cache.lengths[r.slot] if where is self.engine.live else 0
+        carried = [] if self.carried is None else self.carried.get(key, [])
         header = torch.tensor([len(r.prompt), len(r.tokens), r.max_new_tokens,
-                               -1 if r.fixed_len is None else r.fixed_len, held], dtype=torch.long)
-        ids = torch.tensor(r.prompt + r.tokens, dtype=torch.long)
+                               -1 if r.fixed_len is None else r.fixed_len, held, len(carried)], dtype=torch.long)
+        ids = torch.cat([torch.tensor(r.prompt + r.tokens, dtype=torch.long),
+                         torch.tensor(carried, dtype=torch.float64).view(torch.long)])  # exact bits
         kv = torch.cat([t[r.slot, :, :held].reshape(-1) for layer in range(len(cache.k))
                         for t in (cache.k[layer], cache.v[layer])]) if held else self.empty_kv(0)
         return header, ids, kv
@@ -145,9 +155,12 @@ class MigratingEngine(ElasticRolloutEngine):
                        kv: torch.Tensor) -> None:
         from megatron_rl.rollout.engine import Request
 
-        prompt_len, n_tokens, max_new, fixed, held = header.tolist()
+        prompt_len, n_tokens, max_new, fixed, held, n_carried = header.tolist()
         r = Request(key[0], key[1], ids[:prompt_len].tolist(), max_new, None if fixed < 0 else fixed,
                     ids[prompt_len:prompt_len + n_tokens].tolist())
+        if self.carried is not None:
+            end = prompt_len + n_tokens
+            self.carried[key] = ids[end:end + n_carried].contiguous().view(torch.float64).tolist()
         e = self.engine
         if not held:
             e.pending.append(r)
@@ -165,5 +178,7 @@ class MigratingEngine(ElasticRolloutEngine):
     def release_request(self, key: tuple[str, int]) -> None:
         r, where = self._find(key)
         where.remove(r)
+        if self.carried is not None:
+            self.carried.pop(key, None)
         if r.slot >= 0 and where is self.engine.live:
             self.engine.cache.release(r.slot)

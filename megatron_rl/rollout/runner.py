@@ -14,13 +14,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from elastic.planning.layout import natural
-from elastic.planning.plan import BACKEND_OWNERSHIP, Plan, static_plan
-from elastic.planning.replan import ladder_plan
-from elastic.planning.shape import MemoryBudget, ModelShape
+from elastic.planning.plan import Plan
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.megatron_backend import backend_report
@@ -28,112 +22,12 @@ from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import dist_backend, resolve_device
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
-from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
-from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingEngine
+from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.engine_cost import engine_cost
-from megatron_rl.rollout.faults import FailingExport, fault_rank
 from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
-from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
-
-
-def model_config(cfg: RolloutConfig) -> MoEModelConfig:
-    """The model's configuration; a checkpoint is checked here (headers only), before any rank starts.
-    With a checkpoint its config.json decides; a `model:` other than the built-in default must then
-    equal it, so a config never silently runs another model than it names."""
-    if cfg.checkpoint is None:
-        return cfg.model
-    from megatron_rl.models.hf import check_hf_checkpoint, check_same_shape
-
-    if cfg.model != MoEModelConfig():
-        check_same_shape(cfg.checkpoint, cfg.model, where="model:")
-    mcfg = check_hf_checkpoint(cfg.checkpoint)
-    check_experts_over_ranks(mcfg.num_moe_experts, cfg.ranks, f"num_experts of {cfg.checkpoint}")
-    return mcfg
-
-
-def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history, budget: MemoryBudget) -> Plan:
-    plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
-                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
-                        budget=budget, ownership=BACKEND_OWNERSHIP[cfg.backend],
-                        length_scale=cfg.batch.length_scale, device=resolve_device(cfg.device))
-    if "floor_raised" in plan.meta:
-        print(f"[rollout] planner: {plan.meta['floor_raised']}", file=sys.stderr)
-    return plan
-
-
-def rollout_budget(cfg: RolloutConfig, mcfg: MoEModelConfig) -> MemoryBudget:
-    """Every rank computes on the device the config resolves to; one GPU (or this host's RAM over
-    the ranks on it) stands for each rank's budget."""
-    return memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(resolve_device(cfg.device)),
-                         ranks_on_this_host(cfg.ranks))
-
-
-def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
-                 mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
-                 max_response_len: int | None = None, shrink_cost_s: float | None = None,
-                 ownership: str = "balanced", length_scale: float = 1.0, device: str = "cpu") -> Plan:
-    """The plan of one rollout under `policy`, its memory checks priced against `budget`
-    (`rollout/memory.py`); `max_response_len` bounds KV when history is empty; `ownership` is the
-    backend's (`elastic.planning.plan.BACKEND_OWNERSHIP`). On CPU, chains are priced on this CPU
-    engine's measured step and shrink (`engine_cost`, the run decoding `length_scale` of each trace
-    length); on GPU on the shape's cost model; `shrink_cost_s` instead prices a shrink at that fixed
-    cost on the shape's model. When a shrinking policy keeps every rank, stderr says why."""
-    W, E = ranks, mcfg.num_moe_experts
-    if E % W or W > E:
-        raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
-                             "(experts must be a multiple of ranks)")
-    keys = [(r.prompt_id, r.sample) for r in batch]
-    if policy == "vanilla":
-        return static_plan("natural", natural(keys, W), W, E)
-    from elastic.planning.planner import PlanError, make_plan
-    from elastic.planning.release import ShapeCost
-
-    floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
-    shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=ranks_on_this_host(W))
-    if shrink_cost_s is not None:
-        cost = ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
-    else:
-        cost = engine_cost(length_scale) if device == "cpu" else ShapeCost(shape)
-    if policy == "adaptive" and ownership != "balanced":
-        raise FlexFloorError("policy adaptive: its ladder of stages needs arbitrary expert ownership "
-                             "(backend: torch); megatron-core holds only contiguous blocks")
-    try:
-        plan = make_plan(batch, history, ranks=W, floor=floor, shape=shape,
-                         layout="planned" if policy == "adaptive" else policy,
-                         tailguard=tailguard, max_response_len=max_response_len, cost=cost,
-                         budget=budget, ownership=ownership)
-    except PlanError as e:
-        raise FlexFloorError(f"planner: {e}") from None
-    if policy == "adaptive":
-        return ladder_plan(plan, floor)
-    if len(plan.stages) == 1 and floor < W:
-        m = plan.meta
-        print(f"[plan] {policy} floor {floor}: every rank stays: of {m['chains_priced']} chains priced "
-              f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
-              f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
-              f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)",
-              file=sys.stderr, flush=True)
-    return plan
-
-
-def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interval: int,
-                max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
-                migrate: bool = True):
-    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`); `batch` in
-    `plan.assignments` order. It reasons in trace tokens: the driver divides the run's by
-    `length_scale`. On this engine a step costs the same in any group, so a shrink can only
-    lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
-    when the objective's occupied rank-seconds say it pays."""
-    from elastic.planning.online import OnlineOptions, online_model
-    from elastic.planning.replan import OnlineRule
-
-    cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
-    model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate))
-    plan.meta["online"] = {"siblings": model.fit.to_dict(), "migrate": migrate}
-    return OnlineRule(plan, [r.prompt_len for r in batch], model, engine_cost(length_scale),
-                      shape, check_every=max(1, round(status_interval / length_scale)),
-                      max_slowdown=None, max_batch=max_batch)
+from megatron_rl.rollout.memory import model_shape, ranks_on_this_host
+from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
+from megatron_rl.rollout.rollout_plan import build_plan, model_config, online_rule, rollout_budget
 
 
 def responses_sha256(responses: list[dict]) -> str:
@@ -159,8 +53,6 @@ def _progress(start: float):
 def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
                plan: Plan, out_dir: str | None, quiet: bool, rule=None):
     from elastic.runtime.pool import IdlePool
-    from elastic.runtime.runtime import ElasticRuntime, ledger_of, transitions_of
-    from elastic.runtime.transport import make_transport
     from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
 
     rank, dtype = ctx.rank, DTYPES[cfg.dtype]
@@ -184,69 +76,28 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     slots = kv_cache_slots(ctx.device, per_slot, cfg.kv_memory_fraction, cfg.max_batch_per_rank)
     engine = RolloutEngine(model, cfg.sampling, slots, max_len)
     engine.add(mine)
-    sink = None
-    if out_dir is not None:
-        sink = open(Path(out_dir) / f"responses.rank{rank}.jsonl", "w", encoding="utf-8")
-    written = [0]
+    spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=cfg.backend, transport=cfg.transport,
+                       rule=rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
+                       fault=cfg.fault, progress=None if quiet else _progress(time.perf_counter()))
 
-    def flush_finished():
-        if sink is not None and len(engine.finished) > written[0]:
-            for r in engine.finished[written[0]:]:
-                sink.write(json.dumps({"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens}) + "\n")
-            sink.flush()
-            written[0] = len(engine.finished)
+    def pool(fault_here: bool) -> IdlePool:
+        jobs = lease_jobs(cfg.leases, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
+                          sidecar=sidecar_job(cfg.leases, cfg.sidecar, rank, ctx.world),
+                          fault=cfg.fault if fault_here else None)
+        return IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.lease_grace_s)
 
-    online = None
-    if cfg.backend == "megatron":
-        from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
-
-        elastic_engine = MegatronElasticEngine.on_gpu(engine, rank, ctx.world)  # NCCL only, no host staging
-    elif rule is not None:
-        from elastic.runtime.online import OnlineDriver
-
-        elastic_engine = MigratingEngine(engine, ctx.world, make_transport(cfg.transport))
-        online = OnlineDriver(rule, [(a.prompt_id, a.sample) for a in plan.assignments],
-                              [a.rank for a in plan.assignments], rank, cfg.batch.length_scale)
-    else:
-        elastic_engine = ElasticRolloutEngine(engine, ctx.world, make_transport(cfg.transport))
-    hit = cfg.fault is not None and rank == fault_rank(plan)
-    if hit and cfg.fault == "fail-transfer":
-        elastic_engine = FailingExport(elastic_engine)
-    jobs = lease_jobs(cfg.leases, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
-                      sidecar=sidecar_job(cfg.leases, cfg.sidecar, rank, ctx.world),
-                      fault=cfg.fault if hit else None)
-    pool = IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.lease_grace_s)
-    # The plan's longest predicted response, in this run's scaled tokens, is the predicted
-    # restoration tick (one tick of prefill before it) that caps every lease.
-    predicted = plan.meta.get("predicted_max_len")
-    predicted_ticks = None if predicted is None else 1 + predicted * cfg.batch.length_scale
-    runtime = ElasticRuntime(elastic_engine, plan, rank, ctx.store, status_interval=cfg.status_interval, pool=pool,
-                             progress=None if quiet else _progress(time.perf_counter()),
-                             after_step=flush_finished, predicted_ticks=predicted_ticks, online=online)
-    try:
-        outcome = runtime.run()
-    except BaseException:
-        # Nothing lost on failure: what finished is already streamed; add the ledger so far.
-        if out_dir is not None and runtime.ledger is not None:
-            (Path(out_dir) / f"ledger.rank{rank}.json").write_text(json.dumps(runtime.ledger.to_dict()))
-        raise
-    finally:
-        flush_finished()
-        if sink is not None:
-            sink.close()
-    responses = [{"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens} for r in engine.finished]
-    gathered = [None] * ctx.world if rank == 0 else None
-    dist.gather_object((outcome, responses), gathered, dst=0)
-    if rank != 0:
+    stream = None if out_dir is None else ResponseStream(out_dir, rank, engine, _row)
+    outcome = run_rank(spec, engine, pool=pool, stream=stream)
+    responses = [_row(r) for r in engine.finished]
+    gathered = gather_rollout(spec, engine, outcome, responses, to=0)
+    if gathered is None:
         return None
-    outcomes = [g[0] for g in gathered]
-    all_responses = [r for g in gathered for r in g[1]]
-    ledger = ledger_of(outcomes)
-    ledger.check()
-    report = ledger.summary(sum(len(r["tokens"]) for r in all_responses))
+    outcomes = gathered.outcomes
+    all_responses = [r for rs in gathered.payloads for r in rs]
+    report = gathered.summary()
     report.update(
         policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
-        stages=[list(s.members) for s in plan.stages], **transitions_of(outcomes),
+        stages=[list(s.members) for s in plan.stages],
         responses=len(all_responses), responses_sha256=responses_sha256(all_responses),
         migrated=sum(o.migrated for o in outcomes),
         per_rank=[o.ledger.to_dict() for o in outcomes],
@@ -256,6 +107,10 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
     )
     return report, all_responses
+
+
+def _row(r: Request) -> dict:
+    return {"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens}
 
 
 @dataclass

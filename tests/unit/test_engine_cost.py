@@ -6,7 +6,7 @@ import torch
 from elastic.sim.synth import generate, preset
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.rollout.memory import memory_budget
-from megatron_rl.rollout.runner import plan_rollout
+from megatron_rl.rollout.rollout_plan import plan_rollout
 
 
 def _trace():

@@ -154,7 +154,7 @@ def test_runtime_refuses_plans_megatron_cannot_hold(trace):
     from megatron_rl.models import MoEModelConfig
     from megatron_rl.rollout.megatron_elastic_engine import check_plan
     from megatron_rl.rollout.memory import memory_budget
-    from megatron_rl.rollout.runner import plan_rollout
+    from megatron_rl.rollout.rollout_plan import plan_rollout
 
     ep = trace.epochs[-1]
     mcfg = MoEModelConfig(num_moe_experts=12)

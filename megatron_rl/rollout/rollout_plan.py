@@ -1,0 +1,120 @@
+"""The plan of one rollout, as both `flexfloor rollout` and `train` ask for it: the model's config
+(a checkpoint's headers checked before any rank starts), the memory budget, the plan of a policy, and
+the online rule of an `adaptive` plan. The rank rollout (`rank_rollout.py`) carries the plan out.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from elastic.planning.layout import natural
+from elastic.planning.plan import BACKEND_OWNERSHIP, Plan, static_plan
+from elastic.planning.replan import ladder_plan
+from elastic.planning.shape import MemoryBudget, ModelShape
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.qwen3_moe import DTYPES
+from megatron_rl.parallel.device import resolve_device
+from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
+from megatron_rl.rollout.engine_cost import engine_cost
+from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
+
+
+def model_config(cfg: RolloutConfig) -> MoEModelConfig:
+    """The model's configuration; a checkpoint is checked here (headers only), before any rank starts.
+    With a checkpoint its config.json decides; a `model:` other than the built-in default must then
+    equal it, so a config never silently runs another model than it names."""
+    if cfg.checkpoint is None:
+        return cfg.model
+    from megatron_rl.models.hf import check_hf_checkpoint, check_same_shape
+
+    if cfg.model != MoEModelConfig():
+        check_same_shape(cfg.checkpoint, cfg.model, where="model:")
+    mcfg = check_hf_checkpoint(cfg.checkpoint)
+    check_experts_over_ranks(mcfg.num_moe_experts, cfg.ranks, f"num_experts of {cfg.checkpoint}")
+    return mcfg
+
+
+def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history, budget: MemoryBudget) -> Plan:
+    plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
+                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
+                        budget=budget, ownership=BACKEND_OWNERSHIP[cfg.backend],
+                        length_scale=cfg.batch.length_scale, device=resolve_device(cfg.device))
+    if "floor_raised" in plan.meta:
+        print(f"[rollout] planner: {plan.meta['floor_raised']}", file=sys.stderr)
+    return plan
+
+
+def rollout_budget(cfg: RolloutConfig, mcfg: MoEModelConfig) -> MemoryBudget:
+    """Every rank computes on the device the config resolves to; one GPU (or this host's RAM over
+    the ranks on it) stands for each rank's budget."""
+    return memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(resolve_device(cfg.device)),
+                         ranks_on_this_host(cfg.ranks))
+
+
+def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
+                 mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
+                 max_response_len: int | None = None, shrink_cost_s: float | None = None,
+                 ownership: str = "balanced", length_scale: float = 1.0, device: str = "cpu") -> Plan:
+    """The plan of one rollout under `policy`, its memory checks priced against `budget`
+    (`rollout/memory.py`); `max_response_len` bounds KV when history is empty; `ownership` is the
+    backend's (`elastic.planning.plan.BACKEND_OWNERSHIP`). On CPU, chains are priced on this CPU
+    engine's measured step and shrink (`engine_cost`, the run decoding `length_scale` of each trace
+    length); on GPU on the shape's cost model; `shrink_cost_s` instead prices a shrink at that fixed
+    cost on the shape's model. When a shrinking policy keeps every rank, stderr says why."""
+    W, E = ranks, mcfg.num_moe_experts
+    if E % W or W > E:
+        raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
+                             "(experts must be a multiple of ranks)")
+    keys = [(r.prompt_id, r.sample) for r in batch]
+    if policy == "vanilla":
+        return static_plan("natural", natural(keys, W), W, E)
+    from elastic.planning.planner import PlanError, make_plan
+    from elastic.planning.release import ShapeCost
+
+    floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
+    shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=ranks_on_this_host(W))
+    if shrink_cost_s is not None:
+        cost = ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
+    else:
+        cost = engine_cost(length_scale) if device == "cpu" else ShapeCost(shape)
+    if policy == "adaptive" and ownership != "balanced":
+        raise FlexFloorError("policy adaptive: its ladder of stages needs arbitrary expert ownership "
+                             "(backend: torch); megatron-core holds only contiguous blocks")
+    try:
+        plan = make_plan(batch, history, ranks=W, floor=floor, shape=shape,
+                         layout="planned" if policy == "adaptive" else policy,
+                         tailguard=tailguard, max_response_len=max_response_len, cost=cost,
+                         budget=budget, ownership=ownership)
+    except PlanError as e:
+        raise FlexFloorError(f"planner: {e}") from None
+    if policy == "adaptive":
+        return ladder_plan(plan, floor)
+    if len(plan.stages) == 1 and floor < W:
+        m = plan.meta
+        print(f"[plan] {policy} floor {floor}: every rank stays: of {m['chains_priced']} chains priced "
+              f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
+              f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
+              f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)",
+              file=sys.stderr, flush=True)
+    return plan
+
+
+def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interval: int,
+                max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
+                migrate: bool = True):
+    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`); `batch` in
+    `plan.assignments` order. It reasons in trace tokens: the driver divides the run's by
+    `length_scale`. On this engine a step costs the same in any group, so a shrink can only
+    lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
+    when the objective's occupied rank-seconds say it pays."""
+    from elastic.planning.online import OnlineOptions, online_model
+    from elastic.planning.replan import OnlineRule
+
+    cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
+    model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate))
+    plan.meta["online"] = {"siblings": model.fit.to_dict(), "migrate": migrate}
+    return OnlineRule(plan, [r.prompt_len for r in batch], model, engine_cost(length_scale),
+                      shape, check_every=max(1, round(status_interval / length_scale)),
+                      max_slowdown=None, max_batch=max_batch)

@@ -1,0 +1,99 @@
+"""`train` with `adaptive` migrates live requests, and training stays bit-identical in float64: a
+migrated response's recorded sampling log-probs (which the truncated importance weights read)
+travel with it, so the steps equal vanilla's."""
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _cfg(policy: str, data: str):
+    from megatron_rl.data.prompts import DataConfig
+    from megatron_rl.models.config import MoEModelConfig
+    from megatron_rl.trainer_config import (
+        CheckpointConfig,
+        ElasticConfig,
+        GenerationConfig,
+        GRPOConfig,
+        TrainerConfig,
+    )
+    from megatron_rl.wandb_run import LoggingConfig
+
+    return TrainerConfig(
+        model=MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                             kv_channels=8, num_moe_experts=8, moe_router_topk=2,
+                             moe_ffn_hidden_size=16, vocab_size=20),
+        data=DataConfig(data), grpo=GRPOConfig(group_size=4, micro_batch=8, tis_cap=2.0),
+        generation=GenerationConfig(max_response_len=6), elastic=ElasticConfig(policy=policy),
+        checkpoint=CheckpointConfig(every=0, export_hf=False), logging=LoggingConfig(wandb_mode="disabled"),
+        steps=1, prompts_per_step=4, ranks=2, dtype="float64", seed=3)
+
+
+class _Moving:
+    """The real online rule, once a request that has tokens (and so log-probs) has moved: until
+    then every status check stays, and the first that finds such a request moves it to another
+    member (the same decision on every rank, from the same status). So the test never rests on
+    whether, or when, the rule chooses to migrate; `moves` counts moves of requests with tokens.
+    (The driver hands the rule max(tokens, 1) per request: >= 2 is a request that has tokens.)"""
+
+    def __init__(self, rule):
+        self.rule, self.plan, self.moves = rule, rule.plan, 0
+
+    def decide(self, stage, step, rank_of, tokens, done):
+        from elastic.planning.replan import Decision
+
+        d = self.rule.decide(stage, step, rank_of, tokens, done)  # its clocks see every check
+        if self.moves:
+            self.moves += int(sum(tokens[i] >= 2 for i, _ in d.moves))
+            return d
+        members = self.plan.stages[stage].members
+        for i in range(len(rank_of)):
+            if not done[i] and tokens[i] >= 2:
+                self.moves += 1
+                return Decision(stage, ((i, next(m for m in members if m != rank_of[i])),))
+        return Decision(stage)
+
+
+def _moving(real, rules: list):
+    def make(*args):
+        rules.append(_Moving(real(*args)))
+        return rules[-1]
+    return make
+
+
+def _train(ctx, data: str, out: str):
+    from megatron_rl.data.prompts import DataConfig, load_prompts
+    from megatron_rl.trainer import Trainer
+
+    results = {}
+    for policy in ("vanilla", "adaptive"):
+        cfg = _cfg(policy, data)
+        trainer = Trainer(cfg, load_prompts(DataConfig(data)), ctx, os.path.join(out, policy), None)
+        rules: list[_Moving] = []
+        if policy == "adaptive":
+            trainer.rollout._online_rule = _moving(trainer.rollout._online_rule, rules)
+        steps = []
+        for step in (1,):
+            m = trainer.step(step)
+            steps.append({k: m[k] for k in ("reward_mean", "loss", "grad_norm", "response_len_mean")})
+        digest = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
+        results[policy] = {"steps": steps, "weights": digest.tolist(), "moves": sum(r.moves for r in rules)}
+    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def test_adaptive_training_migrates_and_equals_vanilla(tmp_path):
+    from megatron_rl.data.arith import make_problems, write_jsonl
+    from megatron_rl.parallel.launch import run_ranks
+
+    data = tmp_path / "arith.jsonl"
+    write_jsonl(make_problems(8, seed=0, max_operand=4, ops="+"), data)
+    run_ranks(_train, 2, str(data), str(tmp_path), timeout_s=120.0)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["adaptive"]["moves"] >= 1, "no request moved: the test proves nothing"
+        assert r["adaptive"]["steps"] == r["vanilla"]["steps"]
+        assert r["adaptive"]["weights"] == r["vanilla"]["weights"]  # float64, bitwise
