@@ -88,6 +88,9 @@ def from_dict(cls: type[T], data: dict, where: str) -> T:
     """Build dataclass `cls` from `data`; `where` prefixes every error (e.g. 'cfg.yaml: model')."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    upgrade = getattr(cls, "upgrade", None)  # a config that renamed fields reads the old names too
+    if upgrade is not None:
+        data = upgrade(data)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(

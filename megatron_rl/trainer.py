@@ -32,7 +32,7 @@ from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats
-from megatron_rl.models.megatron_backend import backend_report, require_backend
+from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
@@ -257,16 +257,11 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.rl.checkpoint import latest_checkpoint
+    from megatron_rl.rollout.preflight import preflight
 
-    require_backend(cfg.backend)
+    preflight(cfg.backend, cfg.dtype, cfg.leases)
     device = resolve_device(cfg.device)
     check_init(cfg)
-    if "sglang" in cfg.leases.jobs:
-        from megatron_rl.rollout.sglang_lease import require_sglang
-
-        require_sglang()
-    if {"sidecar", "sglang"} & set(cfg.leases.jobs):
-        cfg.leases.sidecar.preflight()
     data = load_prompts(cfg.data)
     if data.skipped:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "

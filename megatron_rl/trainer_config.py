@@ -8,12 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from elastic.planning.policies import POLICIES
 from megatron_rl.config import require
 from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice
+from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.rewards import RewardConfig
 from megatron_rl.rollout.lease_jobs import LeaseConfig
 
@@ -74,7 +76,7 @@ class GenerationConfig:
 class ElasticConfig:
     """How the rollout phase places responses and shrinks the EP group (see elastic/)."""
 
-    policy: Literal["vanilla", "lengthsort", "natural", "planned", "adaptive"] = "vanilla"
+    policy: Literal[POLICIES] = "vanilla"
     floor: int | None = None  # default for natural/planned: ranks // 2
     tailguard: bool = False
     status_interval: int = 1
@@ -154,8 +156,7 @@ class TrainerConfig:
         W, E = self.ranks, self.model.num_moe_experts
         require(self.steps > 0, f"steps: expected > 0, got {self.steps}")
         require(self.prompts_per_step > 0, f"prompts_per_step: expected > 0, got {self.prompts_per_step}")
-        require(W > 0 and E % W == 0,
-                f"ranks: the model's {E} experts must divide over the ranks, got ranks={W}")
+        parallel_dims(W, E, self.backend)
         rows = self.prompts_per_step * self.grpo.group_size
         require(rows % (W * self.grpo.minibatches) == 0,
                 f"prompts_per_step x grpo.group_size ({rows}) must divide over ranks x "

@@ -20,6 +20,7 @@ from elastic.planning.layout import natural
 from elastic.planning.online import OnlineOptions, online_model
 from elastic.planning.plan import OWNERSHIPS, Plan
 from elastic.planning.planner import OBJECTIVES, make_plan
+from elastic.planning.policies import SIM_POLICIES as POLICIES
 from elastic.planning.replan import OnlineRule, ladder_plan
 from elastic.planning.schedule import build_stages
 from elastic.planning.shape import ModelShape
@@ -27,7 +28,6 @@ from elastic.sim.costmodel import CostModel
 from elastic.sim.simulate import RolloutResult, SimConfig, simulate_rollout
 from elastic.trace import Trace, TraceError, TraceRecord
 
-POLICIES = ("vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive")
 # The layout each policy asks the planner for.
 _LAYOUT = {"lengthsort": "lengthsort", "natural": "natural", "planned": "planned", "oracle": "planned",
            "adaptive": "planned"}

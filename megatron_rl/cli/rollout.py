@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from elastic.planning.policies import POLICIES
+
 
 def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, policy: bool = True) -> None:
     p.add_argument("--config", default=default_config,
@@ -22,7 +24,7 @@ def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, pol
     p.add_argument("--length-scale", type=float, help="multiply traced lengths by this (CPU runs)")
     p.add_argument("--ranks", type=int, help="number of ranks (ignored under torchrun: WORLD_SIZE)")
     if policy:  # `demo` runs a fixed pair of policies
-        p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned", "adaptive"])
+        p.add_argument("--policy", choices=POLICIES)
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to")
     p.add_argument("--tailguard", action="store_true", default=None, help="guard predictions with TailGuard")
     p.add_argument("--seed", type=int)

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from elastic.planning.policies import SIM_POLICIES
 from megatron_rl.errors import FlexFloorError
 
 
@@ -17,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "with an earlier epoch is one rollout; figures are summed over rollouts.",
     )
     p.add_argument("--trace", required=True, help="length trace (JSON Lines, see DESIGN.md)")
-    p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive"],
+    p.add_argument("--policy", choices=SIM_POLICIES,
                    help="adaptive: planned, then the online rule re-predicts, re-plans and migrates "
                         "stragglers at every check (docs/planner.md)")
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to (default 4)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from elastic.planning.policies import SIM_POLICIES
 from elastic.planning.shape import SHAPES, ModelShape
 from elastic.sim.costmodel import CostModel
 from megatron_rl.config import require
@@ -15,7 +16,7 @@ from megatron_rl.config import require
 @dataclass
 class SimulateConfig:
     trace: str = ""  # --trace is a required flag
-    policy: Literal["vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive"] = "planned"
+    policy: Literal[SIM_POLICIES] = "planned"
     floor: int = 4
     tailguard: bool = False
     objective: Literal["occupied", "rollout"] = "occupied"

@@ -17,12 +17,14 @@ import json
 import os
 from pathlib import Path
 
+from elastic.planning.policies import POLICIES
+
 
 def run(args) -> int:
     from megatron_rl.cli.outputs import check_out_dir, check_out_file
     from megatron_rl.cli.overrides import resolve
     from megatron_rl.config import config_yaml
-    from megatron_rl.models.megatron_backend import require_backend
+    from megatron_rl.rollout.preflight import preflight
     from megatron_rl.trainer import run_training
     from megatron_rl.trainer_config import TrainerConfig
 
@@ -33,7 +35,7 @@ def run(args) -> int:
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0
-    require_backend(cfg.backend)  # a backend this machine cannot run is refused before any output
+    preflight(cfg.backend, cfg.dtype, cfg.leases)  # what this machine cannot run is refused before any output
     check_out_dir(args.out, "--out")
     check_out_file(args.json, "--json")
     summary = run_training(cfg, args.out)
@@ -59,7 +61,7 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML trainer config, e.g. examples/tiny_cpu_grpo.yaml")
     p.add_argument("--out", default="runs/train", help="output folder (resumes if it holds a checkpoint)")
-    p.add_argument("--policy", choices=["vanilla", "lengthsort", "natural", "planned", "adaptive"],
+    p.add_argument("--policy", choices=POLICIES,
                    help="rollout policy (elastic.policy)")
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to (elastic.floor)")
     p.add_argument("--steps", type=int, help="train until this step")

@@ -28,9 +28,10 @@ from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+from megatron_rl.parallel.dims import ranks_on_this_host
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
+from megatron_rl.rollout.memory import memory_budget, model_shape
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
 from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout
 from megatron_rl.rollout.sampling import SamplingParams

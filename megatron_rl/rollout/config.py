@@ -7,21 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from elastic.planning.policies import POLICIES
 from megatron_rl.config import require
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
-from megatron_rl.rollout.lease_jobs import check_lease_jobs
+from megatron_rl.parallel.dims import parallel_dims
+from megatron_rl.rollout.lease_jobs import LeaseConfig
 from megatron_rl.rollout.sampling import SamplingParams
-from megatron_rl.rollout.sidecar import SidecarConfig
-
-POLICIES = ("vanilla", "lengthsort", "natural", "planned")
-
-
-def check_experts_over_ranks(experts: int, ranks: int, what: str) -> None:
-    """Expert parallelism over `ranks`: every rank owns the same number (>= 1) of experts."""
-    require(ranks <= experts, f"ranks ({ranks}) exceeds the model's experts ({experts}) in {what}; "
-                              "every rank must own one")
-    require(experts % ranks == 0, f"{what} ({experts}) must be divisible by ranks ({ranks})")
 
 
 @dataclass
@@ -57,16 +49,14 @@ class RolloutConfig:
     max_batch_per_rank: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
     batch: BatchConfig = field(default_factory=BatchConfig)
-    policy: Literal["vanilla", "lengthsort", "natural", "planned", "adaptive"] = "vanilla"
+    policy: Literal[POLICIES] = "vanilla"
     floor: int | None = None
     tailguard: bool = False
     status_interval: int = 1
     timeout_s: float = 300.0
-    # Side work for detached ranks (elastic policies): "rewards" and one of "sidecar" / "sglang".
-    leases: list[str] = field(default_factory=list)
-    lease_s: float = 60.0
-    lease_grace_s: float = 5.0
-    sidecar: SidecarConfig = field(default_factory=SidecarConfig)
+    # Side work for detached ranks (elastic policies): `leases.jobs` "rewards" and one of "sidecar"
+    # / "sglang"; none by default. Earlier files' flat fields are read too (`upgrade`).
+    leases: LeaseConfig = field(default_factory=lambda: LeaseConfig(jobs=[]))
     fault: Literal["kill-leased-rank", "fail-transfer", "stuck-lease"] | None = None
     # Where ranks compute: `cuda` is one GPU per rank over NCCL, `cpu` gloo ranks (the default, as
     # this is the tiny CPU example), `auto` cuda when CUDA is available. `transport: host` stages EP
@@ -80,17 +70,30 @@ class RolloutConfig:
     kv_memory_fraction: float = 0.9
 
     def __post_init__(self):
-        require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
         if self.checkpoint is None:  # else the checkpoint's config.json decides, checked when read
-            check_experts_over_ranks(self.model.num_moe_experts, self.ranks, "model.num_moe_experts")
+            parallel_dims(self.ranks, self.model.num_moe_experts, self.backend)
+        else:
+            require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
         require(self.max_batch_per_rank > 0, "max_batch_per_rank must be > 0")
         require(self.status_interval > 0, f"status_interval must be > 0, got {self.status_interval}")
         require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
-        check_lease_jobs(self.leases, "leases")
-        if {"sidecar", "sglang"} & set(self.leases):
-            self.sidecar.check("leases", self.lease_grace_s)
-        require(self.lease_s > 0 and self.lease_grace_s > 0, "lease_s and lease_grace_s must be > 0")
         require(0 < self.kv_memory_fraction <= 1,
                 f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.floor is not None:
             require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")
+
+    @staticmethod
+    def upgrade(data: dict) -> dict:
+        """An earlier file's flat lease fields (`leases: [jobs]`, `lease_s`, `lease_grace_s`,
+        `sidecar`) moved under `leases:` (`LeaseConfig`, as `flexfloor train` has them)."""
+        flat = {"lease_s": "lease_s", "lease_grace_s": "grace_s", "sidecar": "sidecar"}
+        if not isinstance(data.get("leases"), list) and not flat.keys() & data.keys():
+            return data
+        data = dict(data)
+        leases = data.pop("leases", None)
+        leases = {"jobs": leases} if isinstance(leases, list) else dict(leases or {})
+        for old, new in flat.items():
+            if old in data:
+                leases[new] = data.pop(old)
+        data["leases"] = {"jobs": [], **leases}
+        return data

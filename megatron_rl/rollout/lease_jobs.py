@@ -29,7 +29,7 @@ def check_lease_jobs(jobs: list[str], where: str) -> None:
 
 @dataclass
 class LeaseConfig:
-    """`flexfloor train`'s side work for detached ranks (the rollout CLI has the same fields flat)."""
+    """The side work of detached ranks (`leases:` of both `flexfloor rollout` and `train`)."""
 
     jobs: list[str] = field(default_factory=lambda: ["rewards"])
     lease_s: float = 60.0  # longest single lease

@@ -71,9 +71,3 @@ def model_shape(mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget, ra
         memory_per_rank_bytes=budget.device_bytes, memory_utilization=budget.utilization,
         ranks_per_node=ranks_per_node,
     )
-
-
-def ranks_on_this_host(ranks: int) -> int:
-    """Ranks that share this host's memory: torchrun's LOCAL_WORLD_SIZE, else all of them (the
-    `flexfloor` launcher starts every rank here)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", ranks))

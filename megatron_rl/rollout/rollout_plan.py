@@ -16,9 +16,10 @@ from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import resolve_device
-from megatron_rl.rollout.config import RolloutConfig, check_experts_over_ranks
+from megatron_rl.parallel.dims import parallel_dims, ranks_on_this_host
+from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_cost import engine_cost
-from megatron_rl.rollout.memory import memory_budget, model_shape, ranks_on_this_host
+from megatron_rl.rollout.memory import memory_budget, model_shape
 
 
 def model_config(cfg: RolloutConfig) -> MoEModelConfig:
@@ -32,7 +33,7 @@ def model_config(cfg: RolloutConfig) -> MoEModelConfig:
     if cfg.model != MoEModelConfig():
         check_same_shape(cfg.checkpoint, cfg.model, where="model:")
     mcfg = check_hf_checkpoint(cfg.checkpoint)
-    check_experts_over_ranks(mcfg.num_moe_experts, cfg.ranks, f"num_experts of {cfg.checkpoint}")
+    parallel_dims(cfg.ranks, mcfg.num_moe_experts, cfg.backend, f"num_experts of {cfg.checkpoint}")
     return mcfg
 
 
@@ -63,10 +64,8 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
     engine's measured step and shrink (`engine_cost`, the run decoding `length_scale` of each trace
     length); on GPU on the shape's cost model; `shrink_cost_s` instead prices a shrink at that fixed
     cost on the shape's model. When a shrinking policy keeps every rank, stderr says why."""
-    W, E = ranks, mcfg.num_moe_experts
-    if E % W or W > E:
-        raise FlexFloorError(f"the model's {E} experts cannot be divided over {W} ranks "
-                             "(experts must be a multiple of ranks)")
+    dims = parallel_dims(ranks, mcfg.num_moe_experts, source="the model's experts")
+    W, E = dims.world, dims.experts
     keys = [(r.prompt_id, r.sample) for r in batch]
     if policy == "vanilla":
         return static_plan("natural", natural(keys, W), W, E)
@@ -74,7 +73,7 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
     from elastic.planning.release import ShapeCost
 
     floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
-    shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=ranks_on_this_host(W))
+    shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
     if shrink_cost_s is not None:
         cost = ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     else:

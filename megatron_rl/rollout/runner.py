@@ -20,12 +20,14 @@ from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import dist_backend, resolve_device
+from megatron_rl.parallel.dims import ranks_on_this_host
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
-from megatron_rl.rollout.memory import model_shape, ranks_on_this_host
+from megatron_rl.rollout.memory import model_shape
+from megatron_rl.rollout.preflight import preflight
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
 from megatron_rl.rollout.rollout_plan import build_plan, model_config, online_rule, rollout_budget
 
@@ -81,10 +83,11 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
                        fault=cfg.fault, progress=None if quiet else _progress(time.perf_counter()))
 
     def pool(fault_here: bool) -> IdlePool:
-        jobs = lease_jobs(cfg.leases, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
-                          sidecar=sidecar_job(cfg.leases, cfg.sidecar, rank, ctx.world),
+        leases = cfg.leases
+        jobs = lease_jobs(leases.jobs, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
+                          sidecar=sidecar_job(leases.jobs, leases.sidecar, rank, ctx.world),
                           fault=cfg.fault if fault_here else None)
-        return IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.lease_grace_s)
+        return IdlePool(jobs, lease_s=leases.lease_s, grace_s=leases.grace_s)
 
     stream = None if out_dir is None else ResponseStream(out_dir, rank, engine, _row)
     outcome = run_rank(spec, engine, pool=pool, stream=stream)
@@ -126,17 +129,7 @@ class RolloutJob:
 
 
 def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
-    from megatron_rl.models.megatron_backend import require_backend
-
-    require_backend(cfg.backend)
-    if cfg.backend == "megatron" and cfg.dtype == "float64":
-        raise FlexFloorError("backend 'megatron': megatron-core runs bfloat16 or float32, not dtype float64")
-    if "sglang" in cfg.leases:
-        from megatron_rl.rollout.sglang_lease import require_sglang
-
-        require_sglang()
-    if {"sidecar", "sglang"} & set(cfg.leases):
-        cfg.sidecar.preflight()
+    preflight(cfg.backend, cfg.dtype, cfg.leases)
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)

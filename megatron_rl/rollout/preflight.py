@@ -1,0 +1,25 @@
+"""The one preflight of a run (`flexfloor rollout`, `demo`, `train`): what this machine and the
+config's files must offer, checked on the driver before any rank starts or any output is written,
+so a run that cannot start stops with one line instead of inside W ranks.
+"""
+from __future__ import annotations
+
+from megatron_rl.errors import FlexFloorError
+from megatron_rl.rollout.lease_jobs import LeaseConfig
+
+
+def preflight(backend: str, dtype: str, leases: LeaseConfig) -> None:
+    """The backend's libraries and device, a dtype it runs, sglang for an `sglang` lease, and a
+    sidecar's checkpoint headers and queries."""
+    # Imported here: tests stand in for the CUDA check (`megatron_backend.require_backend`).
+    from megatron_rl.models import megatron_backend
+
+    megatron_backend.require_backend(backend)
+    if backend == "megatron" and dtype == "float64":
+        raise FlexFloorError("backend 'megatron': megatron-core runs bfloat16 or float32, not dtype float64")
+    if "sglang" in leases.jobs:
+        from megatron_rl.rollout.sglang_lease import require_sglang
+
+        require_sglang()
+    if {"sidecar", "sglang"} & set(leases.jobs):
+        leases.sidecar.preflight()
