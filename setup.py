@@ -31,6 +31,8 @@ setup(
         "transformers>=5,<6",
     ],
     extras_require={
+        # Figures: `--plot` (rollout, demo, simulate) and `logging.plot_every` (train).
+        "plot": ["matplotlib"],
         "dev": [
             "pytest",
             "pytest-timeout",

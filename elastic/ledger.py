@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic.timeline import RankTimeline
+
 STATES = ("busy", "dummy", "transition", "leased", "idle")
 OCCUPIED = ("busy", "dummy", "transition")
 DETACHED = ("leased", "idle")
@@ -20,19 +22,32 @@ class RankLedger:
     rank: int
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATES, 0.0))
     steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATES, 0))
+    # The same entries laid out over time (elastic/timeline.py), when they are added one by one.
+    timeline: RankTimeline = field(default_factory=RankTimeline, repr=False, compare=False)
 
     def add(self, state: str, seconds: float, steps: int = 1) -> None:
         if state not in self.seconds:
             raise ValueError(f"unknown ledger state {state!r}; states are {STATES}")
         self.seconds[state] += seconds
         self.steps[state] += steps
+        self.timeline.add(state, seconds, steps)
+
+    def lead(self, state: str, seconds: float) -> None:
+        """Seconds (no steps) before this rank's first entry, e.g. waiting at the start barrier."""
+        self.seconds[state] += seconds
+        self.timeline.lead(state, seconds)
+
+    def mark(self, kind: str, label: str = "") -> None:
+        """An event on this rank's timeline now (`elastic.timeline.MARKS`)."""
+        self.timeline.mark(kind, label)
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "seconds": dict(self.seconds), "steps": dict(self.steps)}
+        return {"rank": self.rank, "seconds": dict(self.seconds), "steps": dict(self.steps),
+                "timeline": self.timeline.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RankLedger":
-        return cls(d["rank"], dict(d["seconds"]), dict(d["steps"]))
+        return cls(d["rank"], dict(d["seconds"]), dict(d["steps"]), RankTimeline.from_dict(d.get("timeline", {})))
 
 
 @dataclass

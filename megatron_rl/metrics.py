@@ -29,6 +29,17 @@ from megatron_rl.wandb_run import LoggingConfig, finish, resolve_mode, start_run
 STEP_METRIC = "trainer/step"
 
 
+def require_matplotlib(what: str) -> None:
+    """Figures (timelines, simulator plots) need matplotlib, which is optional (the `plot` extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        from megatron_rl.errors import FlexFloorError
+
+        raise FlexFloorError(f"{what}: drawing figures needs matplotlib, which is not installed "
+                             "(pip install matplotlib)") from None
+
+
 def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str, float]:
     """Response-length figures of one rollout (p50/p99 by linear interpolation)."""
     a = np.asarray(lengths, dtype=np.float64)
@@ -116,14 +127,22 @@ class MetricsLogger:
     def wandb_dir(self) -> Path | None:
         return Path(self._run.dir).parent if self._run is not None else None
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], images: dict[str, Path] | None = None,
+            tables: dict[str, tuple[list[str], list[list]]] | None = None) -> None:
+        """One step's metrics; `images` (PNG files) and `tables` (columns, rows) go to W&B only, in
+        the same row (the JSONL file names the images' files)."""
         flat = grouped(metrics)
-        self._fh.write(json.dumps({"step": step, **flat}, default=float) + "\n")
+        files = {f"plots/{k}": str(v) for k, v in (images or {}).items()}
+        self._fh.write(json.dumps({"step": step, **flat, **files}, default=float) + "\n")
         self._fh.flush()
         if self._run is not None:
+            import wandb
+
+            media = {f"plots/{k}": wandb.Image(str(v)) for k, v in (images or {}).items()}
+            media.update({k: wandb.Table(columns=c, data=r) for k, (c, r) in (tables or {}).items()})
             # A fresh run logs trainer step k at W&B step k; after a resume, above the last one sent.
             self._last_wandb_step = max(step, self._last_wandb_step + 1)
-            self._run.log({**numeric(flat), STEP_METRIC: step}, step=self._last_wandb_step)
+            self._run.log({**numeric(flat), **media, STEP_METRIC: step}, step=self._last_wandb_step)
             self._save_state()
 
     def close(self) -> None:

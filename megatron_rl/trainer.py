@@ -31,7 +31,7 @@ from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
 from megatron_rl.errors import FlexFloorError
-from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats
+from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats, require_matplotlib
 from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.rewards import OUTCOMES, Scorer
@@ -106,6 +106,7 @@ class Trainer:
         prompts = [self.data[i] for i in batch.indices]
 
         rollout = self.rollout.run(step, prompts, self.history)
+        self.timeline = rollout.timeline
         t = self._lap(times, "rollout", t)
 
         rewards, counts = self.score(prompts, rollout.responses, rollout.scored)
@@ -169,6 +170,19 @@ class Trainer:
         times[name] = now - t
         return now
 
+    def _timeline_media(self, step: int) -> dict:
+        """Every `logging.plot_every` steps: the step's rollout timeline, drawn to
+        OUT/timelines/step<N>.png, and its segments, for the metrics logger."""
+        every = self.cfg.logging.plot_every
+        if not every or step % every:
+            return {}
+        from elastic.timeline_plot import plot_timelines
+
+        tl = self.timeline
+        tl.title = f"step {step}: {self.cfg.elastic.policy}"
+        path = plot_timelines([tl], self.out_dir / "timelines" / f"step{step:06d}.png")
+        return {"images": {"rollout_timeline": path}, "tables": {"rollout/timeline": (tl.columns(), tl.rows())}}
+
     # ---- the run --------------------------------------------------------------------------------
     def trainer_state(self) -> dict:
         return {"data": self.iterator.state_dict(), "seed": self.cfg.seed,
@@ -184,7 +198,7 @@ class Trainer:
                     check_finite(step, metrics, self.out_dir)
                     curve.append(metrics["reward_mean"])
                     if self.logger is not None:
-                        self.logger.log(step, metrics)
+                        self.logger.log(step, metrics, **self._timeline_media(step))
                         print(f"[train] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
                               f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
                               f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
@@ -260,6 +274,8 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     from megatron_rl.rollout.preflight import preflight
 
     preflight(cfg.backend, cfg.dtype, cfg.leases)
+    if cfg.logging.plot_every:
+        require_matplotlib("logging.plot_every")
     device = resolve_device(cfg.device)
     check_init(cfg)
     data = load_prompts(cfg.data)

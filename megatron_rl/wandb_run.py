@@ -28,9 +28,13 @@ class LoggingConfig:
     run_name: str | None = None
     experiment: str | None = None  # the W&B group; the CLI fills in the config file's name
     tags: list[str] = field(default_factory=list)
+    # `flexfloor train`: every this many steps, the step's per-rank rollout timeline as a PNG
+    # (OUT/timelines/) and to W&B with its segments as a table; 0: never (needs matplotlib).
+    plot_every: int = 0
 
     def __post_init__(self) -> None:
         require(bool(self.project), "logging.project: expected a W&B project name")
+        require(self.plot_every >= 0, f"logging.plot_every: expected >= 0 steps (0: never), got {self.plot_every}")
 
 
 def resolve_mode(cfg: LoggingConfig) -> str:

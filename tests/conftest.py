@@ -109,3 +109,19 @@ def write_tiny_sidecar(folder, queries=24):
     save_hf_checkpoint(model, folder / "model")
     write_jsonl(make_problems(queries, seed=1, max_operand=9), folder / "queries.jsonl")
     return str(folder / "model"), str(folder / "queries.jsonl")
+
+
+def check_timeline(report: dict):
+    """A rollout report's per-rank timeline conserves its ledger (elastic/timeline.py): per rank and
+    state, the segments' seconds sum to the ledger's rank-seconds and their steps to its steps.
+    Returns the timeline."""
+    from elastic.ledger import Ledger, RankLedger
+    from elastic.timeline import Timeline
+
+    ledger = Ledger([RankLedger.from_dict({k: v for k, v in d.items() if k != "timeline"})
+                     for d in report["per_rank"]], report["rollout_time_s"], report["rollout_steps"])
+    ledger.check()
+    timeline = Timeline.of_report(report)
+    timeline.check(ledger)
+    assert {s: sum(r.seconds[s] for r in ledger.ranks) for s in ledger.ranks[0].seconds} == report["rank_seconds"]
+    return timeline

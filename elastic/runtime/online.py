@@ -77,16 +77,19 @@ class OnlineDriver:
                                         group).cpu().tolist()
         return v[1] == v[0] * h and v[2] == v[0] * h * h
 
-    def migrate(self, engine, moves: Sequence[tuple[int, int]]) -> None:
-        """Carry out the moves (response index, destination) in order on every rank. Every message
-        goes through the engine's transport on its device (NCCL sends GPU tensors only)."""
+    def migrate(self, engine, moves: Sequence[tuple[int, int]]) -> int:
+        """Carry out the moves (response index, destination) in order on every rank; returns how
+        many this rank sent or received. Every message goes through the engine's transport on its
+        device (NCCL sends GPU tensors only)."""
         send, recv, dev = engine.transport.send, engine.transport.recv, engine.device
 
         def receive(n: int) -> list[int]:
             return recv(torch.zeros(n, dtype=torch.long, device=dev), src, TAG_MIGRATE).tolist()
 
+        mine = 0
         for i, dst in moves:
             src, key = int(self.rank_of[i]), self.keys[i]
+            mine += self.rank in (src, dst)
             if self.rank == src:
                 header, ids, kv = engine.export_request(key)
                 for t in (header, ids, kv) if kv.numel() else (header, ids):  # not yet prefilled: no KV
@@ -104,4 +107,5 @@ class OnlineDriver:
                 send(torch.ones(1, dtype=torch.long, device=dev), src, TAG_MIGRATE)
                 self.migrated += 1
             self.rank_of[i] = dst
+        return mine
 

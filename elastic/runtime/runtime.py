@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,6 +75,7 @@ class RankOutcome:
     end_state: str = "dummy"
     freed_bytes: dict = field(default_factory=dict)  # a detached rank's memory freed for its lease
     migrated: int = 0  # live requests this rank received from leaving ranks (online rule)
+    host: str = field(default_factory=socket.gethostname)  # the host this rank ran on
 
 
 def ledger_of(outcomes: list[RankOutcome]) -> Ledger:
@@ -86,7 +88,7 @@ def ledger_of(outcomes: list[RankOutcome]) -> Ledger:
     """
     start, end = min(o.start_wall for o in outcomes), max(o.end_wall for o in outcomes)
     for o in outcomes:
-        o.ledger.add("dummy", o.start_wall - start, 0)
+        o.ledger.lead("dummy", o.start_wall - start)
         o.ledger.add(o.end_state, end - o.end_wall, 0)
     return Ledger([o.ledger for o in outcomes], wall_s=end - start, total_steps=outcomes[0].total_steps)
 
@@ -226,19 +228,21 @@ class ElasticRuntime:
                     if nxt == self.stage and decision.moves:
                         # A rebalance inside the group: one transition tick for its members.
                         self.phase = "migrate"
-                        self.online.migrate(self.engine, decision.moves)
+                        moved = self.online.migrate(self.engine, decision.moves)
                         now = time.perf_counter()
                         ledger.add("transition", now - t_prev)
+                        if moved:
+                            ledger.mark("migrate", f"{moved} moved")
                         t_prev, tick = now, tick + 1
                         continue
                 else:
                     drained = {r for r in range(self.world) if status[r] == 0}
                     nxt = plan.advance(self.stage, drained)
                 if nxt != self.stage:
-                    self.phase = "shrink"
+                    self.phase, moved = "shrink", 0
                     if self.online is not None:
                         self.phase = "migrate"
-                        self.online.migrate(self.engine, decision.moves)
+                        moved = self.online.migrate(self.engine, decision.moves)
                         self.phase = "shrink"
                     _move_experts(self.engine, plan.transfers(self.stage, nxt), rank)
                     leaving = rank not in plan.stages[nxt].members
@@ -253,6 +257,9 @@ class ElasticRuntime:
                         self._use_stage(nxt)
                     now = time.perf_counter()
                     ledger.add("transition", now - t_prev)
+                    if moved:
+                        ledger.mark("migrate", f"{moved} moved")
+                    ledger.mark("stage", f"stage {nxt}: {len(plan.stages[nxt].members)} ranks")
                     shrink_s[nxt] = now - t_prev
                     t_prev, tick = now, tick + 1
                     self.stage = nxt
@@ -326,6 +333,7 @@ class ElasticRuntime:
             now = time.perf_counter()
             restore_s = now - t_prev
             ledger.add("transition", restore_s)
+            ledger.mark("stage", f"stage 0: {self.world} ranks (restore)")
             t_prev, total_ticks = now, total_ticks + 1
         dist.barrier()
         end = time.perf_counter()

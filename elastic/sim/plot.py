@@ -1,13 +1,14 @@
 """PNG figures of simulated policies (`flexfloor simulate --plot DIR`); matplotlib is imported here
-only, so nothing else in elastic/ needs it."""
+and in elastic/timeline_plot.py only, so nothing else in elastic/ needs it."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from elastic.ledger import STATES
 from elastic.sim.replay import TraceResult
-
-_COLOURS = {"busy": "#2b8cbe", "dummy": "#e34a33", "transition": "#fdbb84", "leased": "#31a354", "idle": "#bdbdbd"}
+from elastic.timeline import Timeline
+from elastic.timeline_plot import COLOURS, plot_timelines
 
 
 def write_plots(results: list[TraceResult], out_dir: str | Path) -> list[Path]:
@@ -43,7 +44,7 @@ def write_plots(results: list[TraceResult], out_dir: str | Path) -> list[Path]:
     bottoms = [0.0] * len(results)
     for state in STATES:
         vals = [r.ledger().rank_seconds()[state] for r in results]
-        ax.bar(range(len(results)), vals, bottom=bottoms, label=state, color=_COLOURS[state])
+        ax.bar(range(len(results)), vals, bottom=bottoms, label=state, color=COLOURS[state])
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     ax.set_xticks(range(len(results)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("rank-seconds (summed over rollouts)")
@@ -54,4 +55,20 @@ def write_plots(results: list[TraceResult], out_dir: str | Path) -> list[Path]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     written.append(path)
+    return written + write_timelines(results, out)
+
+
+def write_timelines(results: list[TraceResult], out: Path) -> list[Path]:
+    """The first rollout's per-rank timeline of every policy simulated with `SimConfig.timeline`
+    (the figure `flexfloor rollout --plot` draws of a real rollout): `timeline.png` for one policy,
+    `timeline-<label>.png` each for several."""
+    written = []
+    for res in results:
+        first = res.rollouts[0].ledger
+        if not first.ranks[0].timeline.states:
+            continue
+        slug = re.sub(r"[^a-z0-9]+", "-", res.policy.label.lower()).strip("-")
+        name = "timeline" if len(results) == 1 else f"timeline-{slug}"
+        title = f"{res.policy.label} (simulated, first rollout)"
+        written.append(plot_timelines([Timeline.of_ledger(first, title=title)], out / f"{name}.png"))
     return written

@@ -37,6 +37,7 @@ from elastic.planning.plan import Plan
 from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
+from elastic.timeline import RankTimeline
 from elastic.trace import TraceRecord
 
 _BUSY, _DUMMY, _TRANS, _LEASED, _IDLE = (STATES.index(s) for s in ("busy", "dummy", "transition", "leased", "idle"))
@@ -53,6 +54,8 @@ class SimConfig:
     # When the ranks a stage waits for hold at most this many live responses in all, move those with
     # their KV to residents and start the stage (0: never migrate).
     migrate_max: int = 0
+    # Record each rank's timeline (elastic/timeline.py) in its ledger, as the runtime does.
+    timeline: bool = False
 
     def __post_init__(self):
         if self.check_every < 1:
@@ -130,6 +133,7 @@ class _Rollout:
         self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
         self.result = RolloutResult(ledger=None, response_tokens=int(self.tokens.sum()),  # type: ignore[arg-type]
                                     lower_bound_s=0.0)
+        self.timelines = [RankTimeline() for _ in range(w)] if config.timeline else None
 
     # ---- ledger helpers ---------------------------------------------------------------------------
     def _account_detached(self, members: np.ndarray, starts: np.ndarray, durations: np.ndarray) -> None:
@@ -147,11 +151,19 @@ class _Rollout:
             self.ticks[group, _LEASED] += leased_n
             self.sec[group, _IDLE] += total_s - leased_s
             self.ticks[group, _IDLE] += total_n - leased_n
+            for r in group if self.timelines is not None else ():
+                tl = self.timelines[r]
+                tl.add("idle", total_s - leased_s, total_n - leased_n)
+                if leased_n and tl.states[-1] != "leased":
+                    tl.mark("lease-start", "side work")
+                tl.add("leased", leased_s, leased_n)
 
     def _transition(self, members: np.ndarray, seconds: float) -> None:
         self._account_detached(members, np.array([self.now]), np.array([seconds]))
         self.sec[members, _TRANS] += seconds
         self.ticks[members, _TRANS] += 1
+        for r in members if self.timelines is not None else ():
+            self.timelines[r].add("transition", seconds)
         self.now += seconds
 
     def _owned(self, stage: int) -> np.ndarray:
@@ -169,6 +181,8 @@ class _Rollout:
             + float(cost.a2a_s(w, tokens.max()))
         self.sec[members, np.where(has, _BUSY, _DUMMY)] += dt
         self.ticks[members, np.where(has, _BUSY, _DUMMY)] += 1
+        for r in members if self.timelines is not None else ():
+            self.timelines[r].add("busy" if has[r] else "dummy", dt)
         self.now += dt
 
     def _decode(self, stage: int, first: int, last: int) -> None:
@@ -191,8 +205,18 @@ class _Rollout:
         self.sec[members, _DUMMY] += (~busy * durations[None, :]).sum(axis=1)
         self.ticks[members, _BUSY] += busy.sum(axis=1)
         self.ticks[members, _DUMMY] += (~busy).sum(axis=1)
+        if self.timelines is not None:
+            self._record_decode(members, busy, durations)
         self._account_detached(members, starts, durations)
         self.now += float(durations.sum())
+
+    def _record_decode(self, members: np.ndarray, busy: np.ndarray, durations: np.ndarray) -> None:
+        """Each member's busy and dummy runs of these steps, on its timeline."""
+        clock = np.concatenate(([0.0], np.cumsum(durations)))
+        for r, row in zip(members, busy):
+            bounds = np.concatenate(([0], np.flatnonzero(row[1:] != row[:-1]) + 1, [len(row)]))
+            for a, z in zip(bounds[:-1], bounds[1:]):
+                self.timelines[r].add("busy" if row[a] else "dummy", float(clock[z] - clock[a]), int(z - a))
 
     def _next_check(self, stage: int, after: int) -> tuple[int, bool]:
         """The first check step > `after` at which the next stage can start, and whether it starts
@@ -261,6 +285,8 @@ class _Rollout:
             secs = kv_bytes / (cost.transfer_intra_bytes_per_s if same else cost.transfer_inter_bytes_per_s)
             for key in (("tx", src), ("rx", dst)):
                 load[key] = load.get(key, 0.0) + secs
+                if self.timelines is not None:
+                    self.timelines[key[1]].mark("migrate", "1 moved")
             kv_total += kv_bytes
             self.origin[i] = dst
         seconds = max(load.values(), default=0.0)
@@ -276,6 +302,8 @@ class _Rollout:
         members = np.array(plan.stages[stage].members, dtype=np.int64)
         seconds = extra_s + max(cost.transfer_s(plan.transfers(stage, new)), cost.shrink_fixed_s)
         self._transition(members, seconds)
+        for r in members if self.timelines is not None else ():
+            self.timelines[r].mark("stage", f"stage {new}: {len(plan.stages[new].members)} ranks")
         self.result.transitions.append((step, stage, new, seconds))
         leaving = np.setdiff1d(members, plan.stages[new].members)
         self.detached_at[leaving] = self.now
@@ -334,11 +362,17 @@ class _Rollout:
             stage = new
         if stage != 0:
             seconds = max(cost.transfer_s(plan.transfers(stage, 0)), cost.shrink_fixed_s) + cost.restore_extra_s
+            for tl in self.timelines or ():  # the restoration pre-empts every lease
+                if tl.states[-1] == "leased":
+                    tl.mark("lease-end", "preempted")
             self._transition(np.arange(w), seconds)
+            for tl in self.timelines or ():
+                tl.mark("stage", f"stage 0: {w} ranks (restore)")
             res.transitions.append((step, stage, 0, seconds))
             res.timeline.append((self.now, w))
         total_ticks = int(self.ticks[0].sum())
-        ranks = [RankLedger(r, dict(zip(STATES, map(float, self.sec[r]))), dict(zip(STATES, map(int, self.ticks[r]))))
+        ranks = [RankLedger(r, dict(zip(STATES, map(float, self.sec[r]))), dict(zip(STATES, map(int, self.ticks[r]))),
+                            self.timelines[r] if self.timelines is not None else RankTimeline())
                  for r in range(w)]
         res.ledger = Ledger(ranks=ranks, wall_s=self.now, total_steps=total_ticks)
         res.ledger.check()

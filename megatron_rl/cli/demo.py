@@ -3,7 +3,7 @@
 A tiny Qwen3-MoE (2 layers, 8 experts) replays a DeepScaleR-like length-tailed batch twice in one
 gloo world: `vanilla` (verl-style: nobody leaves the EP group) and `planned` residency with floor 1
 and TailGuard. It prints both rank-time ledgers, the dummy run removed, and checks that both produced
-identical responses.
+identical responses; `--plot DIR` draws both rollouts' per-rank timelines.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 
 def run(args) -> int:
     from elastic.ledger import format_report
+    from megatron_rl.cli.outputs import check_plot_dir
     from megatron_rl.cli.rollout import resolve_rollout
     from megatron_rl.config import config_yaml
     from megatron_rl.rollout.runner import run_rollouts
@@ -23,6 +24,7 @@ def run(args) -> int:
     if args.print_config:
         print("\n---\n".join(config_yaml(c) for c in cfgs), end="")
         return 0
+    check_plot_dir(args.plot)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once, not once per rank
         print(f"FlexFloor demo: a {cfgs[0].model.num_layers}-layer, {cfgs[0].model.num_moe_experts}-expert "
               f"Qwen3-MoE on {cfgs[0].ranks} gloo ranks replays a length-tailed batch twice: vanilla, then "
@@ -43,10 +45,27 @@ def run(args) -> int:
           f"{van['rollout_time_s']:.2f} -> {flex['rollout_time_s']:.2f} s; response tokens per occupied "
           f"rank-second x{flex['tokens_per_occupied_rank_s'] / van['tokens_per_occupied_rank_s']:.2f}; "
           f"{flex['detached_rank_s']:.2f} detached rank-s freed for leases")
+    if args.plot:
+        write_demo_timelines(van, flex, args.plot)
     same = van["responses_sha256"] == flex["responses_sha256"]
     print(f"identical responses: {same} (sha256 {van['responses_sha256'][:16]}...); "
           f"{time.perf_counter() - t0:.1f}s total")
     return 0 if same else 1
+
+
+def write_demo_timelines(van: dict, flex: dict, folder: str) -> None:
+    """Both rollouts' per-rank timelines, each alone and side by side on one time axis."""
+    from pathlib import Path
+
+    from elastic.timeline import Timeline
+    from elastic.timeline_plot import plot_timelines
+    from megatron_rl.cli.rollout import rollout_title
+
+    pair = [Timeline.of_report(rep, rollout_title(rep)) for rep in (van, flex)]
+    for path in (plot_timelines([pair[0]], Path(folder) / "timeline-vanilla.png"),
+                 plot_timelines([pair[1]], Path(folder) / f"timeline-{flex['policy']}.png"),
+                 plot_timelines(pair, Path(folder) / "timeline-demo.png")):
+        print(f"wrote {path}")
 
 
 def register(sub) -> None:

@@ -41,3 +41,13 @@ def check_out_file(path: str | Path | None, flag: str) -> None:
     if not p.parent.is_dir():
         raise FlexFloorError(f"{label}: folder {p.parent} does not exist")
     _probe(p.parent, label)
+
+
+def check_plot_dir(path: str | Path | None, flag: str = "--plot") -> None:
+    """`path` can take figures and matplotlib (optional: the `dev` and `plot` extras) imports."""
+    if path is None:
+        return
+    from megatron_rl.metrics import require_matplotlib
+
+    require_matplotlib(flag)
+    check_out_dir(path, flag)

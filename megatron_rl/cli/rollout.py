@@ -34,6 +34,9 @@ def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, pol
     p.add_argument("--out", help="folder for plan.json, streamed responses and report.json")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--plot", metavar="DIR",
+                   help="write each rollout's per-rank timeline (states over wall time, stage changes, "
+                        "migrations and leases marked) as a PNG to DIR (needs matplotlib)")
     from megatron_rl.cli.overrides import add_override_args
 
     add_override_args(p)
@@ -57,7 +60,7 @@ def resolve_rollout(args, pinned: dict | None = None):
 
 def run(args) -> int:
     from elastic.ledger import format_report
-    from megatron_rl.cli.outputs import check_out_dir, check_out_file
+    from megatron_rl.cli.outputs import check_out_dir, check_out_file, check_plot_dir
     from megatron_rl.config import config_yaml, write_config
     from megatron_rl.rollout.runner import run_rollout
 
@@ -68,6 +71,7 @@ def run(args) -> int:
     out_dir = args.out
     check_out_dir(out_dir, "--out")
     check_out_file(args.json, "--json")
+    check_plot_dir(args.plot)
     if out_dir is not None:
         write_config(cfg, out_dir)
     t0 = time.perf_counter()
@@ -94,23 +98,46 @@ def run(args) -> int:
         (Path(out_dir) / "report.json").write_text(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
+    plot = write_timeline(report, Path(args.plot) / "timeline.png", rollout_title(report)) if args.plot else None
     if args.wandb:
-        log_rollout_wandb(args, cfg, report)
+        log_rollout_wandb(args, cfg, report, plot)
     sys.stdout.flush()
     return 0
 
 
-def log_rollout_wandb(args, cfg, report: dict) -> None:
-    """The report as one offline (unless WANDB_MODE=online) W&B run under --out (or `.`)."""
+def rollout_title(report: dict) -> str:
+    """A timeline's title: the policy, and the floor and TailGuard of a shrinking one."""
+    if len(report["stages"]) == 1 and report["policy"] == "vanilla":
+        return "vanilla"
+    return f"{report['policy']} floor {report['floor']}" + (" + TailGuard" if report["tailguard"] else "")
+
+
+def write_timeline(report: dict, path: Path, title: str) -> Path:
+    """The rollout's per-rank timeline as a PNG (elastic/timeline_plot.py); says where on stderr."""
+    from elastic.timeline import Timeline
+    from elastic.timeline_plot import plot_timelines
+
+    out = plot_timelines([Timeline.of_report(report, title)], path)
+    print(f"wrote {out}", file=sys.stderr)
+    return out
+
+
+def log_rollout_wandb(args, cfg, report: dict, plot: Path | None = None) -> None:
+    """The report as one offline (unless WANDB_MODE=online) W&B run under --out (or `.`): its
+    numbers, the timeline's segments as a table, and the timeline figure when --plot drew one."""
     from dataclasses import asdict
 
+    from elastic.timeline import Timeline
     from megatron_rl.metric_keys import grouped, numeric
     from megatron_rl.wandb_run import LoggingConfig, log_report, policy_tags
 
     logging = LoggingConfig(project=args.wandb, experiment=Path(args.config).stem if args.config else "rollout")
     metrics = numeric(grouped({k: v for k, v in report.items() if k != "per_rank"}))
+    timeline = Timeline.of_report(report)
     folder = log_report(args.out or ".", logging, job_type="rollout", config=asdict(cfg),
-                        tags=policy_tags(report["policy"], report["floor"]), metrics=metrics)
+                        tags=policy_tags(report["policy"], report["floor"]), metrics=metrics,
+                        tables={"timeline": (timeline.columns(), timeline.rows())},
+                        images=[plot] if plot is not None else None)
     if folder is not None:
         print(f"wandb: {folder}", file=sys.stderr)
 

@@ -111,20 +111,17 @@ def _run(args) -> int:
     from elastic.planning.plan import BACKEND_OWNERSHIP
     from elastic.sim.replay import Policy, compare_policies, simulate_trace
     from elastic.sim.report import compare_table, run_compare, single_report
-    from megatron_rl.cli.outputs import check_out_dir
+    from megatron_rl.cli.outputs import check_plot_dir
     from megatron_rl.config import config_yaml
 
     c = resolve_simulate(args)
     if args.print_config:
         print(config_yaml(c), end="")
         return 0
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401  (in the dev extra, not a core dependency)
-        except ImportError:
-            raise FlexFloorError("--plot needs matplotlib: pip install matplotlib") from None
-        check_out_dir(args.plot, "--plot")
+    check_plot_dir(args.plot)
     trace, epochs, shape, cost, config = _setup(c)
+    if args.plot or args.wandb:  # the figures include each policy's per-rank timeline
+        config = replace(config, timeline=True)
     if args.compare:
         rows = run_compare(trace, ranks=c.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
                            policies=compare_policies(objective=c.objective,

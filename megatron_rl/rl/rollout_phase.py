@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.planning.plan import BACKEND_OWNERSHIP, block_owners
+from elastic.timeline import Timeline
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
@@ -59,6 +60,7 @@ class RolloutResult:
     wall_s: float = 0.0
     scored: dict[int, str] = field(default_factory=dict)  # canonical index -> outcome a lease found
     lease: dict = field(default_factory=dict)  # `rl/leases.py:lease_metrics`
+    timeline: Timeline | None = None  # per-rank states over the rollout's wall time
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,8 @@ class RolloutPhase:
         return RolloutResult(responses, summary, [list(s.members) for s in plan.stages],
                              plan.meta.get("effective_layout", plan.layout),
                              hashlib.sha256(json.dumps(ranks).encode()).hexdigest()[:16],
-                             time.perf_counter() - t0, scored, lease)
+                             time.perf_counter() - t0, scored, lease,
+                             Timeline.of_ledger(gathered.ledger, [o.pool_report for o in gathered.outcomes]))
 
     def _online_rule(self, plan, items: list[_Item], history: Trace):
         """`adaptive` (torch backend): the online rule that re-plans, and migrates, as the rollout runs."""

@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from conftest import write_tiny_sidecar
+from conftest import check_timeline, write_tiny_sidecar
 
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
@@ -38,6 +38,14 @@ def test_elastic_policies_equal_vanilla_and_keep_invariants(tmp_path):
         for pool in report["pool"].values():  # every lease ended before the rollout returned
             assert all(lease["ended"] in ("finished", "preempted", "deadline") for lease in pool["leases"])
         shas.setdefault(greedy, {})[(policy, floor)] = report["responses_sha256"]
+        timeline = check_timeline(report)
+        # Each shrink is marked on the ranks of the group it leaves, the restore on every rank.
+        entered = sorted(map(int, report["shrink_latency_s"]))
+        left = [0] + entered[:-1] if entered else []  # the stage each shrink left
+        assert sum(m.kind == "stage" for m in timeline.marks) == \
+            sum(len(report["stages"][s]) for s in left) + (4 if report["final_stage"] else 0)
+        leases = sum(len(p["leases"]) for p in report["pool"].values())
+        assert sum(m.kind == "lease-start" for m in timeline.marks) == leases
         if policy == "natural" and floor == 1:
             assert report["final_stage"] > 0 and report["rank_seconds"]["idle"] + report["rank_seconds"]["leased"] > 0
     for greedy, by_policy in shas.items():

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from conftest import check_timeline
 
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
@@ -25,6 +26,10 @@ def test_adaptive_migrates_and_equals_vanilla():
     assert len({(r["prompt_id"], r["sample"]) for r in responses}) == len(responses) == 32
     assert ada["responses_sha256"] == van["responses_sha256"]
     assert sum(ada["rank_steps"].values()) == 4 * ada["rollout_steps"]
+    check_timeline(van)
+    timeline = check_timeline(ada)
+    # A move is marked on its sender and its receiver.
+    assert sum(int(m.label.split()[0]) for m in timeline.marks if m.kind == "migrate") == 2 * ada["migrated"]
 
 
 def _migrate_then_lose_receiver(ctx, out_dir: str):

@@ -80,7 +80,7 @@ def straight(tmp_path_factory):
     """An uninterrupted 3-step run on 2 ranks."""
     tmp = tmp_path_factory.mktemp("straight")
     out = tmp / "out"
-    _train(_setup(tmp), out, "--ranks", "2")
+    _train(_setup(tmp, **{"logging.plot_every": 2}), out, "--ranks", "2")
     return tmp, out
 
 
@@ -143,9 +143,17 @@ def test_metrics_jsonl_and_offline_wandb(straight):
     run_file = next((out / "wandb").glob("offline-run-*/run-*.wandb"))
     history = wandb_history(run_file)
     assert [h["trainer/step"] for h in history] == [1, 2, 3]
+    media = ("plots/", "rollout/timeline")
     for h, row in zip(history, rows):
-        assert {k: v for k, v in h.items() if not k.startswith("_") and k != "trainer/step"} == numeric(
-            {k: v for k, v in row.items() if k != "step"})
+        assert {k: v for k, v in h.items() if not k.startswith(("_", *media)) and k != "trainer/step"} == numeric(
+            {k: v for k, v in row.items() if k != "step" and not k.startswith(media)})
+    # logging.plot_every 2: step 2's timeline, as a file, a W&B image and the segments' table
+    assert [r.get("plots/rollout_timeline") for r in rows] == [None, str(out / "timelines" / "step000002.png"), None]
+    assert (out / "timelines" / "step000002.png").stat().st_size > 5000
+    assert sorted(p.name for p in (out / "timelines").iterdir()) == ["step000002.png"]
+    assert history[1]["plots/rollout_timeline/_type"] == "image-file"
+    assert history[1]["rollout/timeline/_type"] == "table-file"
+    assert not any(k.startswith(media) for k in history[0])
     documented = documented_keys()
     undocumented = [k for k in rows[0] if k != "step" and not any(fnmatch(k, d) for d in documented)]
     assert not undocumented, f"keys missing from docs/training.md's table: {undocumented}"
