@@ -140,10 +140,16 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
         try:
             out = fn(_make_context(timeout_s, here), *args)
         except Exception as e:
+            from elastic.runtime.runtime import ElasticFault
+
+            # As under the spawning launcher: an expected failure (a lost peer, a user error the
+            # runtime wrapped) is one line naming rank, stage and phase; a bug keeps its traceback.
             user = user_error(e)
-            if user is None or user is e:
+            if user is e:
                 raise
-            raise RankFailed(f"rank {rank} failed: {user}") from None
+            if user is not None or isinstance(e, ElasticFault):
+                raise RankFailed(f"rank {rank} failed: {user or e}") from None
+            raise
         finally:
             default_signals()
             dist.destroy_process_group()
