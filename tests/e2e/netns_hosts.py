@@ -3,8 +3,8 @@
 Each host is a network namespace with loopback and one end of the veth, holding one address of a
 private /30 (`ADDRESSES`); nothing else is configured, so a process on a host can reach only its
 own loopback and the other host. Each host has its own name (a UTS namespace per process, set
-with `hostname`) and an /etc/hosts that names both (`ip netns exec` binds /etc/netns/NS/hosts over
-/etc/hosts), so a name resolves to the peer's veth address as on a cluster. Processes share the
+with `hostname`) and an /etc/hosts that names both (bound over /etc/hosts in a mount namespace per
+process), so a name resolves to the peer's veth address as on a cluster. Processes share the
 machine's filesystem and Python, as cluster nodes share a home folder.
 
 `start()` builds it and `stop()` removes everything `start()` made (the namespaces, their veth and
@@ -34,16 +34,17 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
 
 
 def _ensure_ip() -> None:
-    if shutil.which("ip") and shutil.which("unshare"):
+    missing = "`ip` (iproute2) or `unshare`/`nsenter` (util-linux) missing"
+    if shutil.which("ip") and shutil.which("unshare") and shutil.which("nsenter"):
         return
     if os.geteuid() != 0:
-        raise NetnsUnavailable("`ip` (iproute2) or `unshare` missing and not root, so apt-get cannot install them")
+        raise NetnsUnavailable(f"{missing} and not root, so apt-get cannot install them")
     if shutil.which("apt-get") is None:
-        raise NetnsUnavailable("`ip` (iproute2) or `unshare` missing and no apt-get on this machine")
+        raise NetnsUnavailable(f"{missing} and no apt-get on this machine")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for attempt in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "iproute2", "util-linux"]):
         subprocess.run(attempt, env=env, capture_output=True, timeout=APT_TIMEOUT_S, check=False)
-    if not (shutil.which("ip") and shutil.which("unshare")):
+    if not (shutil.which("ip") and shutil.which("unshare") and shutil.which("nsenter")):
         raise NetnsUnavailable("apt-get could not install iproute2")
 
 
@@ -51,7 +52,9 @@ class TwoHosts:
     def __init__(self):
         tag = f"ff{os.getpid() % 100000}"
         self.netns = (f"{tag}h0", f"{tag}h1")
-        self.ifaces = (f"{tag}v0", f"{tag}v1")  # interface names stay under 16 characters
+        # Each host's end of the veth has the same name, as a cluster's nodes name their network
+        # alike (one GLOO_SOCKET_IFNAME for every node); names are per namespace.
+        self.iface = "ffveth"
         self.names, self.addresses = NAMES, ADDRESSES
         self.procs: list[subprocess.Popen] = []
 
@@ -70,12 +73,12 @@ class TwoHosts:
         return self
 
     def _build(self) -> None:
-        ns, ifs = self.netns, self.ifaces
+        ns, dev = self.netns, self.iface
         steps = [("ip", "netns", "add", ns[1]),
-                 ("ip", "link", "add", ifs[0], "netns", ns[0], "type", "veth", "peer", "name", ifs[1], "netns", ns[1])]
+                 ("ip", "link", "add", dev, "netns", ns[0], "type", "veth", "peer", "name", dev, "netns", ns[1])]
         for i in (0, 1):
-            steps += [("ip", "-n", ns[i], "addr", "add", f"{self.addresses[i]}/30", "dev", ifs[i]),
-                      ("ip", "-n", ns[i], "link", "set", ifs[i], "up"),
+            steps += [("ip", "-n", ns[i], "addr", "add", f"{self.addresses[i]}/30", "dev", dev),
+                      ("ip", "-n", ns[i], "link", "set", dev, "up"),
                       ("ip", "-n", ns[i], "link", "set", "lo", "up")]
         for argv in steps:
             res = _run(*argv)
@@ -91,9 +94,13 @@ class TwoHosts:
             raise NetnsUnavailable(f"the veth pair carries no traffic: {ping.stderr.strip()[-200:]}")
 
     def argv(self, host: int, argv: list[str]) -> list[str]:
-        """`argv` run on `host`: in its network namespace, under its own host name."""
-        return ["ip", "netns", "exec", self.netns[host], "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.names[host], *argv]
+        """`argv` run on `host`: in its network namespace, under its own host name, with its
+        /etc/hosts. Not `ip netns exec`, which remounts /sys and so hides the cgroup tree slurmd
+        needs; the mount namespace is private, so the bind mount ends with the process."""
+        ns = self.netns[host]
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
+                f'hostname "$0" && mount --bind /etc/netns/{ns}/hosts /etc/hosts && exec "$@"',
+                self.names[host], *argv]
 
     def popen(self, host: int, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start `argv` on `host`; `stop()` ends it and everything it started there."""

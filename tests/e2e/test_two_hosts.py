@@ -63,7 +63,7 @@ def launch_line(tmp_path: Path, script: str, *args: str) -> list[str]:
 
 
 def host_env(hosts: TwoHosts, host: int) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": hosts.ifaces[host]}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": hosts.iface}
 
 
 def on_both(hosts: TwoHosts, argv: list[str], tmp_path: Path) -> list[subprocess.Popen]:
@@ -93,10 +93,18 @@ def one_host(config: Path, tmp_path: Path) -> dict:
     return json.loads(report.read_text())
 
 
-def test_rollout_across_two_hosts_equals_one_host_and_places_ranks_by_node(hosts, tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The test rollout's config, and its report on one host's 4 ranks."""
+    tmp = tmp_path_factory.mktemp("one_host")
+    config = write_config(tmp)
+    return config, one_host(config, tmp)
+
+
+def test_rollout_across_two_hosts_equals_one_host_and_places_ranks_by_node(hosts, reference, tmp_path):
     from elastic.sim.costmodel import DEFAULT_COST
 
-    config = write_config(tmp_path)
+    config, one = reference
     t0 = time.perf_counter()
     argv = launch_line(tmp_path, "rollout.sbatch", str(config), "--quiet")
     assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--rdzv-endpoint=ffhost0:24242" in argv
@@ -105,7 +113,7 @@ def test_rollout_across_two_hosts_equals_one_host_and_places_ranks_by_node(hosts
         assert rc == 0, err[-3000:]
     print(f"two-host rollout: {time.perf_counter() - t0:.1f} s")
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["responses_sha256"] == one_host(config, tmp_path)["responses_sha256"]
+    assert report["responses_sha256"] == one["responses_sha256"]
     assert report["responses"] == 32 and report["final_stage"] > 0, "nothing shrank across the hosts"
     # torchrun gives each host 2 consecutive ranks; ranks_on_this_host is 2, not the world's 4
     hosts_of = report["hosts"]
@@ -193,3 +201,35 @@ def test_train_across_two_hosts_trains_exactly_as_on_one(hosts, tmp_path):
         [{k: v for k, v in r.items() if k.startswith(learning)} for r in rows[1]]
     wa, wb = load_file(str(two / "hf" / "model.safetensors")), load_file(str(one / "hf" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+
+
+def test_launch_sh_under_slurm_with_one_slurmd_per_host(hosts, reference, tmp_path):
+    """examples/slurm/rollout.sbatch submitted to a real slurmctld (on host 0) with a slurmd on
+    each host: srun starts torchrun on both, as on a 2-node allocation."""
+    from slurm_cluster import LocalSlurm, SlurmUnavailable
+
+    config, one = reference
+    cluster = LocalSlurm(cpus=2, nodes=list(zip(hosts.names, hosts.addresses)), wrap=hosts.argv)
+    try:
+        cluster.start()
+    except SlurmUnavailable as e:
+        pytest.skip(f"no Slurm: {e}")
+    try:
+        env = {"FLEXFLOOR_HOME": str(ROOT), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+               "GLOO_SOCKET_IFNAME": hosts.iface, "NPROC_PER_NODE": "2", "FF_RUN_DIR": str(tmp_path / "run"),
+               "FLEXFLOOR": f"{sys.executable} -m megatron_rl.cli",
+               "FF_TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+        t0 = time.perf_counter()
+        rc, job = cluster.sbatch(ROOT / "examples" / "slurm" / "rollout.sbatch", str(config), "--quiet",
+                                 options=("--nodes=2", "--time=30", f"--output={tmp_path}/%x-%j.out"),
+                                 cwd=tmp_path, env=env, timeout_s=300)
+        log = next(tmp_path.glob("*.out"), None)
+        assert rc == 0, (log.read_text()[-3000:] if log else "") + cluster.logs()
+        print(f"slurm two-host rollout: {time.perf_counter() - t0:.1f} s")
+    finally:
+        cluster.stop()
+    text = log.read_text()
+    assert "on 2 node(s) x 2 rank(s) per node" in text and "rendezvous ffhost0:" in text, text
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["responses_sha256"] == one["responses_sha256"]
+    assert sorted(report["hosts"].values()) == sorted(hosts.names * 2)
