@@ -1,6 +1,7 @@
 import json
 import random
 import struct
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -125,3 +126,17 @@ def check_timeline(report: dict):
     timeline.check(ledger)
     assert {s: sum(r.seconds[s] for r in ledger.ranks) for s in ledger.ranks[0].seconds} == report["rank_seconds"]
     return timeline
+
+
+@contextmanager
+def running(bed, unavailable: type[Exception], reason: str):
+    """`bed.start()`, or skip the test with `reason` and why when it raises `unavailable`; yields
+    the started bed and `bed.stop()`s it after, whatever happened."""
+    try:
+        bed.start()
+    except unavailable as e:
+        pytest.skip(f"{reason}: {e}")
+    try:
+        yield bed
+    finally:
+        bed.stop()

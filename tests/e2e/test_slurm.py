@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster
+from conftest import running
 from slurm_cluster import LocalSlurm, SlurmUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,15 +25,8 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def slurm():
-    cluster = LocalSlurm()
-    try:
-        cluster.start()
-    except SlurmUnavailable as e:
-        pytest.skip(f"no Slurm on this machine: {e}")
-    try:
+    with running(LocalSlurm(), SlurmUnavailable, "no Slurm on this machine") as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_slurm_that_cannot_be_installed_is_a_skip_with_the_reason(monkeypatch):
