@@ -17,7 +17,7 @@ BASE = {"batch.prompts": 8, "batch.samples": 4, "batch.length_scale": 0.01, "ran
 
 
 @pytest.mark.timeout(600)
-def test_adaptive_migrates_and_equals_vanilla():
+def test_adaptive_migrates_and_equals_vanilla(tmp_path):
     cfgs = [load_dataclass(RolloutConfig, None, {**BASE, **o})
             for o in ({"policy": "vanilla"}, {"policy": "adaptive", "floor": 1})]
     (van, _), (ada, responses) = run_rollouts(cfgs, quiet=True)
@@ -30,6 +30,15 @@ def test_adaptive_migrates_and_equals_vanilla():
     timeline = check_timeline(ada)
     # A move is marked on its sender and its receiver.
     assert sum(int(m.label.split()[0]) for m in timeline.marks if m.kind == "migrate") == 2 * ada["migrated"]
+    # The figures `rollout --plot` and `demo --plot` draw from these reports.
+    pytest.importorskip("matplotlib")
+    from megatron_rl.cli.demo import write_demo_timelines
+    from megatron_rl.cli.rollout import rollout_title, write_timeline
+
+    assert write_timeline(ada, tmp_path / "timeline.png", rollout_title(ada)).stat().st_size > 5000
+    write_demo_timelines(van, ada, str(tmp_path))
+    assert {p.name for p in tmp_path.glob("timeline-*.png")} == {"timeline-vanilla.png", "timeline-adaptive.png",
+                                                                   "timeline-demo.png"}
 
 
 def _migrate_then_lose_receiver(ctx, out_dir: str):
