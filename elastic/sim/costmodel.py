@@ -136,9 +136,10 @@ class CostModel:
         return self.dense_params * self.bytes_per_param
 
     # ---- per-rank compute and memory ----------------------------------------------------------------
-    def rank_compute_s(self, batch, kv_tokens, experts_owned, group_tokens):
-        """Seconds one rank spends on its own step (arrays broadcast). `kv_tokens` is the summed
-        context of its live requests; `group_tokens` the tokens of the whole EP group this step."""
+    def step_bytes(self, batch, kv_tokens, experts_owned, group_tokens):
+        """HBM bytes one rank's step reads (arrays broadcast): the dense weights if it has tokens,
+        its live KV, and the experts it owns that the group's tokens hit (uniform routing). Over the
+        device's peak bandwidth, the step's roofline (tools/bench_gpu.py)."""
         n = np.asarray(batch, dtype=np.float64)
         kv = np.asarray(kv_tokens, dtype=np.float64)
         own = np.asarray(experts_owned, dtype=np.float64)
@@ -146,8 +147,17 @@ class CostModel:
         # An expert is read if at least one of the group's tokens picks it (uniform routing).
         hit = 1.0 - np.power(1.0 - self.topk / self.num_experts, big_n)
         expert_read = own * hit * self.expert_params_per_layer * self.num_layers * self.bytes_per_param
+        return (n > 0) * self.dense_bytes + kv * self.kv_bytes_per_token + expert_read
+
+    def rank_compute_s(self, batch, kv_tokens, experts_owned, group_tokens):
+        """Seconds one rank spends on its own step (arrays broadcast). `kv_tokens` is the summed
+        context of its live requests; `group_tokens` the tokens of the whole EP group this step."""
+        n = np.asarray(batch, dtype=np.float64)
+        kv = np.asarray(kv_tokens, dtype=np.float64)
+        own = np.asarray(experts_owned, dtype=np.float64)
+        big_n = np.asarray(group_tokens, dtype=np.float64)
         routed = big_n * self.topk * own / self.num_experts
-        mem = (n > 0) * self.dense_bytes + kv * self.kv_bytes_per_token + expert_read
+        mem = self.step_bytes(n, kv, own, big_n)
         flops = (2.0 * n * self.dense_params
                  + 2.0 * routed * self.expert_params_per_layer * self.num_layers
                  + kv * self.attn_flops_per_kv_token)

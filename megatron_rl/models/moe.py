@@ -12,13 +12,21 @@ naming at EP=1; a rank's bank simply holds a subset of the keys.
 
 Two ways to compute, one result: with autograd on (training) each expert's two matmuls run on its
 own parameters; without it (rollout) the bank runs one grouped GEMM per matmul (`torch._grouped_mm`,
-as torchtitan's GroupedExperts) over a stacked copy of the weights. `_grouped_mm` equals the
-per-expert `F.linear` bit for bit (tests/unit/test_moe_grouped.py); float64 has no CPU grouped GEMM,
-so float64 keeps the per-expert loop, as do accelerators (see GROUPED_MM_DTYPES).
+as torchtitan's GroupedExperts) over a stacked copy of the weights, with the group offsets computed
+on the device: the rollout step reads nothing back from the device here. `_grouped_mm` equals the
+per-expert `F.linear` bit for bit on CPU (tests/unit/test_moe_grouped.py). Where no grouped kernel
+exists (float64 anywhere; CUDA before sm90 or outside bfloat16; see `grouped_mm_ok`) the bank keeps
+the per-expert loop, which reads the per-expert counts back once per layer.
+
+Rows that must reach no expert (padding of a CUDA-graph bucket, padded prefill tokens) carry the
+expert id `E` = num_moe_experts, the "null expert": they sort after every real group, no GEMM covers
+them, and the layer zeroes their output. A row routed to an expert this rank does not hold is
+counted on the device (`misrouted_E`) instead of raising mid-step; the engine reads the count with
+the step's tokens and raises then (`check_routing`).
 """
 from __future__ import annotations
 
-import itertools
+import functools
 from typing import Iterable, Protocol
 
 import torch
@@ -27,10 +35,27 @@ from torch import nn
 
 from megatron_rl.models.config import MoEModelConfig
 
-# Dtypes `torch._grouped_mm` takes on CPU (torch 2.13); float64 falls back to one matmul per expert.
-# Only the CPU kernel is used and tested here: on CUDA it has other dtype, architecture and
-# alignment rules, and GPU runs use megatron-core's grouped GEMM (megatron_backend.py) anyway.
-GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_ok(dtype: torch.dtype, device: torch.device) -> bool:
+    """Where `torch._grouped_mm` runs with device-side offsets (torch 2.13 CPU, torch 2.11 CUDA):
+    on CPU in float32/bfloat16/float16; on CUDA in bfloat16 from sm90 (Hopper) on (its CUTLASS
+    kernel; elsewhere there is none, or a fallback that reads the offsets back). Float64 has none."""
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return False
+
+
+def expert_report(backend: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """How the torch backend's rollout computes its experts here, for the rollout report: the
+    grouped GEMM, or the per-expert loop (one host read of the counts per layer) where none runs."""
+    if backend != "torch":
+        return {}
+    if grouped_mm_ok(dtype, device):
+        return {"experts": "grouped GEMM (torch._grouped_mm)"}
+    return {"experts": f"per-expert loop (no grouped GEMM for {str(dtype).removeprefix('torch.')} on {device.type})"}
 
 
 def widens(dtype: torch.dtype) -> bool:
@@ -55,9 +80,14 @@ class ExpertBank(nn.Module):
     def __init__(self, config: MoEModelConfig, experts: Iterable[int], dtype: torch.dtype):
         super().__init__()
         self.hidden, self.ffn, self.dtype = config.hidden_size, config.moe_ffn_hidden_size, dtype
+        self.num_experts = config.num_moe_experts
         self.local_experts = nn.ModuleDict(
             {str(e): Expert(self.hidden, self.ffn, dtype) for e in sorted(experts)}
         )
+        # Rows that reached this rank for an expert it does not hold, by global expert (the null
+        # expert's rows, last, are expected and not an error).
+        self.register_buffer("misrouted_E", torch.zeros(self.num_experts + 1, dtype=torch.long), persistent=False)
+        self.generation = 0
 
     def held(self) -> list[int]:
         return sorted(int(k) for k in self.local_experts.keys())
@@ -84,64 +114,109 @@ class ExpertBank(nn.Module):
         """The held experts' weights stacked in `held()` order, laid out for `_grouped_mm`:
         fc1 as [E, D, 2F] and fc2 as [E, F, D] (transposed views of [E, 2F, D] / [E, D, F]).
 
-        A copy of the parameters (they stay the truth for training, checkpoints and expert moves),
-        rebuilt when the held modules change or any weight is written: in-place writes (optimizer
-        steps, weight sync, `copy_`) bump a tensor's version counter, which only grows, so the sum
-        of the versions changes with any write. A parameter *object* swapped for another under the
-        same expert module (`load_state_dict(assign=True)`) would go unnoticed; nothing in the
-        project does that, expert moves replace whole modules. It costs a second copy of the local
-        expert weights while a rollout runs.
+        A copy of the parameters (they stay the truth for training, checkpoints and expert moves).
+        Rebuilt, as new tensors, when the held modules change (`generation` counts those rebuilds:
+        a captured CUDA graph reads the old tensors and must be captured again); refreshed in
+        place when any weight is written: in-place writes (optimizer steps, weight sync, `copy_`)
+        bump a tensor's version counter, which only grows, so the sum of the versions changes with
+        any write. A parameter *object* swapped for another under the same expert module
+        (`load_state_dict(assign=True)`) would go unnoticed; nothing in the project does that,
+        expert moves replace whole modules. It costs a second copy of the local expert weights
+        while a rollout runs.
         """
-        modules = tuple(self.local_experts._modules.values())
+        modules = (self.device, *self.local_experts._modules.values())
         if getattr(self, "_stacked_of", None) != modules:
             self._stacked_of = modules
             held = [self.get(e) for e in self.held()]
             self._stacked_params = [ex.linear_fc1.weight for ex in held] + [ex.linear_fc2.weight for ex in held]
+            n, dev = len(held), self.device
+            # Normal tensors even when built inside a rollout's inference mode: a later refresh
+            # may run under plain no_grad (log-prob recomputation), which may not write inference tensors.
+            with torch.inference_mode(False), torch.no_grad():
+                fc1_E2FD = torch.empty(n, 2 * self.ffn, self.hidden, dtype=self.dtype, device=dev)
+                fc2_EDF = torch.empty(n, self.hidden, self.ffn, dtype=self.dtype, device=dev)
+                # Global -> local expert index; every expert not held (and the null expert `E`)
+                # maps to `n`, the group after the last held one, which no GEMM covers.
+                local_E = torch.full((self.num_experts + 1,), n, dtype=torch.long)
+                local_E[self.held()] = torch.arange(n)
+                local_E[self.num_experts] = n + 1
+            self._local_E = local_E.to(dev)
+            self._stacked = (fc1_E2FD.transpose(1, 2), fc2_EDF.transpose(1, 2))
+            self._buffers_EE = (fc1_E2FD, fc2_EDF)
             self._stacked_version = -1
+            self.generation += 1
         version = sum(w._version for w in self._stacked_params)
         if self._stacked_version != version:
             n = len(self._stacked_params) // 2
             with torch.no_grad():
-                fc1_E2FD = torch.stack(self._stacked_params[:n]) if n else torch.empty(0, 2 * self.ffn, self.hidden)
-                fc2_EDF = torch.stack(self._stacked_params[n:]) if n else torch.empty(0, self.hidden, self.ffn)
-            self._stacked = (fc1_E2FD.transpose(1, 2), fc2_EDF.transpose(1, 2))
+                if n:
+                    torch.stack(self._stacked_params[:n], out=self._buffers_EE[0])
+                    torch.stack(self._stacked_params[n:], out=self._buffers_EE[1])
             self._stacked_version = version
         return self._stacked
+
+    @property
+    def device(self) -> torch.device:
+        w = next(iter(self.local_experts.parameters()), None)
+        return self.misrouted_E.device if w is None else w.device
 
     def compute(self, x_TD: torch.Tensor, expert_T: torch.Tensor) -> torch.Tensor:
         """Run each token through its expert (SwiGLU): out = fc2(silu(gate) * up), [gate; up] = fc1(x).
 
         A token's result depends only on its own row and its expert's weights (row-wise matmuls),
         up to the BLAS kernel's blocking; see docs/rollout.md on batch invariance. One stable sort
-        groups the tokens by expert (each expert's rows keep their order); the elementwise SwiGLU
-        runs once over all rows, only the two matmuls are per expert (or one grouped GEMM each).
+        groups the tokens by expert (each expert's rows keep their order, rows for no held expert
+        last); the elementwise SwiGLU runs once over all rows, only the two matmuls are per expert
+        (or one grouped GEMM each). Rows of no held expert get unspecified values: the null
+        expert's are zeroed by `MoELayer`, a misrouted one is counted in `misrouted_E`.
         """
         if x_TD.shape[0] == 0:
             return torch.empty_like(x_TD)
-        order_T = torch.argsort(expert_T, stable=True)
-        count = dict(enumerate(torch.bincount(expert_T).tolist()))
-        held = self.held()
-        missing = sorted(set(e for e, n in count.items() if n) - set(held))
-        if missing:
-            raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {held})")
+        fc1_ED2F, fc2_EFD = self.stacked()
+        n = fc1_ED2F.shape[0]
+        local_T = self._local_E[expert_T]
+        # Counted on the device: [n] held groups, then the misrouted rows (n), then the null rows (n + 1).
+        count_G = torch.zeros(n + 2, dtype=torch.long, device=x_TD.device).scatter_add_(
+            0, local_T, torch.ones_like(local_T))
+        self.misrouted_E.index_add_(0, expert_T, (local_T == n).to(self.misrouted_E.dtype))
+        order_T = torch.argsort(local_T, stable=True)
         x_TD = x_TD.index_select(0, order_T)
-        if not torch.is_grad_enabled() and x_TD.dtype in GROUPED_MM_DTYPES and x_TD.device.type == "cpu":
-            # Group i is the i-th held expert's rows, offs[i-1]:offs[i]; unrouted experts are empty groups.
-            offs_E = torch.tensor(list(itertools.accumulate(count.get(e, 0) for e in held)), dtype=torch.int32)
-            fc1_ED2F, fc2_EFD = self.stacked()
-            h_T2F = torch._grouped_mm(x_TD, fc1_ED2F, offs=offs_E)
+        out_TD = torch.empty_like(x_TD)
+        if n and not torch.is_grad_enabled() and grouped_mm_ok(x_TD.dtype, x_TD.device):
+            # Group i is the i-th held expert's rows, offs[i-1]:offs[i]; unrouted experts are empty
+            # groups; rows past offs[-1] (misrouted, null) are covered by no group.
+            offs_G = count_G[:n].cumsum(0).to(torch.int32)
+            h_T2F = torch._grouped_mm(x_TD, fc1_ED2F, offs=offs_G)
             gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
-            y_TD = torch._grouped_mm(F.silu(gate_TF) * up_TF, fc2_EFD, offs=offs_E)
+            y_TD = torch._grouped_mm(F.silu(gate_TF) * up_TF, fc2_EFD, offs=offs_G)
         else:
-            sizes = [count[e] for e in held if count.get(e, 0)]
-            experts = [self.get(e) for e in held if count.get(e, 0)]
-            h_T2F = torch.cat([F.linear(x, ex.linear_fc1.weight) for x, ex in zip(torch.split(x_TD, sizes), experts)])
+            # The per-expert loop (float64, training, no grouped kernel): its split sizes are the
+            # layer's one read of device data, which also tells of misrouted rows at once.
+            counts = count_G.tolist()
+            if counts[n]:
+                self.check_routing()
+            held = self.held()
+            sizes = [c for c in counts[:n] if c]
+            experts = [self.get(e) for e, c in zip(held, counts) if c]
+            parts = torch.split(x_TD[: sum(sizes)], sizes)
+            h_T2F = torch.cat([F.linear(x, ex.linear_fc1.weight) for x, ex in zip(parts, experts)]
+                              + [x_TD.new_zeros(counts[n + 1], 2 * self.ffn)])
             gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
-            a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes)
-            y_TD = torch.cat([F.linear(a, ex.linear_fc2.weight) for a, ex in zip(a_parts, experts)])
-        out_TD = torch.empty_like(y_TD)
+            a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes + [counts[n + 1]])
+            y_TD = torch.cat([F.linear(a, ex.linear_fc2.weight) for a, ex in zip(a_parts, experts)]
+                             + [x_TD.new_zeros(counts[n + 1], self.hidden)])
         out_TD[order_T] = y_TD
         return out_TD
+
+    def check_routing(self) -> None:
+        """Raise if rows reached this rank for an expert this bank does not hold (a host read: call
+        it where the step reads back anyway, or after a count said so). Banks may share one
+        counter (the engine's): each names only the experts it lacks itself."""
+        counted = self.misrouted_E[:-1].tolist()
+        missing = sorted({e for e, c in enumerate(counted) if c} - set(self.held()))
+        if missing:
+            self.misrouted_E.zero_()
+            raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {self.held()})")
 
 
 class Dispatcher(Protocol):
@@ -174,7 +249,7 @@ class Router(nn.Module):
         # at lr 1e-3: the bf16 GRPO check then jumped 0.54 -> 0.99 in reward and raised its own
         # surrogate; with fp32 gating it ran like fp32 (docs/gpu.md).
         if widens(x_TD.dtype):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+            logits_TE = F.linear(x_TD.float(), self.weight_fp32())
         else:
             logits_TE = F.linear(x_TD, self.weight)
         if self.pre_softmax:
@@ -184,6 +259,24 @@ class Router(nn.Module):
             probs_TK = torch.softmax(top_TK, dim=-1)
         return (probs_TK.to(x_TD.dtype) if widens(x_TD.dtype) else probs_TK), expert_TK
 
+    def weight_fp32(self) -> torch.Tensor:
+        """The weight upcast to fp32: under autograd a fresh cast (the gradient flows through it);
+        without, a kept copy, refreshed in place when the weight's version moves (a CUDA graph
+        holds the copy's address), so a rollout step casts nothing."""
+        if torch.is_grad_enabled():
+            return self.weight.float()
+        w = self.weight
+        kept = getattr(self, "_fp32", None)
+        if kept is None or kept.device != w.device:
+            with torch.inference_mode(False), torch.no_grad():
+                kept = self._fp32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+            self._fp32_version = None
+        if self._fp32_version != w._version:
+            with torch.no_grad():
+                kept.copy_(w)
+            self._fp32_version = w._version
+        return kept
+
 
 class MoELayer(nn.Module):
     def __init__(self, config: MoEModelConfig, experts: Iterable[int], dtype: torch.dtype):
@@ -192,12 +285,16 @@ class MoELayer(nn.Module):
         self.experts = ExpertBank(config, experts, dtype)
         self.dispatcher: Dispatcher = LocalDispatcher()
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, valid_T: torch.Tensor | None = None) -> torch.Tensor:
+        """`valid_T` (bool): rows that are real tokens; the others go to the null expert (no GEMM,
+        no remote rank) and come out as zeros, so a padded batch needs no host-side compaction."""
         probs_TK, expert_TK = self.router(x_TD)
+        if valid_T is not None:
+            expert_TK = expert_TK.masked_fill(~valid_T[:, None], self.experts.num_experts)
         out_TKD = self.dispatcher(x_TD, expert_TK, self.experts)
         # Combine in k order: a fixed reduction order, whatever rank computed each expert.
         w_TKD = probs_TK[:, :, None] * out_TKD
         y_TD = w_TKD[:, 0]
         for k in range(1, w_TKD.shape[1]):
             y_TD = y_TD + w_TKD[:, k]
-        return y_TD
+        return y_TD if valid_T is None else y_TD.masked_fill(~valid_T[:, None], 0)

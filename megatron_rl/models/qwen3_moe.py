@@ -10,7 +10,8 @@ group's H/G query heads, then its key head, then its value head.
 
 Two ways in: `forward(input_ids)` (full causal pass, for training and oracles) and
 `forward(input_ids, positions=..., cache=..., token_mask=...)` for the rollout engine, whose KV cache
-implements `KVCacheLike`. `token_mask` marks real (non-padding) tokens: only those are routed.
+implements `KVCacheLike` (it stores the keys and runs the attention over each sequence's own length).
+`token_mask` marks real (non-padding) tokens: only those reach an expert.
 """
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 class KVCacheLike(Protocol):
-    def update(self, layer: int, k_BGSC: torch.Tensor,
-               v_BGSC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store new keys/values; return all keys and values [B, G, L, C], and a mask [B, S, L]
-        (True = attend)."""
+    max_len: int  # positions per sequence: the RoPE table covers them all, built once
+
+    def attend(self, layer: int, q_BHSC: torch.Tensor, k_BGSC: torch.Tensor,
+               v_BGSC: torch.Tensor) -> torch.Tensor:
+        """Store the new keys/values of `layer`; return the queries' attention output [B, H, S, C]
+        over each sequence's keys so far (causal within the new tokens)."""
 
 
 class RMSNorm(nn.Module):
@@ -69,11 +72,13 @@ def _rope_table(dim: int, base: float, dtype: torch.dtype, positions: int,
         return ang.cos().to(device, dtype), sin.to(device, dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype):
-    """cos and signed sin [*positions.shape, dim]: rows of a table that grows in powers of two, so a decode
-    step indexes it instead of recomputing its angles."""
-    need = int(positions.max()) + 1 if positions.numel() else 1
-    cos, sin = _rope_table(dim, base, dtype, max(256, 1 << (need - 1).bit_length()), positions.device)
+def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype, n_positions: int):
+    """cos and signed sin [*positions.shape, dim]: rows of a table covering positions
+    0..n_positions-1, rounded up to a power of two so that few tables are ever built; the caller
+    knows `n_positions` on the host (the KV cache's length, the sequence length), so no position is
+    read back from the device."""
+    table = max(256, 1 << (max(n_positions, 1) - 1).bit_length())
+    cos, sin = _rope_table(dim, base, dtype, table, positions.device)
     return cos[positions], sin[positions]
 
 
@@ -110,16 +115,11 @@ class SelfAttention(nn.Module):
         k_BGSC = qk_BSGNC[:, :, :, hpg].transpose(1, 2)
         v_BGSC = qkv_BSGNC[:, :, :, hpg + 1].transpose(1, 2)
         if cache is None:
-            k_BGLC, v_BGLC, mask_B1SL = k_BGSC, v_BGSC, None
+            # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out
+            # (`enable_gqa`). The CPU kernel accumulates the softmax in fp32 for half types, as HF does.
+            out_BHSC = F.scaled_dot_product_attention(q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=True)
         else:
-            k_BGLC, v_BGLC, mask_BSL = cache.update(self.layer, k_BGSC, v_BGSC)
-            mask_B1SL = mask_BSL[:, None]
-        # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out
-        # (`enable_gqa`). The CPU kernel accumulates the softmax in fp32 for half types, as HF does.
-        # A masked key adds an exact zero, so padding the key axis to the batch's longest sequence
-        # leaves a row's result unchanged.
-        out_BHSC = F.scaled_dot_product_attention(q_BHSC, k_BGLC, v_BGLC, attn_mask=mask_B1SL,
-                                                  is_causal=mask_B1SL is None, enable_gqa=True)
+            out_BHSC = cache.attend(self.layer, q_BHSC, k_BGSC, v_BGSC)
         out_BSHC = out_BHSC.transpose(1, 2)
         return F.linear(out_BSHC.reshape(B, S, -1), self.linear_proj.weight)
 
@@ -135,10 +135,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x_BSD, cos, sin, cache, token_mask_BS):
         x_BSD = x_BSD + self.self_attention(self.input_layernorm(x_BSD), cos, sin, cache)
         h_BSD = self.pre_mlp_layernorm(x_BSD)
+        if token_mask_BS is not None and isinstance(self.mlp, MoELayer):
+            # Padding rows go to the null expert: no GEMM, no all-to-all bytes, zeros out, and no
+            # host-side compaction (a boolean index would read the mask back).
+            y_TD = self.mlp(h_BSD.reshape(-1, h_BSD.shape[-1]), token_mask_BS.reshape(-1))
+            return x_BSD + y_TD.view_as(h_BSD)
         if token_mask_BS is None:
             y_BSD = self.mlp(h_BSD.reshape(-1, h_BSD.shape[-1])).view_as(h_BSD)
         else:
-            # Padding rows never reach the router: they would cost expert work and all-to-all bytes.
+            # megatron-core's block routes every row it gets: padding rows are left out here.
             y_BSD = torch.zeros_like(h_BSD)
             y_BSD[token_mask_BS] = self.mlp(h_BSD[token_mask_BS])
         return x_BSD + y_BSD
@@ -221,7 +226,9 @@ class Qwen3MoeModel(nn.Module):
         B, S = input_ids_BS.shape
         if positions_BS is None:
             positions_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
-        cos_BSC, sin_BSC = rope_cos_sin(positions_BS, self.config.kv_channels, self.config.rotary_base, self.dtype)
+        n_positions = cache.max_len if cache is not None else S if positions_BS is None else int(positions_BS.max()) + 1
+        cos_BSC, sin_BSC = rope_cos_sin(positions_BS, self.config.kv_channels, self.config.rotary_base, self.dtype,
+                                        n_positions)
         cos, sin = cos_BSC[:, :, None, None], sin_BSC[:, :, None, None]  # against [B, S, G, N, C]
         x_BSD = self.embedding.word_embeddings(input_ids_BS)
         recompute = self.recompute_activations and cache is None and torch.is_grad_enabled()

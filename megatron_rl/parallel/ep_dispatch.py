@@ -2,8 +2,11 @@
 
 Per MoE layer and step, three collectives over the EP group, in this order on every member:
 1. token counts per destination (so receivers can size their buffers),
-2. the routed tokens with their expert index (dispatch),
+2. the routed tokens with their expert index (dispatch: one payload of bytes in a rollout),
 3. the expert outputs back to their senders (combine).
+The split sizes of 2 and 3 go to NCCL as host lists: the send and receive counts are read back in
+one copy, the layer's one host sync (docs/rollout.md prices it; a device-side all-to-all-v would
+remove it).
 A member with no tokens still makes all three calls with zero-sized splits: that is the dummy run.
 The dispatcher owns the group and the expert -> owner map; `elastic/` shrinks the group by building a
 new dispatcher over a smaller pre-created group and handing it to the model.
@@ -48,31 +51,26 @@ class AllToAllDispatcher:
         if missing:
             raise ValueError(f"expert owners {missing} are not in the EP group {self.members}")
         self.owners = list(owners)
-        self.dest_E = torch.tensor([index[r] for r in owners], dtype=torch.long)
+        # The null expert (padding rows, models/moe.py) stays on this rank: it costs no bytes.
+        me = index[dist.get_rank()] if dist.get_rank() in index else 0
+        self.dest_E = torch.tensor([index[r] for r in owners] + [me], dtype=torch.long)
 
     def __call__(self, x_TD: torch.Tensor, expert_TK: torch.Tensor, bank: ExpertBank) -> torch.Tensor:
         T, K = expert_TK.shape
-        D = x_TD.shape[1]
         n = len(self.members)
         flat_e = expert_TK.reshape(-1)
         if self.dest_E.device != flat_e.device:
             self.dest_E = self.dest_E.to(flat_e.device)
         dest = self.dest_E[flat_e]
         order = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=n)
+        # Rows per destination, counted on the device (bincount would read back its size on CUDA).
+        send = torch.zeros(n, dtype=torch.long, device=dest.device).scatter_add_(0, dest, torch.ones_like(dest))
         recv = self.transport.all_to_all(send, [1] * n, [1] * n, self.group)
-        send_l, recv_l = send.tolist(), recv.tolist()
-        tokens = x_TD.repeat_interleave(K, dim=0)[order]
-        ids = flat_e[order].to(torch.float64)[:, None]
-        # Expert ids ride along as an extra float64 column: exact for any realistic expert count.
-        payload = torch.cat([tokens.to(torch.float64), ids], dim=1) if x_TD.dtype == torch.float64 \
-            else None
-        if payload is not None:
-            got = _AllToAll.apply(payload, recv_l, send_l, self.group, self.transport)
-            got_x, got_e = got[:, :D], got[:, D].long()
-        else:
-            got_x = _AllToAll.apply(tokens, recv_l, send_l, self.group, self.transport)
-            got_e = self.transport.all_to_all(flat_e[order], recv_l, send_l, self.group)
+        # The layer's one host read: both split lists in one copy (NCCL takes them on the host).
+        counts = torch.cat([send, recv]).tolist()
+        send_l, recv_l = counts[:n], counts[n:]
+        tokens = x_TD.index_select(0, order // K)  # row i of the flat (token, k) order is token i // K
+        got_x, got_e = self._dispatch(tokens, flat_e[order], send_l, recv_l)
         out = bank.compute(got_x, got_e)
         if got_x.requires_grad and not out.requires_grad:
             # No token reached this rank's experts, so `out` is a fresh empty tensor outside the
@@ -82,4 +80,22 @@ class AllToAllDispatcher:
         back = _AllToAll.apply(out, send_l, recv_l, self.group, self.transport)
         result = torch.empty_like(back)
         result[order] = back
-        return result.view(T, K, D)
+        return result.view(T, K, x_TD.shape[1])
+
+    def _dispatch(self, tokens: torch.Tensor, ids: torch.Tensor, send_l: list[int],
+                  recv_l: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed rows and their expert ids to their owners, in one all-to-all where it can be."""
+        D = tokens.shape[1]
+        if not tokens.requires_grad:
+            # Rollout: each row's bytes and its int64 expert id's 8 bytes, one uint8 payload.
+            payload = torch.cat([tokens.contiguous().view(torch.uint8), ids.view(torch.uint8).view(-1, 8)], dim=1)
+            got = self.transport.all_to_all(payload, recv_l, send_l, self.group)
+            width = D * tokens.element_size()
+            return got[:, :width].contiguous().view(tokens.dtype), got[:, width:].contiguous().view(torch.long)[:, 0]
+        if tokens.dtype == torch.float64:
+            # Training in float64: the ids ride along as an extra column (exact), gradients flow.
+            got = _AllToAll.apply(torch.cat([tokens, ids.to(torch.float64)[:, None]], dim=1), recv_l, send_l,
+                                  self.group, self.transport)
+            return got[:, :D], got[:, D].long()
+        got_x = _AllToAll.apply(tokens, recv_l, send_l, self.group, self.transport)
+        return got_x, self.transport.all_to_all(ids, recv_l, send_l, self.group)

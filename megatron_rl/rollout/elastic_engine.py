@@ -83,14 +83,14 @@ class ElasticRolloutEngine:
     def release_memory(self) -> int:
         """A detached rank, its experts already dropped, frees its KV cache for a lease; returns the
         bytes its cache held (the runtime adds the dropped experts' bytes)."""
-        freed = self.engine.cache.release_memory()
+        freed = self.engine.release_memory()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # back to the driver: a lease may run in another process
         return freed
 
     def reclaim_memory(self) -> None:
         """Before the restore: the KV cache again (the experts come back with the restore's moves)."""
-        self.engine.cache.reclaim_memory()
+        self.engine.reclaim_memory()
 
     def checksums(self) -> dict[str, str]:
         out = {}

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rl.models.moe import MoELayer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+from megatron_rl.rollout.decode_step import DecodeRunner
 from megatron_rl.rollout.kv_cache import SlotKVCache
-from megatron_rl.rollout.sampling import SamplingParams, choose_tokens
+from megatron_rl.rollout.sampling import SamplingParams, choose_tokens, draws
 
 
 @dataclass
@@ -43,20 +45,63 @@ class Request:
 
 
 class RolloutEngine:
-    """Everything it allocates (KV cache, token ids, masks) is on the model's device; only the
+    """Everything it allocates (KV cache, token ids, draws) is on the model's device; only the
     requests' bookkeeping and the chosen tokens live on the host. `max_batch` is the KV cache's
-    slot count (`kv_cache.kv_cache_slots` sizes it from the device's memory)."""
+    slot count (`kv_cache.kv_cache_slots` sizes it from the device's memory).
+
+    A decode step reads one thing back from the device: the chosen tokens (with the count of
+    misrouted rows in the same copy). `cuda_graphs` (default: on CUDA) replays one CUDA graph per
+    batch bucket (rollout/decode_step.py), captured before the first decode step that can use it
+    (`capture_graphs` captures at once); `pad_to_buckets` runs the graphs' padded path eagerly.
+    `attention`: "auto" (the Triton decode kernel where it runs, else torch), "triton" or "torch".
+    """
 
     def __init__(self, model: Qwen3MoeModel, sampling: SamplingParams, max_batch: int,
-                 max_len: int, eos_id: int | None = None):
+                 max_len: int, eos_id: int | None = None, cuda_graphs: bool | None = None,
+                 pad_to_buckets: bool = False, attention: str = "auto"):
         cfg = model.config
         self.model, self.sampling, self.eos_id = model, sampling, eos_id
         self.max_batch, self.device = max_batch, model.device
         self.cache = SlotKVCache(cfg.num_layers, max_batch, cfg.num_query_groups, max_len,
                                  cfg.kv_channels, model.dtype, self.device)
+        if attention not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention must be auto, triton or torch, got {attention!r}")
+        if attention != "torch":
+            from megatron_rl.rollout import decode_attention
+
+            if decode_attention.available(self.device, cfg.kv_channels):
+                self.cache.kernel = decode_attention.decode_attention
+            elif attention == "triton":
+                raise ValueError(f"the Triton decode kernel does not run here ({self.device}, "
+                                 f"head dim {cfg.kv_channels})")
+        graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.runner = DecodeRunner(model, self.cache, max_batch, graphs, pad_to_buckets)
+        # Rows routed to an expert their rank does not hold, counted by every layer's bank on the
+        # device; read with the step's tokens.
+        self._misrouted = torch.zeros(cfg.num_moe_experts + 1, dtype=torch.long, device=self.device)
+        # Each response's uniform draws, one row per KV slot, made when it is admitted (sampling only).
+        self._draws = None if sampling.greedy else \
+            torch.zeros(max_batch + 1, max_len, dtype=torch.float64, device=self.device)
+        self._drawn: dict[int, tuple[str, int]] = {}  # slot -> the response whose draws it holds
         self.pending: list[Request] = []
         self.live: list[Request] = []
         self.finished: list[Request] = []
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs now (else before the first decode step that replays one)."""
+        if self.runner.graphs_wanted and self.runner._graphable():
+            with torch.inference_mode():
+                self._share_counter()
+                self.runner._refresh_copies()
+                self.runner.capture()
+
+    def release_memory(self) -> int:
+        """Free the KV cache and the graphs' memory (a detached rank's lease); returns the cache's bytes."""
+        self.runner.release()
+        return self.cache.release_memory()
+
+    def reclaim_memory(self) -> None:
+        self.cache.reclaim_memory()  # a new generation: the graphs are captured again before use
 
     def add(self, requests: list[Request]) -> None:
         for r in requests:
@@ -76,6 +121,7 @@ class RolloutEngine:
     @torch.inference_mode()
     def step(self) -> int:
         """One forward; returns the number of tokens generated."""
+        self._share_counter()
         if self.pending and self.cache.free:
             return self._prefill()
         if self.live:
@@ -90,35 +136,86 @@ class RolloutEngine:
         for moe in self.model.moe_layers:
             moe(empty)
 
+    def _share_counter(self) -> None:
+        for moe in self.model.moe_layers:
+            if isinstance(moe, MoELayer) and moe.experts.misrouted_E is not self._misrouted:
+                moe.experts.misrouted_E = self._misrouted
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _read_back(self, t: torch.Tensor) -> list[int]:
+        """`t`'s values on the host. On CUDA through a pinned buffer and an event: the wait is for
+        this copy alone, not a stream or device synchronisation (`set_sync_debug_mode` passes)."""
+        if self.device.type == "cpu":
+            return t.tolist()
+        if getattr(self, "_host_out", None) is None or self._host_out.numel() < t.numel():
+            self._host_out = torch.empty(self.max_batch + 1, dtype=t.dtype, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        out = self._host_out[: t.numel()]
+        out.copy_(t, non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()
+        return out.tolist()
+
+    def _fill_draws(self, batch: list[Request]) -> None:
+        """Admission: the draws of every step a response may take, into its slot's row (a
+        migrated request gets its row at its first step here)."""
+        for r in batch:
+            if self._drawn.get(r.slot) != r.key:
+                n = r.fixed_len if r.fixed_len is not None else r.max_new_tokens
+                u = draws(self.sampling, r.key, range(len(r.tokens), n))
+                self._draws[r.slot, len(r.tokens):n] = self._to_device(torch.tensor(u, dtype=torch.float64))
+                self._drawn[r.slot] = r.key
+
     def _prefill(self) -> int:
         admit = self.pending[: len(self.cache.free)]
         self.pending = self.pending[len(admit):]
         lens = [len(r.prompt) for r in admit]
         S = max(lens)
-        ids = torch.zeros(len(admit), S, dtype=torch.long)
+        # Token ids, then each row's length and slot: one host buffer, one copy.
+        host = torch.zeros(len(admit), S + 2, dtype=torch.long)
         for b, r in enumerate(admit):
             r.slot = self.cache.alloc()
-            ids[b, : lens[b]] = torch.tensor(r.prompt, dtype=torch.long)
-        ids = ids.to(self.device)
-        lens_B = torch.tensor(lens, device=self.device)
+            host[b, : lens[b]] = torch.tensor(r.prompt, dtype=torch.long)
+            host[b, S:] = torch.tensor([lens[b], r.slot])
+        dev = self._to_device(host)
+        ids_BS, lens_B, slot_B = dev[:, :S], dev[:, S], dev[:, S + 1]
         mask_BS = torch.arange(S, device=self.device)[None] < lens_B[:, None]
-        pos_BS = self.cache.select([r.slot for r in admit], lens)
-        logits_BV = self.model(ids, pos_BS, self.cache, mask_BS, logits_at_B=lens_B - 1)
+        pos_BS = self.cache.prefill([r.slot for r in admit], lens)
+        logits_BV = self.model(ids_BS, pos_BS, self.cache, mask_BS, logits_at_B=lens_B - 1)
         self.cache.commit()
         self.live.extend(admit)
+        if self._draws is not None:
+            self._fill_draws(admit)
+        self._rows = (slot_B, torch.zeros_like(slot_B))
         return self._emit(admit, logits_BV)
 
     def _decode(self) -> int:
         batch = self.live
-        ids = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long, device=self.device)
-        pos = self.cache.select([r.slot for r in batch], [1] * len(batch))
-        logits_BV = self.model(ids, pos, self.cache, None)[:, 0]  # one position per row: no gather
-        self.cache.commit()
+        if self._draws is not None:
+            self._fill_draws(batch)
+        slots = [r.slot for r in batch]
+        lengths = self.cache.lengths
+        logits_BV = self.runner.step([r.tokens[-1] for r in batch], slots, [lengths[s] for s in slots],
+                                     [len(r.tokens) for r in batch])
+        for s in slots:
+            lengths[s] += 1
+        self._rows = (self.runner.inputs[1, : len(batch)], self.runner.inputs[3, : len(batch)])
         return self._emit(batch, logits_BV)
 
     def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
-        toks = choose_tokens(logits_BV, self.sampling, [r.key for r in batch], [len(r.tokens) for r in batch])
-        for r, t in zip(batch, toks.tolist()):
+        slot_B, ntok_B = self._rows
+        toks_B = choose_tokens(logits_BV, self.sampling, None if self._draws is None else self._draws[slot_B, ntok_B])
+        # The step's one read of device data: the tokens, and the misrouted count in the same copy.
+        *toks, misrouted = self._read_back(torch.cat([toks_B, self._misrouted[:-1].sum().view(1)]))
+        if misrouted:
+            for moe in self.model.moe_layers:
+                if isinstance(moe, MoELayer):
+                    moe.experts.check_routing()
+        for r, t in zip(batch, toks):
             r.tokens.append(t)
         still = []
         for r in self.live:

@@ -1,8 +1,9 @@
 """A slot-based KV cache: one slot per live request, preallocated to the longest sequence.
 
-Shapes: per layer, K and V of [slots, G, L_max, C]. A request keeps its slot from prefill to its last
-token; a finished request's slot is freed and reused. `select(slots)` fixes which slots the next
-forward covers, so a rank's batch can shrink (finished requests leave) without copying the cache.
+Shapes: per layer, K and V of [slots + 1, G, L_max, C] (one scratch slot). A request keeps its slot
+from prefill to its last token; a finished request's slot is freed and reused. `prefill` / `decode`
+fix which slots the next forward covers, so a rank's batch can shrink (finished requests leave)
+without copying the cache.
 
 How many slots fit is `kv_cache_slots`: on a GPU, what the device has left after the weights; on CPU,
 the configured batch (host memory is not the limit there). A detached rank frees the cache for its
@@ -11,6 +12,7 @@ lease (`release_memory`) and re-allocates it before the restore (`reclaim_memory
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megatron_rl.errors import FlexFloorError
 
@@ -25,9 +27,10 @@ def kv_budget_slots(total: int, free: int, peak: int, current: int, fraction: fl
     """nano-vllm's rule: the cache may take `fraction` of the device's `total` bytes, less what is
     in use (`total - free`: every process's memory, our weights included) and less this process's
     activation peak above its current allocation (`peak - current`, from a warm-up if one ran);
-    at most `max_slots` slots. Fewer than one slot is an error naming the numbers."""
+    at most `max_slots` slots, besides the scratch slot. Fewer than one slot is an error naming the numbers."""
     budget = int(total * fraction) - (total - free) - max(0, peak - current)
-    slots = min(max_slots, max(0, budget) // per_slot)
+    # One slot more than the requests' is allocated: the scratch slot of padded decode rows.
+    slots = min(max_slots, max(0, budget) // per_slot - 1)
     if slots < 1:
         gib = 2**30
         raise FlexFloorError(
@@ -48,10 +51,24 @@ def kv_cache_slots(device: torch.device, per_slot: int, fraction: float, max_slo
 
 
 class SlotKVCache:
+    """Per layer K and V of [slots + 1, G, L_max, C]: the last slot is scratch, where the padding
+    rows of a CUDA-graph bucket write (no request ever holds it).
+
+    A forward first says what it covers: `prefill(slots, S)` (fresh sequences, S new positions
+    each: attention is causal over the new keys alone, no mask tensor) or `decode(slot_B, pos_B,
+    L, run)` (one new token per row at position pos_B, device tensors: the engine's static input
+    buffers). Decode attention reads each row's own length: with the Triton split-K kernel on
+    CUDA (rollout/decode_attention.py), or, the torch path, SDPA over the first L key positions
+    with a [B, 1, 1, L] mask made once per forward from pos_B on the device.
+    """
+
     def __init__(self, num_layers: int, slots: int, groups: int, max_len: int, channels: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.shape, self.num_layers = (slots, groups, max_len, channels), num_layers
+        self.shape, self.num_layers = (slots + 1, groups, max_len, channels), num_layers
+        self.slots, self.scratch = slots, slots
         self.dtype, self.device = dtype, torch.device(device)
+        # Bumped whenever the K/V tensors are (re)allocated: a captured CUDA graph holds their addresses.
+        self.generation = 0
         self.reclaim_memory()
         # Per-slot sequence lengths as Python ints: the engine's bookkeeping is on the host, so
         # the checks and the key length below cost no tensor ops.
@@ -60,7 +77,7 @@ class SlotKVCache:
         self.free = list(range(slots - 1, -1, -1))
         self._slots: list[int] = []
         self._new: list[int] = []
-        self._run: slice | None = None
+        self.kernel = None  # the decode-attention kernel, set by the engine where one runs
 
     @property
     def nbytes(self) -> int:
@@ -68,8 +85,8 @@ class SlotKVCache:
 
     def release_memory(self) -> int:
         """Free the K/V tensors (no live request may remain); returns the bytes freed."""
-        if len(self.free) != self.shape[0]:
-            raise RuntimeError(f"KV cache released with {self.shape[0] - len(self.free)} live sequences")
+        if len(self.free) != self.slots:
+            raise RuntimeError(f"KV cache released with {self.slots - len(self.free)} live sequences")
         freed = self.nbytes
         self.k, self.v = [], []
         return freed
@@ -78,6 +95,7 @@ class SlotKVCache:
         """(Re)allocate the K/V tensors: at construction, and before a detached rank rejoins."""
         self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.generation += 1
 
     def alloc(self) -> int:
         if not self.free:
@@ -89,53 +107,67 @@ class SlotKVCache:
     def release(self, slot: int) -> None:
         self.free.append(slot)
 
-    def select(self, slots: list[int], new_tokens: list[int]) -> torch.Tensor:
-        """The next forward covers `slots`, appending `new_tokens[i]` real tokens to slot i; returns
-        the queries' absolute positions [B, S] (S = max(new_tokens)).
-
-        The write positions, the key length and the attention mask are the same in every layer,
-        so they are computed here once per forward rather than in each layer's `update`.
-        """
-        start = [self.lengths[s] for s in slots]
-        if max(b + n for b, n in zip(start, new_tokens)) > self.max_len:
+    def prefill(self, slots: list[int], new_tokens: list[int]) -> torch.Tensor:
+        """The next forward writes positions 0..S-1 (S = max(new_tokens)) of the fresh `slots`;
+        returns the queries' positions [B, S]. Padding positions past a row's real tokens are
+        written too, never attended to by a real query (causal, right padding), and overwritten
+        by the row's next tokens."""
+        S = max(new_tokens)
+        if S > self.max_len:
             raise RuntimeError(f"sequence longer than the KV cache's {self.max_len} positions")
-        self._slots, self._new = list(slots), list(new_tokens)
-        B, S = len(slots), max(new_tokens)
-        self._L = max(start) + S
-        # Query s of row b sits at absolute position start_b + s and sees keys 0..start_b + s.
-        start_B1 = torch.tensor(start, device=self.device)[:, None]
-        q_pos_BS = start_B1 + torch.arange(S, device=self.device)[None] if S > 1 else start_B1
-        # Padding positions past a request's real tokens are written too, then masked and later
-        # overwritten: cheaper than a ragged scatter, and never attended to.
-        self._write_pos_BS = q_pos_BS.clamp(max=self.max_len - 1) if self._L > self.max_len else q_pos_BS
-        self._mask_BSL = torch.arange(self._L, device=self.device)[None, None, :] <= q_pos_BS[:, :, None]
-        # Slots s0, s0+1, ... in order (the usual case: slots are handed out lowest first and a
-        # batch keeps its order) are read as a view, with no gather, and written with one scatter
-        # along the position axis; only the path taken gets its index tensors.
-        first = slots[0]
-        self._run = slice(first, first + B) if slots == list(range(first, first + B)) else None
-        if self._run is not None:
-            G, C = self.k[0].shape[1], self.k[0].shape[3]
-            self._write_idx_BGSC = self._write_pos_BS[:, None, :, None].expand(B, G, S, C)
-        else:
-            self._slots_B = torch.tensor(slots, device=self.device)
-            self._write_b_BS = self._slots_B[:, None].expand(B, S)
-        return q_pos_BS
+        if any(self.lengths[s] for s in slots):
+            raise RuntimeError("prefill of a slot that already holds keys")
+        self._slots, self._new, self._decode = list(slots), list(new_tokens), None
+        first, B = slots[0], len(slots)
+        self._rows = slice(first, first + B) if slots == list(range(first, first + B)) else \
+            torch.tensor(slots, device=self.device)
+        self._S = S
+        return torch.arange(S, device=self.device).expand(B, S)
+
+    def decode(self, slot_B: torch.Tensor, pos_B: torch.Tensor, L: int, run: slice | None) -> torch.Tensor:
+        """The next forward appends one token to each row: slot `slot_B[b]`, position `pos_B[b]`
+        (device tensors; a padding row names the scratch slot). `L` > every pos_B is the key length
+        the torch path attends over (the CUDA-graph path passes L_max: a captured graph has one
+        shape); `run` is `slot_B` as a slice when the slots are consecutive (a view, no gather).
+        Returns the positions [B, 1]. `commit` is the engine's, which knows the rows' lengths."""
+        self._decode, self._run, self._L = (slot_B, pos_B), run, L
+        if self.kernel is None:
+            self._mask_B11L = (torch.arange(L, device=self.device) <= pos_B[:, None])[:, None, None, :]
+        if run is not None:
+            G, C = self.shape[1], self.shape[3]
+            self._write_idx_BG1C = pos_B[:, None, None, None].expand(len(pos_B), G, 1, C)
+        return pos_B[:, None]
 
     def commit(self) -> None:
-        """After the forward: the appended tokens become part of each sequence."""
+        """After a prefill: the written tokens become part of each sequence."""
         for s, n in zip(self._slots, self._new):
             self.lengths[s] += n
+        self._slots, self._new = [], []
 
-    def update(self, layer: int, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor):
+    def attend(self, layer: int, q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> torch.Tensor:
+        K, V = self.k[layer], self.v[layer]
+        if self._decode is None:
+            K[self._rows, :, : self._S] = k_BGSC
+            V[self._rows, :, : self._S] = v_BGSC
+            # Fresh sequences: the new keys are all there is. GQA: query head h reads KV group
+            # h // (H/G), as HF's repeat_kv lays them out (`enable_gqa`).
+            return F.scaled_dot_product_attention(q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=True)
+        slot_B, pos_B = self._decode
         if self._run is not None:
-            k_BGLC, v_BGLC = self.k[layer][self._run], self.v[layer][self._run]
-            k_BGLC.scatter_(2, self._write_idx_BGSC, k_BGSC)
-            v_BGLC.scatter_(2, self._write_idx_BGSC, v_BGSC)
-            return k_BGLC[:, :, :self._L], v_BGLC[:, :, :self._L], self._mask_BSL
-        self.k[layer][self._write_b_BS, :, self._write_pos_BS] = k_BGSC.transpose(1, 2)
-        self.v[layer][self._write_b_BS, :, self._write_pos_BS] = v_BGSC.transpose(1, 2)
-        # index_select copies whole rows; advanced indexing takes a slower generic path on CPU.
-        k_BGLC = self.k[layer][:, :, :self._L].index_select(0, self._slots_B)
-        v_BGLC = self.v[layer][:, :, :self._L].index_select(0, self._slots_B)
-        return k_BGLC, v_BGLC, self._mask_BSL
+            K_BGLC, V_BGLC = K[self._run], V[self._run]
+            K_BGLC.scatter_(2, self._write_idx_BG1C, k_BGSC)
+            V_BGLC.scatter_(2, self._write_idx_BG1C, v_BGSC)
+        else:
+            K[slot_B, :, pos_B] = k_BGSC[:, :, 0]
+            V[slot_B, :, pos_B] = v_BGSC[:, :, 0]
+        if self.kernel is not None:
+            return self.kernel(q_BHSC[:, :, 0], K, V, slot_B, pos_B + 1)[:, :, None]
+        if self._run is not None:
+            K_BGLC, V_BGLC = K_BGLC[:, :, : self._L], V_BGLC[:, :, : self._L]
+        else:
+            # index_select copies the rows' first L positions; advanced indexing takes a slower
+            # generic path on CPU.
+            K_BGLC = K[:, :, : self._L].index_select(0, slot_B)
+            V_BGLC = V[:, :, : self._L].index_select(0, slot_B)
+        # A masked key adds an exact zero, so attending over L >= a row's length leaves its result unchanged.
+        return F.scaled_dot_product_attention(q_BHSC, K_BGLC, V_BGLC, attn_mask=self._mask_B11L, enable_gqa=True)

@@ -18,6 +18,7 @@ from elastic.planning.plan import Plan
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.megatron_backend import backend_report
+from megatron_rl.models.moe import expert_report
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import dist_backend, resolve_device
 from megatron_rl.parallel.dims import ranks_on_this_host
@@ -105,7 +106,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         migrated=sum(o.migrated for o in outcomes),
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
-        moe=backend_report(cfg.backend),
+        moe=backend_report(cfg.backend) | expert_report(cfg.backend, DTYPES[cfg.dtype], ctx.device),
         device=ctx.device.type, transport=cfg.transport,
         freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
         hosts={str(o.ledger.rank): o.host for o in outcomes}, ranks_per_node=ranks_on_this_host(ctx.world),

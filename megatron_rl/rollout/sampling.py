@@ -34,9 +34,14 @@ def uniform(seed: int, prompt_id: str, sample: int, step: int) -> float:
     return (struct.unpack("<Q", h.digest())[0] >> 11) * (1.0 / (1 << 53))
 
 
-def choose_tokens(logits_BV: torch.Tensor, params: SamplingParams,
-                  keys: list[tuple[str, int]], steps: list[int]) -> torch.Tensor:
-    """Next token for each row; `keys[b]` = (prompt_id, sample), `steps[b]` = tokens generated so far."""
+def draws(params: SamplingParams, key: tuple[str, int], steps: range) -> list[float]:
+    """The response `key`'s uniform draws for `steps` (the engine makes them at admission)."""
+    return [uniform(params.seed, key[0], key[1], t) for t in steps]
+
+
+def choose_tokens(logits_BV: torch.Tensor, params: SamplingParams, u_B: torch.Tensor | None) -> torch.Tensor:
+    """Next token for each row; `u_B` holds row b's uniform draw for this step (`draws`), on the
+    logits' device: sampling reads nothing back (None when greedy)."""
     if params.greedy:
         return logits_BV.argmax(dim=-1)
     probs_BV = torch.softmax(logits_BV.double() / params.temperature, dim=-1)
@@ -44,10 +49,9 @@ def choose_tokens(logits_BV: torch.Tensor, params: SamplingParams,
     order_BV = torch.sort(-probs_BV, dim=-1, stable=True).indices
     cum_BV = torch.gather(probs_BV, 1, order_BV).cumsum(dim=-1)
     # Nucleus: the smallest prefix whose mass reaches top_p (at least one token), n_B tokens long.
-    top_p = torch.full((len(keys), 1), params.top_p, dtype=cum_BV.dtype, device=cum_BV.device)
+    top_p = torch.full((logits_BV.shape[0], 1), params.top_p, dtype=cum_BV.dtype, device=cum_BV.device)
     n_B1 = (torch.searchsorted(cum_BV, top_p) + 1).clamp(max=cum_BV.shape[1])
-    draws = [uniform(params.seed, pid, s, t) for (pid, s), t in zip(keys, steps)]
-    u_B1 = torch.tensor(draws, dtype=cum_BV.dtype, device=cum_BV.device)[:, None] * cum_BV.gather(1, n_B1 - 1)
+    u_B1 = u_B.to(cum_BV.dtype)[:, None] * cum_BV.gather(1, n_B1 - 1)
     # u < the nucleus mass, so searching the whole row finds the same index as searching the nucleus;
     # the clamp keeps a draw that rounds up to the mass inside it. One batched op: no per-row syncs.
     j_B1 = torch.minimum(torch.searchsorted(cum_BV, u_B1, right=True), n_B1 - 1)

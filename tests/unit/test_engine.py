@@ -2,7 +2,7 @@ import torch
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.sampling import SamplingParams, choose_tokens, uniform
+from megatron_rl.rollout.sampling import SamplingParams, choose_tokens, draws, uniform
 
 
 def model(dtype=torch.float64):
@@ -66,13 +66,17 @@ def test_sampling_stream_is_keyed_by_response():
     assert uniform(0, "p", 1, 5) != uniform(0, "p", 2, 5)
     logits = torch.randn(2, 50, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(greedy=False, temperature=1.0, top_p=0.9, seed=7)
-    one = choose_tokens(logits, p, [("a", 0), ("b", 0)], [4, 4])
-    swapped = choose_tokens(logits.flip(0), p, [("b", 0), ("a", 0)], [4, 4])
+    def u(keys):
+        return torch.tensor([draws(p, k, range(4, 5))[0] for k in keys], dtype=torch.float64)
+
+    one = choose_tokens(logits, p, u([("a", 0), ("b", 0)]))
+    swapped = choose_tokens(logits.flip(0), p, u([("b", 0), ("a", 0)]))
     assert one.tolist() == swapped.flip(0).tolist()
 
 
 def test_top_p_keeps_draws_inside_the_nucleus():
     logits = torch.tensor([[5.0, 4.0, -10.0, -10.0]], dtype=torch.float64)
     p = SamplingParams(greedy=False, top_p=0.5, seed=0)
-    draws = {int(choose_tokens(logits, p, [("x", s)], [0])[0]) for s in range(50)}
-    assert draws == {0}
+    chosen = {int(choose_tokens(logits, p, torch.tensor(draws(p, ("x", s), range(1)), dtype=torch.float64))[0])
+              for s in range(50)}
+    assert chosen == {0}

@@ -1,0 +1,126 @@
+"""Decode attention over each slot's own length: a two-stage split-K Triton kernel.
+
+One query token per row (decode), keys and values read straight from the slot KV cache
+([slots + 1, G, L_max, C]) at the row's slot, positions 0..len_B[b]-1 only: no gather of the prefix,
+no mask tensor, nothing read back to the host, one launch shape per batch size (CUDA-graph safe).
+The model is SGLang's triton decode attention (`triton_ops/decode_attention.py`, from lightllm),
+page size 1: stage 1 splits each row's keys into `SPLITS` chunks and runs an online softmax over
+each, one program per (row, KV group, chunk) covering the group's H/G query heads (GQA) with one
+`tl.dot`; stage 2 merges the chunks by their log-sum-exp. Scores and sums in fp32.
+
+Tested on CPU under `TRITON_INTERPRET=1` in fp32 against SDPA (tests/unit/test_decode_attention.py,
+skipped where triton is not installed); the rollout engine uses it on CUDA (`available`), and the
+torch path (SDPA over a masked key range, kv_cache.py) everywhere else.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheel of torch comes without triton: the torch path runs instead
+    triton = None
+
+
+def available(device: torch.device, head_dim: int) -> bool:
+    """The kernel runs here: triton importable, a CUDA device (or the interpreter), and a head dim
+    that `tl.arange` can span (a power of two, at least 16)."""
+    if triton is None or head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    return device.type == "cuda" or _interpreting()
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+    @triton.jit
+    def _split_kernel(Q, K, V, Slot, Len, MidO, MidL, scale,
+                      s_qb, s_qh, s_ks, s_kg, s_kn, s_vs, s_vg, s_vn, s_ob, s_oh, s_os, s_lb, s_lh,
+                      HPG: tl.constexpr, BLOCK_H: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SPLITS: tl.constexpr, ITERS: tl.constexpr):
+        b, g, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        slot = tl.load(Slot + b)
+        length = tl.load(Len + b)
+        chunk = tl.cdiv(length, SPLITS)
+        start = sp * chunk
+        end = tl.minimum(start + chunk, length)
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < HPG
+        heads = g * HPG + offs_h
+        offs_c = tl.arange(0, C)
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + offs_c[None, :], mask=mask_h[:, None], other=0.0)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, C], tl.float32)
+        k_base = K + slot.to(tl.int64) * s_ks + g * s_kg
+        v_base = V + slot.to(tl.int64) * s_vs + g * s_vg
+        # A fixed trip count (the longest chunk's blocks), the blocks past `end` masked off: the
+        # same code under the interpreter, whose numpy 2 will not turn a loaded length into a range bound.
+        for i in range(ITERS):
+            offs_n = start + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            k = tl.load(k_base + offs_n[:, None] * s_kn + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_base + offs_n[:, None] * s_vn + offs_c[None, :], mask=mask_n[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+            den = den * alpha + tl.sum(p, 1)
+            m = m_new
+        # An empty chunk (a row shorter than SPLITS keys) says so with lse = -inf: weight 0 in the merge.
+        nonempty = den > 0
+        out = tl.where(nonempty[:, None], acc / tl.where(nonempty, den, 1.0)[:, None], 0.0)
+        lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, den, 1.0)), float("-inf"))
+        tl.store(MidO + b * s_ob + heads[:, None] * s_oh + sp * s_os + offs_c[None, :], out, mask=mask_h[:, None])
+        tl.store(MidL + b * s_lb + heads * s_lh + sp, lse, mask=mask_h)
+
+    @triton.jit
+    def _merge_kernel(MidO, MidL, Out, s_ob, s_oh, s_os, s_lb, s_lh, s_xb, s_xh,
+                      C: tl.constexpr, SPLITS: tl.constexpr):
+        b, h = tl.program_id(0), tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS)
+        offs_c = tl.arange(0, C)
+        lse = tl.load(MidL + b * s_lb + h * s_lh + offs_s)
+        w = tl.exp(lse - tl.max(lse, 0))
+        o = tl.load(MidO + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_c[None, :])
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+        tl.store(Out + b * s_xb + h * s_xh + offs_c, out.to(Out.dtype.element_ty))
+
+
+def splits_for(max_len: int) -> int:
+    """Chunks per row: enough programs to fill the device at small batch, each chunk at least a few
+    blocks long; a power of two (the merge spans it with `tl.arange`)."""
+    return max(1, min(16, 1 << max(0, (max_len // 256 - 1).bit_length())))
+
+
+def decode_attention(q_BHC: torch.Tensor, k_SGLC: torch.Tensor, v_SGLC: torch.Tensor, slot_B: torch.Tensor,
+                     len_B: torch.Tensor, splits: int | None = None, block_n: int = 32) -> torch.Tensor:
+    """softmax(q k^T / sqrt(C)) v for each row b over keys 0..len_B[b]-1 of slot slot_B[b]; query
+    head h reads KV group h // (H/G). Returns [B, H, C] in q's dtype."""
+    B, H, C = q_BHC.shape
+    G = k_SGLC.shape[1]
+    hpg = H // G
+    splits = splits or splits_for(k_SGLC.shape[2])
+    q_BHC = q_BHC.contiguous()
+    mid_o = torch.empty(B, H, splits, C, dtype=torch.float32, device=q_BHC.device)
+    mid_l = torch.empty(B, H, splits, dtype=torch.float32, device=q_BHC.device)
+    out = torch.empty_like(q_BHC)
+    _split_kernel[(B, G, splits)](
+        q_BHC, k_SGLC, v_SGLC, slot_B, len_B, mid_o, mid_l, 1.0 / math.sqrt(C),
+        q_BHC.stride(0), q_BHC.stride(1), k_SGLC.stride(0), k_SGLC.stride(1), k_SGLC.stride(2),
+        v_SGLC.stride(0), v_SGLC.stride(1), v_SGLC.stride(2), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_l.stride(0), mid_l.stride(1),
+        HPG=hpg, BLOCK_H=max(16, triton.next_power_of_2(hpg)), C=C, BLOCK_N=block_n, SPLITS=splits,
+        ITERS=triton.cdiv(triton.cdiv(k_SGLC.shape[2], splits), block_n))
+    _merge_kernel[(B, H)](mid_o, mid_l, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+                          mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), C=C, SPLITS=splits)
+    return out

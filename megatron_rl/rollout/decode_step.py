@@ -1,0 +1,136 @@
+"""The decode step through static buffers: batch buckets, CUDA graphs, one host read per step.
+
+A decode step's inputs are four rows of int64 per request (token id, KV slot, position, tokens so
+far) written into one host buffer (pinned on CUDA) and copied to the device without blocking; the
+positions, the attention mask and the MoE routing are derived from them on the device. The only
+read back is the chosen tokens (with the device-side count of misrouted rows, in the same copy).
+
+Buckets (nano-vllm's `capture_cudagraph`): the batch is padded up to 1, 2, 4, 8, then a multiple
+of 16 (up to `max_batch`). A padding row decodes in the KV cache's scratch slot at position 0 and
+reaches no expert (the null expert, models/moe.py), so no real row's numbers change. On CUDA, with
+every MoE layer local (`LocalDispatcher`: an expert-parallel all-to-all needs its split sizes on the
+host), one graph per bucket is captured into one memory pool and replayed; the same static-buffer
+path runs eagerly elsewhere (CPU, expert parallel, the megatron backend), unpadded unless asked.
+
+A graph holds the addresses of what it read: the KV tensors, each bank's stacked expert weights
+and routing table, the routers' fp32 copies. Weight writes refresh those copies in place before each
+replay; a new allocation (KV release and reclaim, an expert added or dropped, a new dispatcher)
+changes `_graph_key` and the graphs are captured again before the next replay.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.models.moe import LocalDispatcher, MoELayer, widens
+from megatron_rl.rollout.kv_cache import SlotKVCache
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16, up to (and covering) `max_batch`."""
+    out = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return out + [max_batch]
+
+
+class DecodeRunner:
+    """`graphs`: capture CUDA graphs (CUDA only); `pad`: pad to buckets even when running eagerly
+    (what the graphs compute, run on CPU for the tests)."""
+
+    def __init__(self, model, cache: SlotKVCache, max_batch: int, graphs: bool, pad: bool = False):
+        self.model, self.cache, self.device = model, cache, cache.device
+        self.graphs_wanted = graphs and self.device.type == "cuda"
+        self.pad = pad or self.graphs_wanted
+        self.buckets = batch_buckets(max_batch)
+        n_max = self.buckets[-1]
+        pinned = self.device.type == "cuda"
+        self._host = torch.zeros(4, n_max, dtype=torch.long, pin_memory=pinned)
+        self._dev = self._host if self.device.type == "cpu" else torch.zeros_like(self._host, device=self.device)
+        self._logits = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_key = None
+        self.captures = 0  # how many times the graphs were captured (tests, the bench)
+        # Rows of no request: scratch slot, position 0, no expert.
+        self._pad_row = [0, cache.scratch, 0, 0]
+
+    def bucket(self, B: int) -> int:
+        return next(n for n in self.buckets if n >= B) if self.pad else B
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """The device buffer [4, n]: token ids, slots, positions, tokens so far (read by sampling)."""
+        return self._dev
+
+    def step(self, ids: list[int], slots: list[int], positions: list[int], ntok: list[int]) -> torch.Tensor:
+        """Logits [B, V] of one decode step; row b appends `ids[b]` at `positions[b]` of slot `slots[b]`."""
+        B = len(ids)
+        n = self.bucket(B)
+        pad = n - B
+        graphed = self.graphs_wanted and self._graphable()
+        if graphed:
+            self._refresh_copies()
+            if self._graph_key != self._key():
+                self.capture()  # before the inputs: capturing runs padding rows through the buffers
+        rows = [ids + [0] * pad, slots + [self.cache.scratch] * pad, positions + [0] * pad, ntok + [0] * pad]
+        self._host[:, :n].copy_(torch.tensor(rows))
+        if self._dev is not self._host:
+            # The previous step's copy out of this pinned buffer is done: its tokens were read back.
+            self._dev[:, :n].copy_(self._host[:, :n], non_blocking=True)
+        if graphed:
+            self.graphs[n].replay()
+            return self._logits[:B]
+        first = slots[0]
+        run = slice(first, first + B) if not pad and slots == list(range(first, first + B)) else None
+        # The batch's longest sequence bounds the keys read (a graph has one shape: L_max, there).
+        L = max(positions) + 1
+        return self._forward(n, L, run, masked=pad > 0)[:B]
+
+    def _forward(self, n: int, L: int, run: slice | None, masked: bool) -> torch.Tensor:
+        ids_n, slot_n, pos_n = self._dev[0, :n], self._dev[1, :n], self._dev[2, :n]
+        pos_n1 = self.cache.decode(slot_n, pos_n, L, run)
+        # Padding rows: their position says nothing; the slot does (the scratch slot is the last).
+        valid_n1 = (slot_n != self.cache.scratch)[:, None] if masked else None
+        return self.model(ids_n[:, None], pos_n1, self.cache, valid_n1)[:, 0]
+
+    def _moe_layers(self) -> list:
+        return self.model.moe_layers
+
+    def _graphable(self) -> bool:
+        return all(isinstance(m, MoELayer) and isinstance(m.dispatcher, LocalDispatcher) for m in self._moe_layers())
+
+    def _refresh_copies(self) -> None:
+        """The in-place copies a graph reads: stacked expert weights, fp32 router weights."""
+        for m in self._moe_layers():
+            m.experts.stacked()
+            if widens(self.model.dtype):
+                m.router.weight_fp32()
+
+    def _key(self) -> tuple:
+        layers = tuple((id(m), id(m.dispatcher), m.experts.generation) for m in self._moe_layers())
+        return self.cache.generation, layers
+
+    def release(self) -> None:
+        """Drop the graphs and their memory pool (a detached rank lends its memory)."""
+        self.graphs.clear()
+        self._logits, self._graph_key = None, None
+
+    def capture(self) -> None:
+        """One graph per bucket, largest first, sharing one memory pool (nano-vllm's order: the
+        largest graph's pool serves the smaller ones). Each capture follows one eager run of the
+        same step (it builds the lazily made tensors: RoPE table, stacked copies) on padding rows,
+        which write only the scratch slot."""
+        torch.cuda.synchronize(self.device)
+        self.release()
+        pool = None
+        self._host.copy_(torch.tensor(self._pad_row)[:, None].expand_as(self._host))
+        self._dev.copy_(self._host)
+        for n in reversed(self.buckets):
+            logits = self._forward(n, self.cache.max_len, None, masked=True)
+            if self._logits is None:
+                self._logits = torch.empty(self.buckets[-1], logits.shape[-1], dtype=logits.dtype, device=self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self._logits[:n] = self._forward(n, self.cache.max_len, None, masked=True)
+            pool = pool or graph.pool()
+            self.graphs[n] = graph
+        torch.cuda.synchronize(self.device)
+        self._graph_key = self._key()
+        self.captures += 1

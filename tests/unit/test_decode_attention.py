@@ -1,0 +1,46 @@
+"""The Triton split-K decode attention (rollout/decode_attention.py) equals SDPA over each row's own
+keys, in fp32 under TRITON_INTERPRET=1 on CPU (the interpreter runs the kernel's own code with numpy).
+Skipped where triton is not installed: the CPU wheel of torch does not bring it, and the dev extras
+do not add it (about 640 MB installed); `pip install triton==3.6.0` runs these here."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (not in the dev extras); the torch path runs instead")
+
+from megatron_rl.rollout.decode_attention import available, decode_attention  # noqa: E402
+
+
+def reference(q_BHC, K, V, slot_B, len_B):
+    out = []
+    for b in range(q_BHC.shape[0]):
+        s, n = int(slot_B[b]), int(len_B[b])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q_BHC[b, :, None], K[s, :, :n], V[s, :, :n], enable_gqa=True)
+        out.append(o[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("H,G,C,splits", [(4, 2, 16, 1), (8, 2, 32, 4), (4, 4, 16, 8)])
+def test_split_k_decode_attention_equals_sdpa(H, G, C, splits):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
+    g = torch.Generator().manual_seed(H * C + splits)
+    slots, L = 6, 70
+    K = torch.randn(slots + 1, G, L, C, generator=g)
+    V = torch.randn(slots + 1, G, L, C, generator=g)
+    # Rows of very different lengths, slots out of order, one row shorter than the split count.
+    slot_B = torch.tensor([4, 0, 6, 2])
+    len_B = torch.tensor([70, 1, 3, 37])
+    q = torch.randn(4, H, C, generator=g)
+    assert available(q.device, C)
+    got = decode_attention(q, K, V, slot_B, len_B, splits=splits, block_n=16)
+    torch.testing.assert_close(got, reference(q, K, V, slot_B, len_B), rtol=1e-5, atol=1e-5)
+    # Keys past a row's length are never read: garbage there changes nothing.
+    K2, V2 = K.clone(), V.clone()
+    for s, n in zip(slot_B.tolist(), len_B.tolist()):
+        K2[s, :, n:], V2[s, :, n:] = float("nan"), float("nan")
+    assert torch.equal(decode_attention(q, K2, V2, slot_B, len_B, splits=splits, block_n=16), got)

@@ -1,0 +1,131 @@
+"""A decode step reads device data on the host once (the chosen tokens), and the padded bucket path
+of the CUDA graphs gives the unpadded step's tokens.
+
+The count wraps every way the host reads a tensor's values (item, tolist, numpy, cpu, int/float/
+bool/index conversion, boolean-mask indexing, nonzero) and torch.bincount (which syncs on CUDA to
+size its output). On CPU nothing blocks, but the same code path runs on CUDA, where each of these
+is a blocking sync. Negative control: on the engine before issue 19 one decode step of the 4-layer
+model at batch 64 made 10 such reads (RoPE's int(positions.max()), and per MoE layer a bincount and
+its tolist), and this test failed there.
+"""
+import contextlib
+
+import pytest
+import torch
+
+from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+from megatron_rl.models.moe import LocalDispatcher
+from megatron_rl.rollout.decode_step import batch_buckets
+from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.sampling import SamplingParams
+
+READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__", "__complex__",
+         "nonzero", "__array__")
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Counts host reads of tensor data while active: yields a list that collects their names."""
+    seen, saved = [], {}
+
+    def wrap(owner, name):
+        fn = getattr(owner, name)
+        saved[(owner, name)] = fn
+
+        def counted(*a, **k):
+            seen.append(name)
+            return fn(*a, **k)
+        setattr(owner, name, counted)
+
+    for name in READS:
+        wrap(torch.Tensor, name)
+    wrap(torch, "bincount")
+    wrap(torch, "nonzero")
+    for name in ("__getitem__", "__setitem__"):
+        fn = getattr(torch.Tensor, name)
+        saved[(torch.Tensor, name)] = fn
+
+        def indexed(self, idx, *rest, _fn=fn, _name=name):
+            parts = idx if isinstance(idx, tuple) else (idx,)
+            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+                seen.append(f"{_name}[bool mask]")
+            return _fn(self, idx, *rest)
+        setattr(torch.Tensor, name, indexed)
+    try:
+        yield seen
+    finally:
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
+
+
+def model(dtype, layers=4):
+    cfg = MoEModelConfig(num_layers=layers, hidden_size=64, num_moe_experts=8, moe_router_topk=2)
+    m = Qwen3MoeModel(cfg, dtype=dtype)
+    m.init_weights(0)
+    return m.eval()
+
+
+def requests(n, new=6, vary=False):
+    def prompt(i):
+        return torch.randint(0, 256, (3 + i % 5,), generator=torch.Generator().manual_seed(i)).tolist()
+
+    return [Request(f"p{i}", 0, prompt(i), max_new_tokens=new, fixed_len=(2 + i % new) if vary else new)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(greedy=False, top_p=0.9, seed=1)],
+                         ids=["greedy", "top-p"])
+def test_decode_step_reads_the_device_once(sampling):
+    eng = RolloutEngine(model(torch.float32), sampling, 64, 32)
+    eng.add(requests(64))
+    eng.step()  # prefill
+    assert len(eng.live) == 64
+    with host_reads() as seen:
+        eng.step()  # one decode step
+    assert seen == ["tolist"], f"a decode step read the device {len(seen)} times: {seen}"
+
+
+def test_float64_per_expert_loop_reads_its_counts_once_per_layer():
+    """No grouped GEMM in float64: the per-expert loop reads its split sizes, one copy per layer."""
+    eng = RolloutEngine(model(torch.float64), SamplingParams(), 16, 32)
+    eng.add(requests(16))
+    eng.step()
+    with host_reads() as seen:
+        eng.step()
+    assert seen == ["tolist"] * 5
+
+
+def run(m, reqs, max_batch, pad):
+    eng = RolloutEngine(m, SamplingParams(), max_batch, 48, pad_to_buckets=pad)
+    eng.add(reqs)
+    sizes = []
+    while eng.has_work():
+        if not eng.pending:
+            sizes.append(len(eng.live))
+        eng.step()
+    return {r.key: r.tokens for r in eng.finished}, sizes
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_every_bucket_gives_the_unpadded_tokens(dtype):
+    """Requests of different lengths leave one by one, so the batch passes through sizes 1..40 and
+    the padded path runs every bucket (1, 2, 4, 8, 16, 32, 40) with padding rows in it."""
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    m = model(dtype, layers=2)
+    reqs = requests(40, new=40, vary=True)
+    plain, sizes = run(m, reqs, 40, pad=False)
+    padded, _ = run(m, requests(40, new=40, vary=True), 40, pad=True)
+    assert padded == plain
+    assert {s for s in sizes if s not in batch_buckets(40)}  # batches that really were padded
+    assert set(batch_buckets(40)) - {1} <= {min(b for b in batch_buckets(40) if b >= s) for s in sizes}
+
+
+def test_misrouted_rows_raise_at_the_readback():
+    m = model(torch.float32, layers=2)
+    m.moe_layers[1].experts.drop(3)  # expert 3 still routed to, but no longer here
+    eng = RolloutEngine(m, SamplingParams(), 8, 32)
+    assert isinstance(m.moe_layers[1].dispatcher, LocalDispatcher)
+    eng.add(requests(8))
+    with pytest.raises(RuntimeError, match=r"experts \[3\] routed to a rank that does not hold them"):
+        while eng.has_work():
+            eng.step()

@@ -1,0 +1,17 @@
+"""The decode engine's GPU checks (tools/gpu_decode_checks.py) run small on CPU: the same engine path,
+without graphs or the sync debug mode (tests/gpu/test_decode_engine_gpu.py runs them on CUDA)."""
+import torch
+
+from megatron_rl.models import MoEModelConfig
+from tools import gpu_decode_checks
+
+TINY = MoEModelConfig(num_layers=2, hidden_size=64, num_moe_experts=8, moe_router_topk=2, vocab_size=256)
+
+
+def test_sync_free_steps_on_cpu():
+    assert gpu_decode_checks.sync_free_steps(TINY, device="cpu", dtype=torch.float32, batch=8, steps=2)["ok"]
+
+
+def test_replay_matches_eager_on_cpu():
+    out = gpu_decode_checks.replay_matches_eager(TINY, device="cpu", dtype=torch.float32, batch=8)
+    assert out["ok"] and out["same"] == out["responses"] == 5, out

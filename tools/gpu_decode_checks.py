@@ -1,0 +1,93 @@
+"""The bodies of the decode engine's GPU checks (issue 19; tests/gpu/test_decode_engine_gpu.py runs
+them on CUDA), written for any device so that tests/unit/test_gpu_decode_checks.py runs them small
+on CPU, where there are no graphs and no sync debug mode but the same engine path.
+
+`sync_free_steps`: decode steps under `torch.cuda.set_sync_debug_mode("error")` (a blocking host
+sync raises), eager and replayed. `replay_matches_eager`: a graphed engine's responses equal an
+eager one's on the same weights (bf16 on the GPU), before and after the KV cache was released and
+reclaimed and an expert moved out and back, which must re-capture the graphs.
+"""
+from __future__ import annotations
+
+import torch
+
+from tools.gpu_checks import SMALL_QWEN3_MOE, _model
+
+
+def _requests(n: int, vocab: int, new: int = 24):
+    from megatron_rl.rollout.engine import Request
+
+    g = torch.Generator().manual_seed(1)
+    return [Request(f"p{i}", 0, torch.randint(0, vocab, (8 + i,), generator=g).tolist(), new, fixed_len=new)
+            for i in range(n)]
+
+
+def _engine(model, graphs: bool, batch: int, max_len: int = 64):
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    return RolloutEngine(model, SamplingParams(greedy=True), batch, max_len, cuda_graphs=graphs, pad_to_buckets=graphs)
+
+
+def _run(eng) -> dict:
+    while eng.has_work():
+        eng.step()
+    out = {r.key: r.tokens for r in eng.finished}
+    eng.finished = []
+    return out
+
+
+def sync_free_steps(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bfloat16, batch: int = 16,
+                    steps: int = 4) -> dict:
+    """`steps` decode steps of a padded batch (batch - 3 rows) per mode, under sync debug mode "error"
+    on CUDA: any blocking sync raises, and the check fails with it."""
+    model = _model(mcfg, 0, dtype, device)
+    cuda = torch.device(device).type == "cuda"
+    for graphs in (False, True):
+        eng = _engine(model, graphs, batch)
+        eng.capture_graphs()
+        eng.add(_requests(batch - 3, mcfg.vocab_size))
+        eng.step()  # prefill (it may sync: the prompts are staged through pinned memory)
+        eng.step()  # the first decode step builds what is built once
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(steps):
+                eng.step()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    return {"ok": True, "summary": f"{steps} decode steps eager and {steps} "
+                                   f"{'replayed' if cuda else 'padded (CPU: no graphs)'} raised nothing"}
+
+
+def replay_matches_eager(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bfloat16,
+                         batch: int = 16) -> dict:
+    from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+
+    model = _model(mcfg, 0, dtype, device)
+    reqs = _requests(batch - 3, mcfg.vocab_size)  # 13 rows: the 16 bucket, with padding
+    eager_eng = _engine(model, False, batch)
+    eager_eng.add(reqs)
+    eager = _run(eager_eng)
+    eng = _engine(model, True, batch)
+    eng.add(_requests(batch - 3, mcfg.vocab_size))
+    graphed = _run(eng)
+    same = sum(eager[k] == graphed[k] for k in eager)
+    captures = eng.runner.captures
+    # A lease's KV release and reclaim, then an expert moved out and back: both need new graphs.
+    el = ElasticRolloutEngine(eng, world=1)
+    el.release_memory()
+    el.reclaim_memory()
+    flat = el.export_expert(5).clone()
+    el.drop_expert(5)
+    el.import_expert(5, flat)
+    eng.add(_requests(batch - 3, mcfg.vocab_size))
+    after = _run(eng)
+    recaptured = eng.runner.captures - captures
+    cuda = torch.device(device).type == "cuda"
+    ok = same == len(eager) and after == graphed and (recaptured >= 1 or not cuda)
+    return {"ok": ok, "same": same, "responses": len(eager), "recaptured": recaptured,
+            "summary": f"{same}/{len(eager)} responses identical to eager; after KV release/reclaim and an "
+                       f"expert move {'identical' if after == graphed else 'DIFFERENT'}, {recaptured} re-capture(s)"}
