@@ -7,7 +7,13 @@
 #     the loss on their own batch;
 # (b) tests/gpu: a 2-rank elastic rollout on ONE GPU over the host-staged gloo transport (shrink,
 #     expert moves, restore, checksums; responses' sha256 equal to vanilla);
-# (c) tools/bench_gpu.py: decode tokens/s of our engine vs HF transformers `generate`, batch 1 and 64;
+# (b, bf16) tests/gpu/test_decode_engine_gpu.py: every policy in bf16 on 2 ranks sharing the GPU, the share
+#     of responses identical to vanilla's and the reward difference (natural floor 1 must equal vanilla);
+# (c) tools/bench_gpu.py: decode of our engine eager and graphed vs HF transformers `generate` (small model
+#     and a Qwen3-30B-A3B-shaped 4-layer slice; batches 1, 16, 64, 256; kernels per step, roofline share;
+#     the slice's step-time table and its cost-model fit into gpu_step_times.json), and
+#     tests/gpu/test_decode_engine_gpu.py: decode steps under set_sync_debug_mode("error"), graph
+#     replay = eager tokens, re-capture after KV release/reclaim and an expert move (docs/rollout.md);
 # (m) the megatron backend's checks (tests/gpu/test_megatron_*.py: logits and greedy tokens against the
 #     torch backend, TE layer weights and attention, gradients and 5 GRPO steps, the 2-GPU elastic
 #     rollout; tools/bench_megatron_backend.py), skipped with the reason when megatron-core is not
@@ -50,9 +56,14 @@ stage() {
 
 stage "te: image guard" 120 bash tools/te_image_guard.sh
 stage "tests/gpu (a, b)" 300 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_gpu_path.py
-stage "c: tools/bench_gpu.py" 240 python tools/bench_gpu.py
+stage "tests/gpu (b bf16, c engine)" 180 python -m pytest -q -rs -p no:cacheprovider -m gpu \
+    tests/gpu/test_decode_engine_gpu.py
+stage "c: tools/bench_gpu.py" 200 python tools/bench_gpu.py --table gpu_step_times.json
 expected=("a: greedy bf16 vs fp64 CPU" "a: 5 GRPO steps bf16" "b: 2-rank elastic, one GPU"
-          "c: decode tokens/s, batch 1" "c: decode tokens/s, batch 64")
+          "c: decode tokens/s, batch 1" "c: decode tokens/s, batch 64"
+          "b: bf16 responses per policy vs vanilla" "c: decode step, sync debug mode error"
+          "c: graph replay = eager tokens (bf16)" "c: 30B-A3B slice step vs roofline, batch 64"
+          "c: graphed tokens = eager tokens")
 
 if python -c "import megatron.core" 2>/dev/null; then
     bench_flags=()

@@ -91,3 +91,39 @@ def replay_matches_eager(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=to
     return {"ok": ok, "same": same, "responses": len(eager), "recaptured": recaptured,
             "summary": f"{same}/{len(eager)} responses identical to eager; after KV release/reclaim and an "
                        f"expert move {'identical' if after == graphed else 'DIFFERENT'}, {recaptured} re-capture(s)"}
+
+
+def _even_share(tokens: list[int]) -> float:
+    """A reward of the responses themselves (gpu_checks' shaped reward): the share of even token ids."""
+    return sum(t % 2 == 0 for t in tokens) / max(len(tokens), 1)
+
+
+POLICIES = (("vanilla", None), ("natural", 1), ("planned", 1), ("lengthsort", None), ("adaptive", 1))
+
+
+def bf16_policies(*, device: str = "cuda", dtype: str = "bfloat16", prompts: int = 8, samples: int = 4,
+                  length_scale: float = 0.01, policies=POLICIES) -> dict:
+    """Check (b) in bf16: every policy on 2 ranks sharing `device` (host-staged transport), greedy,
+    against vanilla: the share of responses identical to vanilla's and the mean reward difference.
+    Natural floor 1 keeps each rank's batches and each expert's row order, so it must equal vanilla
+    (docs/rollout.md, "bf16 on GPUs"); the others are measured, not judged."""
+    from megatron_rl.config import load_dataclass
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.runner import run_rollouts
+
+    base = {"ranks": 2, "device": device, "transport": "host", "dtype": dtype, "batch.prompts": prompts,
+            "batch.samples": samples, "batch.length_scale": length_scale, "timeout_s": 120.0}
+    cfgs = [load_dataclass(RolloutConfig, None, {**base, "policy": p, **({"floor": f} if f else {})})
+            for p, f in policies]
+    results = run_rollouts(cfgs, quiet=True)
+    by_key = [{(r["prompt_id"], r["sample"]): r["tokens"] for r in responses} for _report, responses in results]
+    vanilla = by_key[0]
+    reward_v = sum(_even_share(t) for t in vanilla.values()) / len(vanilla)
+    rows = {}
+    for (policy, floor), got in zip(policies[1:], by_key[1:]):
+        same = sum(got.get(k) == t for k, t in vanilla.items()) / len(vanilla)
+        reward = sum(_even_share(t) for t in got.values()) / max(len(got), 1)
+        rows[f"{policy}" + (f" floor {floor}" if floor else "")] = {"identical": same, "reward_diff": reward - reward_v}
+    ok = rows["natural floor 1"]["identical"] == 1.0
+    return {"ok": ok, "rows": rows, "summary": f"{dtype}, identical to vanilla / reward difference: " + "; ".join(
+        f"{name} {r['identical']:.0%} / {r['reward_diff']:+.3f}" for name, r in rows.items())}

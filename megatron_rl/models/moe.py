@@ -21,7 +21,7 @@ the per-expert loop, which reads the per-expert counts back once per layer.
 Rows that must reach no expert (padding of a CUDA-graph bucket, padded prefill tokens) carry the
 expert id `E` = num_moe_experts, the "null expert": they sort after every real group, no GEMM covers
 them, and the layer zeroes their output. A row routed to an expert this rank does not hold is
-counted on the device (`misrouted_E`) instead of raising mid-step; the engine reads the count with
+counted on the device (`misrouted`) instead of raising mid-step; the engine reads the count with
 the step's tokens and raises then (`check_routing`).
 """
 from __future__ import annotations
@@ -84,9 +84,8 @@ class ExpertBank(nn.Module):
         self.local_experts = nn.ModuleDict(
             {str(e): Expert(self.hidden, self.ffn, dtype) for e in sorted(experts)}
         )
-        # Rows that reached this rank for an expert it does not hold, by global expert (the null
-        # expert's rows, last, are expected and not an error).
-        self.register_buffer("misrouted_E", torch.zeros(self.num_experts + 1, dtype=torch.long), persistent=False)
+        # Rows that reached this rank for an expert it does not hold (the null expert's are expected).
+        self.register_buffer("misrouted", torch.zeros(1, dtype=torch.long), persistent=False)
         self.generation = 0
 
     def held(self) -> list[int]:
@@ -135,12 +134,12 @@ class ExpertBank(nn.Module):
             with torch.inference_mode(False), torch.no_grad():
                 fc1_E2FD = torch.empty(n, 2 * self.ffn, self.hidden, dtype=self.dtype, device=dev)
                 fc2_EDF = torch.empty(n, self.hidden, self.ffn, dtype=self.dtype, device=dev)
-                # Global -> local expert index; every expert not held (and the null expert `E`)
-                # maps to `n`, the group after the last held one, which no GEMM covers.
-                local_E = torch.full((self.num_experts + 1,), n, dtype=torch.long)
+                # Global -> local expert index; the null expert `E` maps to `n`, the group after
+                # the last held one, and every expert not held to `n + 1`: no GEMM covers either.
+                local_E = torch.full((self.num_experts + 1,), n + 1, dtype=torch.long)
                 local_E[self.held()] = torch.arange(n)
-                local_E[self.num_experts] = n + 1
-            self._local_E = local_E.to(dev)
+                local_E[self.num_experts] = n
+            self._local_E, self._group_ids = local_E.to(dev), torch.arange(n + 1, device=dev)
             self._stacked = (fc1_E2FD.transpose(1, 2), fc2_EDF.transpose(1, 2))
             self._buffers_EE = (fc1_E2FD, fc2_EDF)
             self._stacked_version = -1
@@ -157,8 +156,7 @@ class ExpertBank(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        w = next(iter(self.local_experts.parameters()), None)
-        return self.misrouted_E.device if w is None else w.device
+        return self.misrouted.device  # a buffer: it moves with the module
 
     def compute(self, x_TD: torch.Tensor, expert_T: torch.Tensor) -> torch.Tensor:
         """Run each token through its expert (SwiGLU): out = fc2(silu(gate) * up), [gate; up] = fc1(x).
@@ -168,55 +166,57 @@ class ExpertBank(nn.Module):
         groups the tokens by expert (each expert's rows keep their order, rows for no held expert
         last); the elementwise SwiGLU runs once over all rows, only the two matmuls are per expert
         (or one grouped GEMM each). Rows of no held expert get unspecified values: the null
-        expert's are zeroed by `MoELayer`, a misrouted one is counted in `misrouted_E`.
+        expert's are zeroed by `MoELayer`, misrouted ones are counted in `misrouted`.
         """
         if x_TD.shape[0] == 0:
             return torch.empty_like(x_TD)
         fc1_ED2F, fc2_EFD = self.stacked()
         n = fc1_ED2F.shape[0]
-        local_T = self._local_E[expert_T]
-        # Counted on the device: [n] held groups, then the misrouted rows (n), then the null rows (n + 1).
-        count_G = torch.zeros(n + 2, dtype=torch.long, device=x_TD.device).scatter_add_(
-            0, local_T, torch.ones_like(local_T))
-        self.misrouted_E.index_add_(0, expert_T, (local_T == n).to(self.misrouted_E.dtype))
-        order_T = torch.argsort(local_T, stable=True)
+        T = x_TD.shape[0]
+        # Sorted by local group: the n held experts', then the null rows (n), then the misrouted
+        # rows (n + 1); the groups' ends come from the sorted keys on the device. A bank holding
+        # every expert has local = global index and no misrouted rows: no lookup, no count.
+        full = n == self.num_experts
+        local_T, order_T = torch.sort(expert_T if full else self._local_E[expert_T], stable=True)
+        end_G = torch.searchsorted(local_T, self._group_ids, right=True, out_int32=True)
+        if not full:
+            self.misrouted.add_(T - end_G[n])
         x_TD = x_TD.index_select(0, order_T)
         out_TD = torch.empty_like(x_TD)
         if n and not torch.is_grad_enabled() and grouped_mm_ok(x_TD.dtype, x_TD.device):
             # Group i is the i-th held expert's rows, offs[i-1]:offs[i]; unrouted experts are empty
-            # groups; rows past offs[-1] (misrouted, null) are covered by no group.
-            offs_G = count_G[:n].cumsum(0).to(torch.int32)
+            # groups; rows past offs[-1] (null, misrouted) are covered by no group.
+            offs_G = end_G[:n]
             h_T2F = torch._grouped_mm(x_TD, fc1_ED2F, offs=offs_G)
             gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
             y_TD = torch._grouped_mm(F.silu(gate_TF) * up_TF, fc2_EFD, offs=offs_G)
         else:
             # The per-expert loop (float64, training, no grouped kernel): its split sizes are the
             # layer's one read of device data, which also tells of misrouted rows at once.
-            counts = count_G.tolist()
-            if counts[n]:
+            ends = end_G.tolist() + [T]
+            counts = [b - a for a, b in zip([0] + ends, ends)]  # n held, null, misrouted
+            if counts[n + 1]:
                 self.check_routing()
             held = self.held()
             sizes = [c for c in counts[:n] if c]
             experts = [self.get(e) for e, c in zip(held, counts) if c]
             parts = torch.split(x_TD[: sum(sizes)], sizes)
             h_T2F = torch.cat([F.linear(x, ex.linear_fc1.weight) for x, ex in zip(parts, experts)]
-                              + [x_TD.new_zeros(counts[n + 1], 2 * self.ffn)])
+                              + [x_TD.new_zeros(counts[n], 2 * self.ffn)])
             gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
-            a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes + [counts[n + 1]])
+            a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes + [counts[n]])
             y_TD = torch.cat([F.linear(a, ex.linear_fc2.weight) for a, ex in zip(a_parts, experts)]
-                             + [x_TD.new_zeros(counts[n + 1], self.hidden)])
+                             + [x_TD.new_zeros(counts[n], self.hidden)])
         out_TD[order_T] = y_TD
         return out_TD
 
     def check_routing(self) -> None:
-        """Raise if rows reached this rank for an expert this bank does not hold (a host read: call
-        it where the step reads back anyway, or after a count said so). Banks may share one
-        counter (the engine's): each names only the experts it lacks itself."""
-        counted = self.misrouted_E[:-1].tolist()
-        missing = sorted({e for e, c in enumerate(counted) if c} - set(self.held()))
-        if missing:
-            self.misrouted_E.zero_()
-            raise RuntimeError(f"experts {missing} routed to a rank that does not hold them (holds {self.held()})")
+        """Raise if rows reached this rank for an expert it does not hold (a host read: call it
+        where the step reads back anyway, or after a count said so)."""
+        rows = int(self.misrouted.item())
+        if rows:
+            self.misrouted.zero_()
+            raise RuntimeError(f"{rows} rows routed to experts this rank does not hold (it holds {self.held()})")
 
 
 class Dispatcher(Protocol):

@@ -25,12 +25,15 @@ except ImportError:  # the CPU wheel of torch comes without triton: the torch pa
     triton = None
 
 
-def available(device: torch.device, head_dim: int) -> bool:
-    """The kernel runs here: triton importable, a CUDA device (or the interpreter), and a head dim
-    that `tl.arange` can span (a power of two, at least 16)."""
+def available(device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
+    """The kernel runs here: triton importable, a head dim that `tl.arange` can span (a power of
+    two, at least 16), and a CUDA device in bf16/fp16 (in fp32 `tl.dot` would round through TF32)
+    or the interpreter (fp32 on CPU)."""
     if triton is None or head_dim < 16 or head_dim & (head_dim - 1):
         return False
-    return device.type == "cuda" or _interpreting()
+    if device.type == "cuda":
+        return dtype in (torch.bfloat16, torch.float16)
+    return _interpreting() and dtype == torch.float32
 
 
 def _interpreting() -> bool:

@@ -69,7 +69,7 @@ class RolloutEngine:
         if attention != "torch":
             from megatron_rl.rollout import decode_attention
 
-            if decode_attention.available(self.device, cfg.kv_channels):
+            if decode_attention.available(self.device, cfg.kv_channels, model.dtype):
                 self.cache.kernel = decode_attention.decode_attention
             elif attention == "triton":
                 raise ValueError(f"the Triton decode kernel does not run here ({self.device}, "
@@ -78,7 +78,7 @@ class RolloutEngine:
         self.runner = DecodeRunner(model, self.cache, max_batch, graphs, pad_to_buckets)
         # Rows routed to an expert their rank does not hold, counted by every layer's bank on the
         # device; read with the step's tokens.
-        self._misrouted = torch.zeros(cfg.num_moe_experts + 1, dtype=torch.long, device=self.device)
+        self._misrouted = torch.zeros(1, dtype=torch.long, device=self.device)
         # Each response's uniform draws, one row per KV slot, made when it is admitted (sampling only).
         self._draws = None if sampling.greedy else \
             torch.zeros(max_batch + 1, max_len, dtype=torch.float64, device=self.device)
@@ -138,8 +138,8 @@ class RolloutEngine:
 
     def _share_counter(self) -> None:
         for moe in self.model.moe_layers:
-            if isinstance(moe, MoELayer) and moe.experts.misrouted_E is not self._misrouted:
-                moe.experts.misrouted_E = self._misrouted
+            if isinstance(moe, MoELayer) and moe.experts.misrouted is not self._misrouted:
+                moe.experts.misrouted = self._misrouted
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -210,11 +210,9 @@ class RolloutEngine:
         slot_B, ntok_B = self._rows
         toks_B = choose_tokens(logits_BV, self.sampling, None if self._draws is None else self._draws[slot_B, ntok_B])
         # The step's one read of device data: the tokens, and the misrouted count in the same copy.
-        *toks, misrouted = self._read_back(torch.cat([toks_B, self._misrouted[:-1].sum().view(1)]))
+        *toks, misrouted = self._read_back(torch.cat([toks_B, self._misrouted]))
         if misrouted:
-            for moe in self.model.moe_layers:
-                if isinstance(moe, MoELayer):
-                    moe.experts.check_routing()
+            next(m for m in self.model.moe_layers if isinstance(m, MoELayer)).experts.check_routing()
         for r, t in zip(batch, toks):
             r.tokens.append(t)
         still = []

@@ -23,3 +23,8 @@ def test_c_graph_replay_gives_the_eager_tokens_and_recaptures_after_changes():
     out = _check("c: graph replay = eager tokens (bf16)",
                  lambda: gpu_decode_checks.replay_matches_eager(device="cuda"))
     assert out["ok"], out
+
+
+def test_b_bf16_identical_responses_per_policy():
+    out = _check("b: bf16 responses per policy vs vanilla", lambda: gpu_decode_checks.bf16_policies(device="cuda"))
+    assert out["ok"], out

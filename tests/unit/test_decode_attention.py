@@ -36,7 +36,7 @@ def test_split_k_decode_attention_equals_sdpa(H, G, C, splits):
     slot_B = torch.tensor([4, 0, 6, 2])
     len_B = torch.tensor([70, 1, 3, 37])
     q = torch.randn(4, H, C, generator=g)
-    assert available(q.device, C)
+    assert available(q.device, C, q.dtype)
     got = decode_attention(q, K, V, slot_B, len_B, splits=splits, block_n=16)
     torch.testing.assert_close(got, reference(q, K, V, slot_B, len_B), rtol=1e-5, atol=1e-5)
     # Keys past a row's length are never read: garbage there changes nothing.

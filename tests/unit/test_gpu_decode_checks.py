@@ -15,3 +15,10 @@ def test_sync_free_steps_on_cpu():
 def test_replay_matches_eager_on_cpu():
     out = gpu_decode_checks.replay_matches_eager(TINY, device="cpu", dtype=torch.float32, batch=8)
     assert out["ok"] and out["same"] == out["responses"] == 5, out
+
+
+def test_bf16_policies_on_cpu():
+    """Check (b)'s bf16 measurement runs on CPU (in bf16 there too; two of its five policies, for
+    time: each is a 2-rank rollout); natural floor 1 equals vanilla."""
+    out = gpu_decode_checks.bf16_policies(device="cpu", prompts=4, samples=2, policies=gpu_decode_checks.POLICIES[:2])
+    assert out["ok"] and set(out["rows"]) == {"natural floor 1"}, out
