@@ -113,7 +113,8 @@ def decode_attention(q_BHC: torch.Tensor, k_SGLC: torch.Tensor, v_SGLC: torch.Te
     G = k_SGLC.shape[1]
     hpg = H // G
     splits = splits or splits_for(k_SGLC.shape[2])
-    q_BHC = q_BHC.contiguous()
+    # The kernel indexes these by row: contiguous (the engine's slots are a column of its input buffer).
+    q_BHC, slot_B, len_B = q_BHC.contiguous(), slot_B.contiguous(), len_B.contiguous()
     mid_o = torch.empty(B, H, splits, C, dtype=torch.float32, device=q_BHC.device)
     mid_l = torch.empty(B, H, splits, dtype=torch.float32, device=q_BHC.device)
     out = torch.empty_like(q_BHC)

@@ -1,6 +1,6 @@
 """The decode step through static buffers: batch buckets, CUDA graphs, one host read per step.
 
-A decode step's inputs are four rows of int64 per request (token id, KV slot, position, tokens so
+A decode step's inputs are four int64 fields per request (token id, KV slot, position, tokens so
 far) written into one host buffer (pinned on CUDA) and copied to the device without blocking; the
 positions, the attention mask and the MoE routing are derived from them on the device. The only
 read back is the chosen tokens (with the device-side count of misrouted rows, in the same copy).
@@ -42,7 +42,9 @@ class DecodeRunner:
         self.buckets = batch_buckets(max_batch)
         n_max = self.buckets[-1]
         pinned = self.device.type == "cuda"
-        self._host = torch.zeros(4, n_max, dtype=torch.long, pin_memory=pinned)
+        # [row, field]: a batch's rows are one contiguous block (a strided pinned slice would be
+        # staged through pageable memory, which blocks).
+        self._host = torch.zeros(n_max, 4, dtype=torch.long, pin_memory=pinned)
         self._dev = self._host if self.device.type == "cpu" else torch.zeros_like(self._host, device=self.device)
         self._logits = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -56,7 +58,7 @@ class DecodeRunner:
 
     @property
     def inputs(self) -> torch.Tensor:
-        """The device buffer [4, n]: token ids, slots, positions, tokens so far (read by sampling)."""
+        """The device buffer [n, 4]: token id, slot, position, tokens so far (read by sampling) per row."""
         return self._dev
 
     def step(self, ids: list[int], slots: list[int], positions: list[int], ntok: list[int]) -> torch.Tensor:
@@ -69,11 +71,11 @@ class DecodeRunner:
             self._refresh_copies()
             if self._graph_key != self._key():
                 self.capture()  # before the inputs: capturing runs padding rows through the buffers
-        rows = [ids + [0] * pad, slots + [self.cache.scratch] * pad, positions + [0] * pad, ntok + [0] * pad]
-        self._host[:, :n].copy_(torch.tensor(rows))
+        rows = [list(r) for r in zip(ids, slots, positions, ntok)] + [self._pad_row] * pad
+        self._host[:n].copy_(torch.tensor(rows))
         if self._dev is not self._host:
             # The previous step's copy out of this pinned buffer is done: its tokens were read back.
-            self._dev[:, :n].copy_(self._host[:, :n], non_blocking=True)
+            self._dev[:n].copy_(self._host[:n], non_blocking=True)
         if graphed:
             self.graphs[n].replay()
             return self._logits[:B]
@@ -84,7 +86,7 @@ class DecodeRunner:
         return self._forward(n, L, run, masked=pad > 0)[:B]
 
     def _forward(self, n: int, L: int, run: slice | None, masked: bool) -> torch.Tensor:
-        ids_n, slot_n, pos_n = self._dev[0, :n], self._dev[1, :n], self._dev[2, :n]
+        ids_n, slot_n, pos_n = self._dev[:n, 0], self._dev[:n, 1], self._dev[:n, 2]
         pos_n1 = self.cache.decode(slot_n, pos_n, L, run)
         # Padding rows: their position says nothing; the slot does (the scratch slot is the last).
         valid_n1 = (slot_n != self.cache.scratch)[:, None] if masked else None
@@ -120,7 +122,7 @@ class DecodeRunner:
         torch.cuda.synchronize(self.device)
         self.release()
         pool = None
-        self._host.copy_(torch.tensor(self._pad_row)[:, None].expand_as(self._host))
+        self._host.copy_(torch.tensor(self._pad_row)[None].expand_as(self._host))
         self._dev.copy_(self._host)
         for n in reversed(self.buckets):
             logits = self._forward(n, self.cache.max_len, None, masked=True)

@@ -203,7 +203,7 @@ class RolloutEngine:
                                      [len(r.tokens) for r in batch])
         for s in slots:
             lengths[s] += 1
-        self._rows = (self.runner.inputs[1, : len(batch)], self.runner.inputs[3, : len(batch)])
+        self._rows = (self.runner.inputs[: len(batch), 1], self.runner.inputs[: len(batch), 3])
         return self._emit(batch, logits_BV)
 
     def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ def test_split_k_decode_attention_equals_sdpa(H, G, C, splits):
     K = torch.randn(slots + 1, G, L, C, generator=g)
     V = torch.randn(slots + 1, G, L, C, generator=g)
     # Rows of very different lengths, slots out of order, one row shorter than the split count.
-    slot_B = torch.tensor([4, 0, 6, 2])
+    slot_B = torch.tensor([[4, 9], [0, 9], [6, 9], [2, 9]])[:, 0]  # strided, as the engine's input column
     len_B = torch.tensor([70, 1, 3, 37])
     q = torch.randn(4, H, C, generator=g)
     assert available(q.device, C, q.dtype)
@@ -44,3 +44,25 @@ def test_split_k_decode_attention_equals_sdpa(H, G, C, splits):
     for s, n in zip(slot_B.tolist(), len_B.tolist()):
         K2[s, :, n:], V2[s, :, n:] = float("nan"), float("nan")
     assert torch.equal(decode_attention(q, K2, V2, slot_B, len_B, splits=splits, block_n=16), got)
+
+
+def test_engine_with_the_kernel_gives_the_torch_path_tokens():
+    """The kernel wired into the engine's decode (slots from the input buffer's column, lengths =
+    positions + 1), padded buckets included, against the SDPA path: the same greedy tokens."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
+    from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+    from megatron_rl.rollout.engine import Request, RolloutEngine
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    m = Qwen3MoeModel(MoEModelConfig(num_layers=1), dtype=torch.float32)
+    m.init_weights(0)
+    out = {}
+    for attention in ("torch", "triton"):
+        eng = RolloutEngine(m.eval(), SamplingParams(), 4, 16, attention=attention, pad_to_buckets=True)
+        assert (eng.cache.kernel is not None) == (attention == "triton")
+        eng.add([Request(f"p{i}", 0, [i + 1] * (2 + i), 4, fixed_len=2 + i) for i in range(3)])
+        while eng.has_work():
+            eng.step()
+        out[attention] = {r.key: r.tokens for r in eng.finished}
+    assert out["triton"] == out["torch"]
