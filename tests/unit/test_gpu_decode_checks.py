@@ -1,5 +1,6 @@
 """The decode engine's GPU checks (tools/gpu_decode_checks.py) run small on CPU: the same engine path,
 without graphs or the sync debug mode (tests/gpu/test_decode_engine_gpu.py runs them on CUDA)."""
+import pytest
 import torch
 
 from megatron_rl.models import MoEModelConfig
@@ -17,6 +18,7 @@ def test_replay_matches_eager_on_cpu():
     assert out["ok"] and out["same"] == out["responses"] == 5, out
 
 
+@pytest.mark.slow  # two 2-rank rollouts: about 10 s on an idle 2-core machine, 33 s under load
 def test_bf16_policies_on_cpu():
     """Check (b)'s bf16 measurement runs on CPU (in bf16 there too; two of its five policies, for
     time: each is a 2-rank rollout); natural floor 1 equals vanilla."""
