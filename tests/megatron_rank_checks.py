@@ -13,8 +13,6 @@ from tools.megatron_checks import grpo_batch, grpo_loss
 
 CFG = MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
                      num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16, vocab_size=64)
-EXPERT_MODULES = ("SequentialMLP", "GroupedMM")
-DISPATCHERS = ("alltoall", "allgather")
 STEPS = 3
 OPTIM = OptimConfig(lr=3e-3, grad_clip=1.0)
 
@@ -89,7 +87,7 @@ def _loss_over_world(model, batches, rank: int, world: int, old_logp=None):
     return grpo_loss(model, packed, adv, old_logp) * packed.tokens / total
 
 
-def layer_checks(rank: int, world: int) -> dict:
+def layer_checks(rank: int, world: int, combos) -> dict:
     """Logits and gradients of megatron's layer against the torch backend, for both dispatchers and
     both local expert modules; the alltoall layer with zero tokens on rank 0 (defect 2)."""
     reference = _torch_model(0, 1, held=list(range(CFG.num_moe_experts)))
@@ -101,22 +99,21 @@ def layer_checks(rank: int, world: int) -> dict:
     with torch.no_grad():
         ref_logits = reference(ids)
     out = {}
-    for dispatcher in DISPATCHERS:
-        for module in EXPERT_MODULES:
-            model = _megatron_model(rank, world, dispatcher, module)
+    for dispatcher, module in combos:
+        model = _megatron_model(rank, world, dispatcher, module)
+        with torch.no_grad():
+            logits_err = (model(ids) - ref_logits).abs().max().item()
+        _loss_over_world(model, batches, rank, world).backward()
+        grads = _grads(model, world)
+        assert sorted(grads) == sorted(ref_grads), sorted(set(grads) ^ set(ref_grads))[:4]
+        grad_err = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+        errs = torch.tensor([logits_err, grad_err])
+        dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+        out[f"{dispatcher}/{module}"] = errs.tolist()
+        if dispatcher == "alltoall":
+            x = torch.zeros(0, CFG.hidden_size) if rank == 0 else torch.randn(3, CFG.hidden_size)
             with torch.no_grad():
-                logits_err = (model(ids) - ref_logits).abs().max().item()
-            _loss_over_world(model, batches, rank, world).backward()
-            grads = _grads(model, world)
-            assert sorted(grads) == sorted(ref_grads), sorted(set(grads) ^ set(ref_grads))[:4]
-            grad_err = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
-            errs = torch.tensor([logits_err, grad_err])
-            dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-            out[f"{dispatcher}/{module}"] = errs.tolist()
-            if dispatcher == "alltoall":
-                x = torch.zeros(0, CFG.hidden_size) if rank == 0 else torch.randn(3, CFG.hidden_size)
-                with torch.no_grad():
-                    out[f"zero_tokens/{module}"] = list(model.moe_layers[0](x).shape)
+                out[f"zero_tokens/{module}"] = list(model.moe_layers[0](x).shape)
     out["grad_scale"] = max(g.abs().max().item() for g in ref_grads.values())
     return out
 
@@ -153,11 +150,11 @@ def _torch_steps(model, opt, rank: int, world: int):
     return step
 
 
-def training_checks(rank: int, world: int, ckpt_dir: str) -> dict:
+def training_checks(rank: int, world: int, ckpt_dir: str | None) -> dict:
     """GRPO steps with megatron-core's DDP + DistributedOptimizer against the torch backend's AdamW
     on the same batches; then a checkpoint (rl/checkpoint.py with the megatron optimizer's shards)
     and a resume into a fresh model and optimizer, whose next step must equal the uninterrupted one
-    bit for bit."""
+    bit for bit (when `ckpt_dir` is given)."""
     from elastic.trace import Trace
     from megatron_rl.models.megatron_weights import canonical_state_dict
     from megatron_rl.rl.checkpoint import load_checkpoint, save_checkpoint
@@ -175,6 +172,9 @@ def training_checks(rank: int, world: int, ckpt_dir: str) -> dict:
 
     model, opt = megatron()
     lr = opt.param_groups[0]["lr"]  # defect 4: the trainer logs it after every step
+    if ckpt_dir is None:
+        losses = _train(model, opt.finish_step, opt.zero_grad, rank, world, range(STEPS))
+        return {"torch_losses": torch_losses, "megatron_losses": losses, "lr": lr}
     losses = _train(model, opt.finish_step, opt.zero_grad, rank, world, range(STEPS - 1))
     save_checkpoint(ckpt_dir, STEPS - 1, model, opt, None, {}, Trace([], "history"), rank)
     losses += _train(model, opt.finish_step, opt.zero_grad, rank, world, [STEPS - 1])
@@ -193,7 +193,7 @@ def training_checks(rank: int, world: int, ckpt_dir: str) -> dict:
             "resumed_loss": resumed_loss[0], "resume_bit_identical": bool(flags.item())}
 
 
-def rank_main(ctx, ckpt_dir: str) -> dict:
+def rank_main(ctx, combos, ckpt_dir: str | None) -> dict:
     rank, world = ctx.rank, ctx.world
     torch.set_num_threads(1)
-    return {"layers": layer_checks(rank, world), "training": training_checks(rank, world, ckpt_dir)}
+    return {"layers": layer_checks(rank, world, combos), "training": training_checks(rank, world, ckpt_dir)}
