@@ -119,11 +119,20 @@ def _grouped_class():
                 p.allreduce = config.expert_model_parallel_size == 1
 
         def forward(self, x_TD: torch.Tensor, tokens_per_expert: torch.Tensor, probs_T: torch.Tensor):
-            offs_E = torch.cumsum(tokens_per_expert.to(x_TD.device), 0).to(torch.int32)
-            h_T2F = torch._grouped_mm(x_TD, self.fc1_E2FD.transpose(1, 2), offs=offs_E)
+            h_T2F = self._matmul(x_TD, self.fc1_E2FD, tokens_per_expert)
             gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
             a_TF = (F.silu(gate_TF) * up_TF * probs_T.unsqueeze(-1)).to(x_TD.dtype)
-            return torch._grouped_mm(a_TF, self.fc2_EDF.transpose(1, 2), offs=offs_E), None
+            return self._matmul(a_TF, self.fc2_EDF, tokens_per_expert), None
+
+        @staticmethod
+        def _matmul(x_TI: torch.Tensor, w_EOI: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+            """Rows of expert e times w[e]^T. CUDA's grouped GEMM takes bf16 only (sm90); another
+            dtype on CUDA gets one matmul per expert (the same products)."""
+            if x_TI.device.type == "cuda" and x_TI.dtype != torch.bfloat16:
+                parts = torch.split(x_TI, tokens_per_expert.tolist())
+                return torch.cat([x @ w.t() for x, w in zip(parts, w_EOI)])
+            offs_E = torch.cumsum(tokens_per_expert.to(x_TI.device), 0).to(torch.int32)
+            return torch._grouped_mm(x_TI, w_EOI.transpose(1, 2), offs=offs_E)
 
         def expert(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self.fc1_E2FD[i], self.fc2_EDF[i]

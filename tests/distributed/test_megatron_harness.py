@@ -21,17 +21,31 @@ LOGIT_TOL, GRAD_TOL, LOSS_TOL = 1e-5, 1e-5, 1e-5
 
 ALL = [(d, m) for d in ("alltoall", "allgather") for m in ("SequentialMLP", "GroupedMM")]
 # 4 ranks: each dispatcher once and each expert module once (CI time), no resume.
-CASES = {1: (ALL, True), 2: (ALL, True), 4: ([("alltoall", "GroupedMM"), ("allgather", "SequentialMLP")], False)}
+CASES = {2: (ALL, True), 4: ([("alltoall", "GroupedMM"), ("allgather", "SequentialMLP")], False)}
+
+
+def test_megatron_core_on_one_rank_in_this_process(megatron_harness, one_rank_group, tmp_path):
+    """One rank needs no spawned process (and shares this process's megatron-core import)."""
+    from types import SimpleNamespace
+
+    from megatron_rank_checks import rank_main
+
+    _check(rank_main(SimpleNamespace(rank=0, world=1), ALL, str(tmp_path)), ALL, resume=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_megatron_core_layers_ddp_and_distributed_optimizer_match_the_torch_backend(
         megatron_harness, tmp_path, world):
-    from megatron_rank_checks import OPTIM, rank_main
+    from megatron_rank_checks import rank_main
 
     combos, resume = CASES[world]
-    out = run_ranks(rank_main, world, combos, str(tmp_path) if resume else None, timeout_s=360)
+    _check(run_ranks(rank_main, world, combos, str(tmp_path) if resume else None, timeout_s=360), combos, resume)
+
+
+def _check(out: dict, combos, resume: bool) -> None:
+    from megatron_rank_checks import OPTIM
+
     layers, training = out["layers"], out["training"]
     for dispatcher, module in combos:
         logits_err, grad_err = layers[f"{dispatcher}/{module}"]
