@@ -82,13 +82,12 @@ def expert_kernel(choice: str = "auto") -> str:
     return "GroupedMM"
 
 
-def backend_report(name: str, model=None) -> dict:
+def backend_report(name: str) -> dict:
     """What hosts the MoE layers, for the rollout report and the training run's W&B config: the
-    experts module that ran (read from `model`'s first MegatronMoE when given)."""
+    expert module the backend builds here (`expert_kernel`)."""
     if name != "megatron":
         return {"backend": name}
-    experts = expert_kernel() if model is None else model.moe_layers[0].options["expert_module"]
-    return {"backend": name, "experts": experts, "transformer_engine": transformer_engine()[0]}
+    return {"backend": name, "experts": expert_kernel(), "transformer_engine": transformer_engine()[0]}
 
 
 # The device megatron-core's layers are built on when CUDA is absent. None in the product (backend

@@ -62,10 +62,9 @@ def _check(out: dict, combos, resume: bool) -> None:
 
 
 @pytest.mark.slow
-def test_generation_check_margin_and_train_mode_dropout_on_the_harness(megatron_harness, one_rank_group):
+def test_generation_check_margin_admits_steps_of_its_own_model(megatron_harness, one_rank_group):
     """Defect 3: the GPU generation check's margin must admit steps of its own check model, or it
-    reports not-ok whatever megatron does (0.5 in logit units was above every margin here).
-    Defect 8: megatron's layers in train mode are deterministic (no dropout: Qwen3 has none)."""
+    reports not-ok whatever megatron does (0.5 in logit units was above every margin here)."""
     import torch
 
     from megatron_rl.models import Qwen3MoeModel
@@ -81,19 +80,3 @@ def test_generation_check_margin_and_train_mode_dropout_on_the_harness(megatron_
     out = greedy_agreement(reference.eval(), megatron.eval(), prompts, steps=4, margin=GENERATION_MARGIN_STD)
     assert out["large_margin_steps"] > 0 and out["ok"], out
 
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
-
-    from megatron_rl.models.megatron_backend import transformer_config
-
-    config = transformer_config(CHECK_CONFIG, ep_size=1, dtype=torch.float32, expert_module="SequentialMLP",
-                                device="cpu")
-    spec = get_gpt_layer_local_spec(num_experts=CHECK_CONFIG.num_moe_experts, qk_layernorm=True)
-    layer = build_module(spec, config=config, layer_number=1,
-                         pg_collection=moe_pg_collection(one_rank_group, one_rank_group)).train()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.02, generator=torch.Generator().manual_seed(p.numel()))
-        x = torch.randn(6, 1, CHECK_CONFIG.hidden_size, generator=torch.Generator().manual_seed(1))
-        y1, y2 = layer(x)[0], layer(x)[0]
-    assert torch.equal(y1, y2), "megatron's TransformerLayer is not deterministic in train mode (dropout)"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train_cli import CONFIG as TRAIN_CLI_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(420)
@@ -25,9 +26,11 @@ def _cfg(**fields):
 
 
 @pytest.mark.slow
-def test_megatron_rollouts_on_two_ranks_equal_the_torch_backend(megatron_harness):
+def test_megatron_rollouts_on_two_and_four_ranks_equal_the_torch_backend(megatron_harness, tmp_path):
     from megatron_rl.rollout.runner import run_rollouts
 
+    # 2 ranks, one world (what `flexfloor rollout` runs, three times): torch, megatron vanilla,
+    # megatron natural floor 1.
     cfgs = [_cfg(ranks=2, policy="vanilla", backend="torch"),
             _cfg(ranks=2, policy="vanilla", backend="megatron"),
             _cfg(ranks=2, policy="natural", floor=1, backend="megatron")]
@@ -37,20 +40,17 @@ def test_megatron_rollouts_on_two_ranks_equal_the_torch_backend(megatron_harness
     assert natural["stages"] == [[0, 1], [0]] and natural["final_stage"] == 1  # shrank, then restored
     assert torch_rep["responses_sha256"] == vanilla["responses_sha256"] == natural["responses_sha256"]
 
-
-@pytest.mark.slow
-def test_flexfloor_rollout_backend_megatron_on_four_ranks(megatron_harness, tmp_path):
-    from megatron_rl.rollout.runner import run_rollout
-
-    want = run_rollout(_cfg(ranks=4, policy="vanilla", backend="torch"), quiet=True)[0]
+    # 4 ranks through the CLI as a user runs it. The torch backend's responses here are the same on
+    # any rank count (float32, greedy: checked on 1, 2 and 4 ranks), so its 2-rank hash is
+    # the reference.
     out = tmp_path / "report.json"
     r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "rollout", "--ranks", "4", "--policy", "natural",
                         "--floor", "1", "--device", "cpu", "--quiet", "--json", str(out), "backend=megatron", *FLAGS],
                        cwd=REPO, env=site_env(), capture_output=True, text=True, timeout=400, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["moe"]["backend"] == "megatron" and len(report["stages"]) > 1
-    assert report["responses_sha256"] == want["responses_sha256"]
+    assert report["moe"]["experts"] == "GroupedMM" and len(report["stages"]) > 1 and report["final_stage"] >= 1
+    assert report["responses_sha256"] == torch_rep["responses_sha256"]
 
 
 def test_without_the_harness_backend_megatron_is_refused_on_cpu_in_one_line(tmp_path):
@@ -60,17 +60,10 @@ def test_without_the_harness_backend_megatron_is_refused_on_cpu_in_one_line(tmp_
     assert r.returncode == 2 and len(lines) == 1 and "no CUDA device" in lines[0], r.stderr[-2000:]
 
 
-TRAIN = {
-    "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
-              "kv_channels": 8, "num_moe_experts": 8, "moe_router_topk": 2,
-              "moe_ffn_hidden_size": 16, "vocab_size": 20},
-    "grpo": {"group_size": 8, "micro_batch": 8, "tis_cap": 2.0, "kl_coef": 0.0},
-    "optim": {"lr": 0.003},
-    "generation": {"max_response_len": 3},
-    "checkpoint": {"every": 1, "export_hf": True},
-    "steps": 3, "prompts_per_step": 4, "seed": 5, "dtype": "float32", "backend": "megatron",
-    "logging": {"wandb_mode": "disabled"},
-}
+# test_train_cli's tiny GRPO run, in float32 (megatron-core runs bf16 or fp32) without the KL term
+# (not supported with backend megatron), logging off.
+TRAIN = {**TRAIN_CLI_CONFIG, "grpo": {**TRAIN_CLI_CONFIG["grpo"], "kl_coef": 0.0}, "dtype": "float32",
+         "backend": "megatron", "logging": {"wandb_mode": "disabled"}}
 
 
 def _train(config: Path, out: Path, *extra: str):
