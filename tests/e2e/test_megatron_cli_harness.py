@@ -1,7 +1,9 @@
 """The megatron backend through the product on the megatron-core CPU harness (tests/megatron_harness.py):
 `flexfloor rollout` with backend megatron on 2 and 4 gloo ranks, vanilla and natural floor 1 (shrink
 to rank 0, restore, weight checksums checked by the runtime), responses equal to the torch
-backend's in float32; and, without the harness, the one-line refusal a user gets on a CPU machine.
+backend's in float32; `flexfloor train` backend megatron on 2 ranks: GRPO steps with checkpoints, a
+bit-identical resume, the HF export; and, without the harness, the one-line refusal a user gets on
+a CPU machine.
 """
 from __future__ import annotations
 
