@@ -32,6 +32,20 @@ def tailed_trace(tmp_path_factory):
 
 
 @pytest.fixture
+def megatron_harness(monkeypatch):
+    """megatron-core's real layers on CPU (tests/megatron_harness.py): patched in this process and,
+    through PYTHONPATH, in every rank or `flexfloor` process the test starts."""
+    import megatron_harness as harness
+
+    harness.install()
+    monkeypatch.setenv("PYTHONPATH", harness.site_env()["PYTHONPATH"])
+    try:
+        yield harness
+    finally:
+        harness.uninstall()
+
+
+@pytest.fixture
 def one_rank_group(request):
     """A one-rank torch.distributed world and a group of that rank, torn down after the test.
 

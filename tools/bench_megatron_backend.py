@@ -1,5 +1,10 @@
 """Decode tokens/s of the `megatron` MoE backend beside the `torch` backend, and its EP shrink latency.
 
+The megatron backend runs once per expert module (`--expert-modules`, default: GroupedMM, our
+torch._grouped_mm module, and megatron-core's SequentialMLP loop; TEGroupedMLP too where
+TransformerEngine imports), so the table shows what the grouped module buys over the loop. With
+$FF_GPU_RESULTS set (tools/gpu_check.sh) rank 0 records one row per run (tools/gpu_summary.py).
+
 GPUs only; run under torchrun, one rank per GPU (tools/gpu_check.sh does):
     torchrun --nproc-per-node=NGPU tools/bench_megatron_backend.py [--layers 4 ...]
 
@@ -40,8 +45,9 @@ def parse_args():
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "flex", "allgather"])
-    p.add_argument("--no-grouped-gemm", action="store_true",
-                   help="megatron-core's SequentialMLP experts instead of TransformerEngine's grouped GEMM")
+    p.add_argument("--expert-modules", nargs="+", default=None,
+                   help="megatron expert modules to time (default: GroupedMM SequentialMLP, plus "
+                        "TEGroupedMLP where TransformerEngine imports)")
     return p.parse_args()
 
 
@@ -133,15 +139,30 @@ def main() -> None:
         del torch_engine
         torch.cuda.empty_cache()
 
-        engine = RolloutEngine(build_model(mcfg, mine, device), SamplingParams(greedy=True), a.batch, max_len)
-        elastic = MegatronElasticEngine(engine, world, selves[rank], dispatcher=a.dispatcher, dtype=torch.bfloat16,
-                                        grouped_gemm=not a.no_grouped_gemm, device="cuda")
-        elastic.use_group(groups[0], {e: stages[0].owner_of(e) for e in range(E)})
-        engine.add(requests_for(rank, a))
-        megatron_tps = decode_tokens_per_s(engine, device)
-        experts = "SequentialMLP" if a.no_grouped_gemm else "TE grouped GEMM"
-        say(f"decode tokens/s (all ranks): torch backend {torch_tps:,.0f}, megatron backend ({a.dispatcher}, "
-            f"{experts}) {megatron_tps:,.0f}; megatron/torch {megatron_tps / torch_tps:.2f}x")
+        from megatron_rl.models.megatron_backend import transformer_engine
+        from tools.gpu_summary import record
+
+        modules = a.expert_modules or (["TEGroupedMLP"] if transformer_engine()[0] else []) + ["GroupedMM",
+                                                                                            "SequentialMLP"]
+        rates = {}
+        for module in modules:
+            t0 = time.perf_counter()
+            engine = RolloutEngine(build_model(mcfg, mine, device), SamplingParams(greedy=True), a.batch, max_len)
+            elastic = MegatronElasticEngine(engine, world, selves[rank], dispatcher=a.dispatcher,
+                                            dtype=torch.bfloat16, expert_module=module, device="cuda")
+            elastic.use_group(groups[0], {e: stages[0].owner_of(e) for e in range(E)})
+            engine.add(requests_for(rank, a))
+            rates[module] = decode_tokens_per_s(engine, device)
+            detail = (f"torch backend {torch_tps:,.0f}, megatron {module} {rates[module]:,.0f} tokens/s: "
+                      f"{rates[module] / torch_tps:.2f}x of torch")
+            say(f"decode ({a.dispatcher}, all ranks): {detail}")
+            if rank == 0:
+                record(f"m: decode tokens/s, {module}", "pass", detail, time.perf_counter() - t0)
+            if module != modules[-1]:
+                del engine, elastic
+                torch.cuda.empty_cache()
+        if "GroupedMM" in rates and "SequentialMLP" in rates:
+            say(f"GroupedMM / SequentialMLP: {rates['GroupedMM'] / rates['SequentialMLP']:.2f}x")
 
         shrink_s = shrink_latency_s(elastic, plan, rank, groups)
     what = (f"shrink {world} -> {len(members)} ranks (expert moves + MoE rebuild)" if world > 1

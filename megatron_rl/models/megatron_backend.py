@@ -16,10 +16,12 @@ contiguous blocks: EP rank i of n holds experts [i*E/n, (i+1)*E/n), so a shrink 
 
 megatron-core 0.16.1's router and alltoall/flex dispatchers call CUDA directly, so the backend runs
 on GPUs only; `require_backend("megatron")` says so on a CPU machine. The experts are TEGroupedMLP
-when TransformerEngine imports and megatron-core's SequentialMLP otherwise (`expert_kernel`); in
-the H100 image (FLEXFLOOR_IMAGE=h100) a TransformerEngine that does not import is an error. The layer can still be
-*built* on CPU with the allgather dispatcher and the SequentialMLP experts (`grouped_gemm=False,
-device="cpu"`), which is how the tests check construction, pg_collection wiring and weight layout.
+when TransformerEngine imports and our grouped-GEMM module otherwise (`expert_kernel`,
+`megatron_layers.EXPERTS`; SequentialMLP on request); in the H100 image (FLEXFLOOR_IMAGE=h100) a
+TransformerEngine that does not import is an error. The layer can be *built* on CPU
+(`device="cpu"`); the tests run it on CPU gloo ranks through a test-only harness that patches
+megatron-core's few CUDA calls (tests/megatron_harness.py, docs/cluster.md), which is the one user
+of `TEST_DEVICE`.
 """
 from __future__ import annotations
 
@@ -60,24 +62,42 @@ def transformer_engine() -> tuple[str | None, str]:
         return "unknown", ""
 
 
-def expert_kernel() -> str:
-    """The experts megatron-core runs here: `TEGroupedMLP` (TransformerEngine grouped GEMM) when TE
-    imports, else `SequentialMLP` (megatron-core's per-expert loop); in the H100 image a TE that
-    does not import is an error."""
+def expert_kernel(choice: str = "auto") -> str:
+    """The experts megatron-core runs here (`megatron_layers.EXPERTS`): for `auto`, `TEGroupedMLP`
+    (TransformerEngine grouped GEMM) when TE imports, else `GroupedMM` (torch._grouped_mm); in the
+    H100 image a TE that does not import is an error. `SequentialMLP` (megatron-core's per-expert
+    loop) or `GroupedMM` when asked for by name."""
+    from megatron_rl.models.megatron_layers import EXPERTS
+
+    if choice != "auto":
+        if choice not in EXPERTS:
+            raise FlexFloorError(f"megatron experts: expected auto or one of {', '.join(EXPERTS)}, got {choice!r}")
+        return choice
     te, why = transformer_engine()
     if te is not None:
         return "TEGroupedMLP"
     if os.environ.get(IMAGE_ENV) == "h100":
         raise FlexFloorError(f"{IMAGE_ENV}=h100 but TransformerEngine does not import ({why}); the H100 image "
                              "is broken: rebuild it with docker/build.sh h100")
-    return "SequentialMLP"
+    return "GroupedMM"
 
 
 def backend_report(name: str) -> dict:
-    """What hosts the MoE layers, for the rollout report and the training run's W&B config."""
+    """What hosts the MoE layers, for the rollout report and the training run's W&B config: the
+    expert module the backend builds here (`expert_kernel`)."""
     if name != "megatron":
         return {"backend": name}
     return {"backend": name, "experts": expert_kernel(), "transformer_engine": transformer_engine()[0]}
+
+
+# The device megatron-core's layers are built on when CUDA is absent. None in the product (backend
+# megatron refuses a machine without CUDA); only the test harness (tests/megatron_harness.py), which
+# patches megatron-core's CUDA calls, sets it to "cpu" to run the real layers on gloo ranks.
+TEST_DEVICE: str | None = None
+
+
+def megatron_device() -> str:
+    return "cuda" if TEST_DEVICE is None else TEST_DEVICE
 
 
 def require_backend(name: str) -> None:
@@ -86,7 +106,7 @@ def require_backend(name: str) -> None:
         return
     if name != "megatron":
         raise FlexFloorError(f"backend: expected one of {', '.join(BACKENDS)}, got {name!r}")
-    if not torch.cuda.is_available():
+    if TEST_DEVICE is None and not torch.cuda.is_available():
         raise FlexFloorError(
             "backend 'megatron' builds megatron-core's MoELayer, whose router and token dispatchers "
             "run CUDA kernels (NCCL all-to-all, TransformerEngine grouped GEMM where installed), and this "
@@ -97,17 +117,18 @@ def require_backend(name: str) -> None:
 
 def require_cuda_model(model) -> None:
     """megatron-core's layers are built on the current CUDA device: the model must be there."""
-    if model.embedding.word_embeddings.weight.device.type != "cuda":
+    if model.embedding.word_embeddings.weight.device.type != megatron_device():
         raise FlexFloorError("backend 'megatron': the model is not on a CUDA device; run with `device: cuda`")
 
 
-def megatron_options(dtype: torch.dtype) -> dict:
-    """MegatronMoE's options on a GPU: alltoall dispatcher, TE grouped GEMM when TE is there."""
-    return dict(dispatcher="alltoall", dtype=dtype, grouped_gemm=expert_kernel() == "TEGroupedMLP", device="cuda")
+def megatron_options(dtype: torch.dtype, experts: str = "auto") -> dict:
+    """MegatronMoE's options on a GPU: alltoall dispatcher, TE grouped GEMM when TE is there, else
+    torch._grouped_mm (`expert_kernel`)."""
+    return dict(dispatcher="alltoall", dtype=dtype, expert_module=expert_kernel(experts), device=megatron_device())
 
 
 def transformer_config(mcfg: MoEModelConfig, *, ep_size: int, dispatcher: str = "alltoall",
-                       dtype: torch.dtype = torch.bfloat16, grouped_gemm: bool = True,
+                       dtype: torch.dtype = torch.bfloat16, expert_module: str = "TEGroupedMLP",
                        device: str = "cuda"):
     """megatron-core's TransformerConfig for the MoE layers of `mcfg` over an EP group of `ep_size`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -124,12 +145,15 @@ def transformer_config(mcfg: MoEModelConfig, *, ep_size: int, dispatcher: str = 
         activation_func=F.silu,  # with gated_linear_unit: SwiGLU, as Qwen3's experts
         expert_model_parallel_size=ep_size,
         moe_token_dispatcher_type=dispatcher,
-        moe_grouped_gemm=grouped_gemm,
+        moe_grouped_gemm=expert_module == "TEGroupedMLP",
         # Router scores in fp32 whatever the weights' dtype, as the torch backend computes them.
         moe_router_dtype="fp32",
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
+        # Qwen3 has no dropout; megatron's default (0.1) would perturb every training forward.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         # Weights come from the torch backend or a checkpoint, never from megatron's initialisers.
         perform_initialization=False,
         use_cpu_initialization=device == "cpu",
@@ -182,20 +206,20 @@ class MegatronMoE(nn.Module):
 
     def __init__(self, mcfg: MoEModelConfig, pg_collection, router_weight: torch.Tensor,
                  experts: Mapping[int, ExpertWeights], *, layer_number: int = 1, dispatcher: str = "alltoall",
-                 dtype: torch.dtype = torch.bfloat16, grouped_gemm: bool = True, device: str = "cuda"):
+                 dtype: torch.dtype = torch.bfloat16, expert_module: str = "TEGroupedMLP", device: str = "cuda"):
         super().__init__()
-        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.transformer.spec_utils import build_module
 
-        self.options = dict(dispatcher=dispatcher, dtype=dtype, grouped_gemm=grouped_gemm, device=device)
+        from megatron_rl.models.megatron_layers import moe_spec
+
+        self.options = dict(dispatcher=dispatcher, dtype=dtype, expert_module=expert_module, device=device)
         ep = pg_collection.ep
         owned = block_experts(mcfg.num_moe_experts, ep.size(), ep.rank())
         missing = [e for e in owned if e not in experts]
         if missing:
             raise ValueError(f"EP rank {ep.rank()} of {ep.size()} owns experts {owned}; no weights for {missing}")
         config = transformer_config(mcfg, ep_size=ep.size(), **self.options)
-        spec = get_moe_module_spec(use_te=grouped_gemm, num_experts=mcfg.num_moe_experts,
-                                   moe_grouped_gemm=grouped_gemm)
+        spec = moe_spec(expert_module, mcfg.num_moe_experts)
         self.layer = build_module(spec, config=config, layer_number=layer_number, pg_collection=pg_collection)
         assert list(self.layer.local_expert_indices) == owned, (self.layer.local_expert_indices, owned)
         self.mcfg, self.layer_number = mcfg, layer_number
@@ -206,8 +230,11 @@ class MegatronMoE(nn.Module):
                 fc1.copy_(experts[e][0])
                 fc2.copy_(experts[e][1])
 
-    def expert_params(self, i: int) -> tuple[nn.Parameter, nn.Parameter]:
+    def expert_params(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert i's (fc1, fc2): parameters, or views of GroupedMM's stacked parameters."""
         experts = self.layer.experts
+        if self.options["expert_module"] == "GroupedMM":
+            return experts.expert(i)
         if hasattr(experts, "local_experts"):  # SequentialMLP
             ex = experts.local_experts[i]
             return ex.linear_fc1.weight, ex.linear_fc2.weight

@@ -210,7 +210,8 @@ def _sha256(path: Path) -> str:
 
 
 def _shards(path: Path) -> list[Path]:
-    return sorted(path.glob("*.distcp"))
+    # DCP's shards and the megatron optimizer's per-rank files (rl/megatron_train.py OPTIM_FILE).
+    return sorted(path.glob("*.distcp")) + sorted(path.glob("megatron_optim.rank*.pt"))
 
 
 def write_checksums(path: Path, rank: int) -> None:

@@ -12,10 +12,10 @@ whose MoE layers are megatron-core's (`megatron_backend.MegatronMoE`).
   writes the updated weights back into the bf16 (or fp32) model parameters the rollout uses.
 
 megatron-core's gradient buffers, communication streams and DistributedOptimizer allocate CUDA
-tensors, so `MegatronOptimizer` is built on GPUs only. What decides its behaviour, the
-configurations and the process groups (`optimizer_config`, `ddp_config`, `training_groups`), is
-plain construction and is tested on CPU (tests/unit/test_megatron_train.py). NOT YET RUN ON A GPU:
-`MegatronOptimizer` itself and its checkpoint methods (tests/gpu/test_megatron_grpo.py is the check).
+tensors, so `MegatronOptimizer` is built on GPUs only in the product. Tests run it, its GRPO steps
+and its checkpoint save and resume on CPU gloo ranks through the test harness
+(tests/megatron_harness.py; tests/distributed/test_megatron_harness.py); tools/gpu_check.sh's
+megatron rows run it on a GPU.
 """
 from __future__ import annotations
 
@@ -78,23 +78,35 @@ def training_groups(rank: int, world: int):
     return pgc
 
 
+OPTIM_FILE = "megatron_optim.rank{rank}.pt"  # rl/checkpoint.py's checksums cover these files
+
+
 class MegatronOptimizer:
     """megatron-core's DDP + DistributedOptimizer over `model`, for `PolicyUpdate` and the trainer:
     `zero_grad()`, backward as usual, then `finish_step()` -> the global gradient norm.
 
-    GPU only; NOT YET RUN ON A GPU (see the module docstring)."""
+    Run on CPU gloo ranks through the test harness (tests/megatron_harness.py); on GPUs by
+    tools/gpu_check.sh's megatron rows."""
 
     def __init__(self, model, mcfg: MoEModelConfig, optim: OptimConfig, dtype: torch.dtype, pgc):
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.optimizer import get_megatron_optimizer
 
-        if not torch.cuda.is_available():
+        from megatron_rl.models.megatron_backend import TEST_DEVICE
+
+        if TEST_DEVICE is None and not torch.cuda.is_available():
             raise FlexFloorError("backend 'megatron' trains with megatron-core's DistributedOptimizer, "
                                  "whose buffers are CUDA tensors; this machine has no CUDA device")
         config = training_config(mcfg, pgc.ep.size(), dtype)
         self.ddp = DistributedDataParallel(config, ddp_config(), model, pg_collection=pgc)
         self.optimizer = get_megatron_optimizer(optimizer_config(optim, dtype), [self.ddp],
                                                 use_gloo_process_groups=False, pg_collection=pgc)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner torch optimizers' groups (lr, betas, ...), as the trainer reads a torch
+        optimizer's; megatron-core's optimizer classes do not expose them."""
+        return [g for opt in self._inner() for g in opt.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.ddp.zero_grad_buffer()
@@ -109,11 +121,42 @@ class MegatronOptimizer:
             raise FloatingPointError("megatron-core's optimizer skipped the step (inf/nan gradients)")
         return float(grad_norm)
 
-    # Checkpoints: megatron-core's own sharded optimizer state beside the DCP model shards.
+    def _inner(self) -> list:
+        """The torch optimizers megatron-core steps (one per DistributedOptimizer instance: dense,
+        expert-parallel), over this rank's fp32 shards."""
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [opt.optimizer for opt in chained]
+
+    # Checkpoints: this rank's shard of the optimizer beside the DCP model shards, as tensors and
+    # plain values only (loaded with weights_only=True; rl/checkpoint.py checksums the file). Not
+    # megatron-core's `save_parameter_state`: it gathers over gloo groups, which megatron-core does
+    # not create when process groups are passed. A resume needs the same rank count.
     def save(self, path: Path, rank: int) -> None:
-        torch.save(self.optimizer.state_dict(), path / f"megatron_optim.rank{rank}.pt")
-        self.optimizer.save_parameter_state(str(path / "megatron_optim_params.pt"))
+        state = {str(i): {"optimizer": opt.state_dict(),
+                          "masters": [p.detach() for g in opt.param_groups for p in g["params"]]}
+                 for i, opt in enumerate(self._inner())}
+        torch.save(state, path / OPTIM_FILE.format(rank=rank))
 
     def load(self, path: Path, rank: int) -> None:
-        self.optimizer.load_state_dict(torch.load(path / f"megatron_optim.rank{rank}.pt", weights_only=False))
-        self.optimizer.load_parameter_state(str(path / "megatron_optim_params.pt"))
+        from megatron_rl.rl.checkpoint import CheckpointError
+
+        file = path / OPTIM_FILE.format(rank=rank)
+        try:
+            state = torch.load(file, weights_only=True, map_location="cpu")
+        except Exception as e:  # noqa: BLE001  (a torn or foreign file raises whatever it hits)
+            raise CheckpointError(f"{file}: unreadable optimizer shard ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        inner = self._inner()
+        if sorted(state) != [str(i) for i in range(len(inner))]:
+            raise CheckpointError(f"{file}: {len(state)} optimizer shards, this run has {len(inner)} "
+                                  "(resume with the rank count the checkpoint was written with)")
+        for i, opt in enumerate(inner):
+            mine = [p for g in opt.param_groups for p in g["params"]]
+            saved = state[str(i)]["masters"]
+            if [p.shape for p in mine] != [p.shape for p in saved]:
+                raise CheckpointError(f"{file}: the optimizer's shards have other shapes than this run's "
+                                      "(resume with the rank count the checkpoint was written with)")
+            with torch.no_grad():  # the fp32 masters are leaf tensors the optimizer steps on
+                for p, q in zip(mine, saved):
+                    p.copy_(q)
+            opt.load_state_dict(state[str(i)]["optimizer"])

@@ -95,7 +95,8 @@ class MegatronElasticEngine(ElasticRolloutEngine):
     @classmethod
     def on_gpu(cls, engine: RolloutEngine, rank: int, world: int) -> "MegatronElasticEngine":
         """The engine `flexfloor rollout` and the trainer run: megatron-core's layers on this rank's
-        GPU (`megatron_options`). NOT YET RUN ON A GPU through the CLI (tests/gpu/ is the check)."""
+        GPU (`megatron_options`). Run through the CLI on CPU ranks by the test harness
+        (tests/e2e/test_megatron_cli_harness.py); on a GPU by tools/gpu_check.sh's megatron rows."""
         require_cuda_model(engine.model)
         return cls(engine, world, self_group(rank, world), **megatron_options(engine.model.dtype))
 

@@ -18,7 +18,7 @@ from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.parallel.launch import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
-CPU_BUILD = {"dispatcher": "allgather", "dtype": torch.float32, "grouped_gemm": False, "device": "cpu"}
+CPU_BUILD = {"dispatcher": "allgather", "dtype": torch.float32, "expert_module": "SequentialMLP", "device": "cpu"}
 
 
 def _check(model: Qwen3MoeModel, reference: Qwen3MoeModel, group, experts: list[int]) -> None:

@@ -1,7 +1,7 @@
 """Backend equality on a GPU: the same Qwen3-MoE weights through the `torch` backend and through
 megatron-core's MoELayer (TransformerEngine grouped GEMM, alltoall dispatcher) give the same logits
 within bf16 tolerance. Needs CUDA; tools/gpu_check.sh runs it on a lent GPU. Without
-TransformerEngine installed it checks megatron-core's SequentialMLP experts instead (and says so).
+TransformerEngine installed it checks our GroupedMM experts (torch._grouped_mm) instead (and says so).
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ try:
 except ImportError:
     HAVE_TE = False
 
+# TransformerEngine's grouped GEMM where TE imports, else our torch._grouped_mm module.
+EXPERTS = "TEGroupedMLP" if HAVE_TE else "GroupedMM"
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend's forward pass needs CUDA"),
     pytest.mark.timeout(300),
@@ -41,7 +43,7 @@ def _models(ep_group, dispatcher):
     megatron.load_state_dict(reference.state_dict())
     reference, torch_bf16, megatron = (m.cuda().eval() for m in (reference, torch_bf16, megatron))
     install_megatron_moe(megatron, moe_pg_collection(ep_group, ep_group), dispatcher=dispatcher,
-                         dtype=torch.bfloat16, grouped_gemm=HAVE_TE, device="cuda")
+                         dtype=torch.bfloat16, expert_module=EXPERTS, device="cuda")
     return reference, torch_bf16, megatron
 
 
@@ -58,7 +60,7 @@ def test_megatron_logits_match_the_torch_backend_within_bf16_tolerance(one_rank_
     err_torch = (ours - ref).abs().max().item()
     err_megatron = (theirs - ref).abs().max().item()
     scale = ref.abs().max().item()
-    experts = "TE grouped GEMM" if HAVE_TE else "SequentialMLP (no TransformerEngine)"
+    experts = "TE grouped GEMM" if HAVE_TE else "GroupedMM (no TransformerEngine)"
     print(f"[{dispatcher}, {experts}] max |logit error| vs fp32: torch bf16 {err_torch:.4g}, megatron bf16 "
           f"{err_megatron:.4g} (logit scale {scale:.3g})")
     assert err_megatron <= 2 * err_torch + 1e-2 * scale

@@ -25,7 +25,7 @@ from megatron_rl.models.megatron_backend import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, grouped_gemm=False, device="cpu")
+CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, expert_module="SequentialMLP", device="cpu")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
 
@@ -61,6 +61,8 @@ def test_transformer_config_carries_the_model_fields():
     assert tc.expert_model_parallel_size == 4 and tc.moe_token_dispatcher_type == "alltoall"
     assert tc.moe_grouped_gemm and tc.bf16 and tc.params_dtype == torch.bfloat16
     assert tc.moe_router_dtype == "fp32" and not tc.perform_initialization
+    # Defect 8: Qwen3 has no dropout; megatron's defaults (0.1) would perturb training forwards.
+    assert tc.hidden_dropout == 0.0 and tc.attention_dropout == 0.0
     flex = transformer_config(m, ep_size=2, dispatcher="flex", device="cpu")
     assert flex.moe_flex_dispatcher_backend == "deepep"
 
@@ -98,11 +100,15 @@ def test_experts_are_te_grouped_gemm_where_te_imports_and_te_is_required_in_the_
 
     monkeypatch.delenv(mb.IMAGE_ENV, raising=False)
     monkeypatch.setattr(mb, "transformer_engine", lambda: ("2.9.0", ""))
-    assert mb.expert_kernel() == "TEGroupedMLP" and mb.megatron_options(torch.bfloat16)["grouped_gemm"]
+    assert mb.expert_kernel() == "TEGroupedMLP" == mb.megatron_options(torch.bfloat16)["expert_module"]
     assert mb.backend_report("megatron") == {"backend": "megatron", "experts": "TEGroupedMLP",
                                              "transformer_engine": "2.9.0"}
     monkeypatch.setattr(mb, "transformer_engine", lambda: (None, "OSError: libcudnn.so.9: cannot open"))
-    assert mb.expert_kernel() == "SequentialMLP" and not mb.megatron_options(torch.bfloat16)["grouped_gemm"]
+    # Without TE: torch._grouped_mm experts, not megatron-core's per-expert loop, unless asked for.
+    assert mb.expert_kernel() == "GroupedMM" == mb.megatron_options(torch.bfloat16)["expert_module"]
+    assert mb.megatron_options(torch.bfloat16, "SequentialMLP")["expert_module"] == "SequentialMLP"
+    with pytest.raises(FlexFloorError, match="megatron experts: expected auto or one of"):
+        mb.expert_kernel("loop")
     monkeypatch.setenv(mb.IMAGE_ENV, "h100")
     with pytest.raises(FlexFloorError, match=r"FLEXFLOOR_IMAGE=h100 but TransformerEngine does not import "
                                              r"\(OSError: libcudnn.so.9: cannot open\)"):

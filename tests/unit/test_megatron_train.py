@@ -23,7 +23,7 @@ from megatron_rl.models.megatron_backend import install_megatron_moe, moe_pg_col
 from megatron_rl.trainer_config import GRPOConfig, OptimConfig, TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, grouped_gemm=False, device="cpu")
+CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, expert_module="SequentialMLP", device="cpu")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
 

@@ -30,7 +30,7 @@ from megatron_rl.models.megatron_weights import (
 )
 from megatron_rl.models.qwen3_moe import rope_cos_sin
 
-CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, grouped_gemm=False, device="cpu")
+CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, expert_module="SequentialMLP", device="cpu")
 CFG = MoEModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
                      num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, vocab_size=96)
 
