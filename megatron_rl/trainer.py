@@ -47,7 +47,7 @@ from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import build_model, check_init, export_hf
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_warmstart
-from megatron_rl.rl.train_step import check_replicas, frozen_copy, make_optimizer
+from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
 from megatron_rl.rl.update import PolicyUpdate
 from megatron_rl.trainer_config import TrainerConfig
 from megatron_rl.wandb_run import policy_tags
@@ -76,7 +76,7 @@ class Trainer:
             self.optimizer = MegatronOptimizer(self.model, cfg.model, o, DTYPES[cfg.dtype],
                                                training_groups(rank, world))
         else:
-            self.optimizer = make_optimizer(self.model, o.lr, o.betas, o.eps, o.weight_decay)
+            self.optimizer = training_optimizer(self.model, o, rank, world)
         if resume is not None:
             state, self.history = read_trainer_state(resume, cfg.model)
             load_checkpoint(resume, self.model, self.optimizer, self.ref_model)
@@ -85,7 +85,7 @@ class Trainer:
         self.scorer = Scorer(cfg.reward)
         self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store,
                                     resident_bytes=training_state_bytes(self.model, self.optimizer,
-                                                                        self.ref_model),
+                                                                        self.ref_model, world),
                                     leases=TrainingLeases(cfg, self.tok, rank, world), out_dir=self.out_dir)
         self.update = PolicyUpdate(cfg, self.model, self.optimizer, self.ref_model, self.tok.pad_id,
                                    rank, world)

@@ -48,8 +48,14 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     grad_clip: float = 1.0  # on the global norm over dense and every rank's experts; 0 = off
+    # ZeRO-1 (rl/zero.py): each rank keeps the optimizer state of 1/world of the dense parameters.
+    # null: on for more than one rank. The megatron backend has its own DistributedOptimizer.
+    shard_optimizer: bool | None = None
+    # cpu: masters and moments in host memory, stepped by DeepSpeed's CPU Adam (rl/zero.py).
+    offload: Literal["none", "cpu"] = "none"
 
     def __post_init__(self):
+        require(self.offload in ("none", "cpu"), f"optim.offload: expected none or cpu, got {self.offload!r}")
         require(self.lr > 0, f"optim.lr: expected > 0, got {self.lr}")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                 f"optim.betas: expected two numbers in [0, 1), got {list(self.betas)}")

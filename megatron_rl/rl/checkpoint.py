@@ -58,16 +58,23 @@ def _state(model, optimizer, ref_model) -> dict:
         from megatron_rl.models.megatron_weights import canonical_state_dict
 
         return {"model": canonical_state_dict(model)}
-    masters = getattr(optimizer, "masters", None)
-    if masters is None:
+    if _sharded(optimizer):  # ZeRO-1 / offload (rl/zero.py): this rank's shard, by name
+        state = {"model": model.state_dict(), **optimizer.sharded_state()}
+    elif getattr(optimizer, "masters", None) is None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     else:  # mixed precision (rl/mixed_precision.py): fp32 masters and their AdamW state, by name
-        master_sd, optim_sd = get_state_dict(masters, optimizer.inner)
+        master_sd, optim_sd = get_state_dict(optimizer.masters, optimizer.inner)
         state = {"model": model.state_dict(), "master": master_sd, "optim": optim_sd}
     if ref_model is not None:
         state["ref"] = ref_model.state_dict()
     return state
+
+
+def _sharded(optimizer) -> bool:
+    from megatron_rl.rl.zero import ShardedOptimizer
+
+    return isinstance(optimizer, ShardedOptimizer)
 
 
 def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
@@ -125,14 +132,21 @@ def load_checkpoint(path: Path, model, optimizer, ref_model) -> None:
     )
 
     verify_checksums(path)
-    state = _state(model, optimizer, ref_model)
-    absent = [] if _megatron(optimizer) else _drop_unsaved_optimizer_state(state, path)
+    if _sharded(optimizer):  # the names this rank owns now, whatever the rank count that saved
+        state = {"model": model.state_dict(), **optimizer.load_request(_saved_keys(path))}
+        if ref_model is not None:
+            state["ref"] = ref_model.state_dict()
+    else:
+        state = _state(model, optimizer, ref_model)
+    absent = [] if _megatron(optimizer) or _sharded(optimizer) else _drop_unsaved_optimizer_state(state, path)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's is a BaseException)
         raise CheckpointError(f"{path}: cannot load the checkpoint shards ({_cause(e)})") from None
     if _megatron(optimizer):
         optimizer.load(path, dist.get_rank())
+    elif _sharded(optimizer):
+        optimizer.finish_load(state)
     else:
         # Under mixed precision the fp32 masters (rl/mixed_precision.py) hold the optimizer's
         # parameters, by the model's names; the bf16 weights are loaded as saved.

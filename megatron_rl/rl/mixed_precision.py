@@ -17,8 +17,9 @@ moves.
 
 Layout: a master lives where its parameter lives. Dense masters and their AdamW state are
 replicated like the dense weights (every rank steps identically on all-reduced fp32 gradients);
-expert masters live only on the expert's owner. Unlike the DistributedOptimizer, dense state is not
-sharded over ranks (no ZeRO-1): 12 bytes per dense parameter on every rank.
+expert masters live only on the expert's owner: 12 bytes per dense parameter on every rank. The
+sharded optimizer (rl/zero.py, ZeRO-1, the default for more than one rank) keeps the dense state
+of 1/world of them instead, under the same rules.
 
 The masters form a module (`MasterWeights`) with the model's parameter names, so checkpoints key
 master weights and optimizer state by name exactly as they key the model's (rl/checkpoint.py).
@@ -119,14 +120,34 @@ def grad_params(model: nn.Module, optimizer) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters())
 
 
-def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | None = None) -> int:
+def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | None = None, world: int = 1) -> int:
     """Bytes of training state that stay on the device through the rollout beside the model's
-    weights: under mixed precision the fp32 masters and AdamW's two fp32 moments (12 bytes per
-    parameter), else the two moments in the parameters' dtype; plus the KL reference model's
-    weights. (The trainer frees the gradients before the rollout.) AdamW allocates its moments at
-    the first step; they are counted from the start, as the planner must hold room for them."""
-    tensors = 3 if isinstance(optimizer, MixedPrecisionOptimizer) else 2
-    total = sum(tensors * p.numel() * p.element_size() for _, p in grad_params(model, optimizer))
+    weights (elastic/planning/train_memory.py has the table):
+    - the replicated torch optimizer: fp32 masters and AdamW's two fp32 moments under mixed
+      precision (12 bytes per parameter), else the two moments in the parameters' dtype;
+    - ZeRO-1 / offload (rl/zero.py): what its shard keeps on the device (none under offload);
+    - megatron-core's DistributedOptimizer: 12 bytes per parameter over the data-parallel group
+      (the world for dense weights, one rank for experts) plus its fp32 gradient buffer, which
+      lives through the rollout: about 16 bytes per parameter;
+    plus the KL reference model's weights. (The torch backend frees its gradients before the
+    rollout.) AdamW allocates its moments at the first step; they are counted from the start, as
+    the planner must hold room for them."""
+    from elastic.planning.train_memory import optimizer_state_bytes
+    from megatron_rl.rl.megatron_train import MegatronOptimizer
+    from megatron_rl.rl.train_step import is_expert_param
+    from megatron_rl.rl.zero import ShardedOptimizer
+
+    if isinstance(optimizer, ShardedOptimizer):
+        total = optimizer.device_state_bytes()
+    elif isinstance(optimizer, MegatronOptimizer):
+        named = list(model.named_parameters())
+        dense = sum(p.numel() for n, p in named if not is_expert_param(n))
+        experts = sum(p.numel() for n, p in named if is_expert_param(n))
+        optim, grads, _ = optimizer_state_bytes(dense, experts, world, "megatron", "sharded", True, 2)
+        total = optim + grads
+    else:
+        tensors = 3 if isinstance(optimizer, MixedPrecisionOptimizer) else 2
+        total = sum(tensors * p.numel() * p.element_size() for _, p in grad_params(model, optimizer))
     if ref_model is not None:
         total += sum(p.numel() * p.element_size() for p in ref_model.parameters())
     return total

@@ -17,15 +17,7 @@ import torch.distributed as dist
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import Tokenizer
-from megatron_rl.rl.mixed_precision import MixedPrecisionOptimizer, grad_params
-from megatron_rl.rl.train_step import (
-    allreduce_dense_grads,
-    chunks,
-    clip_global_grad_norm,
-    make_optimizer,
-    pack,
-    sequence_logprobs,
-)
+from megatron_rl.rl.train_step import chunks, optimizer_step, pack, sequence_logprobs, training_optimizer
 from megatron_rl.trainer_config import TrainerConfig
 
 
@@ -36,7 +28,7 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
     usable = [p for p in data.prompts if p.answer is not None]
     if not usable:
         return []
-    optimizer = make_optimizer(model, ws.lr)
+    optimizer = training_optimizer(model, cfg.optim, rank, world, lr=ws.lr)
     it = PromptIterator(len(usable), min(ws.prompts_per_step, len(usable) - len(usable) % world),
                         seed=cfg.seed + 1)
     losses, t0 = [], time.perf_counter()
@@ -55,15 +47,12 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
             total += loss.detach().double()
         if world > 1:
             dist.all_reduce(total)
-        named = grad_params(model, optimizer)
-        allreduce_dense_grads(named, world)
-        clip_global_grad_norm(named, cfg.optim.grad_clip, world)
-        optimizer.step()
+        optimizer_step(optimizer, model, cfg.optim.grad_clip, world)
         losses.append(float(total))
         if rank == 0 and (step % 20 == 0 or step == ws.sft_steps):
             print(f"[warmstart] step {step}/{ws.sft_steps} loss {float(total):.4f} "
                   f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
-    if isinstance(optimizer, MixedPrecisionOptimizer):
+    if hasattr(optimizer, "close"):
         optimizer.close()  # else its hooks would take the gradients of the next optimizer's steps
     return losses
 

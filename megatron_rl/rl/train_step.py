@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_rl.rl.grpo import token_logprobs, token_logprobs_entropy
-from megatron_rl.rl.mixed_precision import MixedPrecisionOptimizer, needs_masters
+from megatron_rl.rl.mixed_precision import MixedPrecisionOptimizer, grad_params, needs_masters
 
 
 def is_expert_param(name: str) -> bool:
@@ -113,22 +113,26 @@ def chunks(items: list, size: int) -> list[list]:
 
 
 def allreduce_dense_grads(named: list[tuple[str, torch.Tensor]], world: int) -> None:
-    """Sum the replicated parameters' gradients over the world (one flat all-reduce, in the
-    gradients' own dtype: fp32 on the masters under mixed precision).
+    """Sum the replicated parameters' gradients over the world, in the gradients' own dtype (fp32
+    on the masters under mixed precision): one reduce-scatter and one all-gather of ZeRO-1's flat
+    layout (`zero.DenseLayout`), so every element is summed in the order ZeRO-1 sums it.
 
     `named`: (name, parameter) pairs whose `.grad` the optimizer steps on (`grad_params`)."""
     if world == 1:
         return
+    from megatron_rl.rl.zero import DenseLayout
+
     params = [p for n, p in named if not is_expert_param(n)]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
+    layout = DenseLayout([p.numel() for p in params], world)
+    flat = torch.zeros(world * layout.run, dtype=params[0].grad.dtype, device=params[0].device)
+    for i, p in enumerate(params):
+        flat[layout.start(i) : layout.start(i) + p.numel()].copy_(p.grad.reshape(-1))
+    flat = layout.all_gather(layout.reduce_scatter(flat))
+    for i, p in enumerate(params):
+        p.grad.copy_(flat[layout.start(i) : layout.start(i) + p.numel()].view_as(p))
 
 
 def clip_global_grad_norm(named: list[tuple[str, torch.Tensor]], max_norm: float, world: int) -> float:
@@ -171,6 +175,41 @@ def make_optimizer(model: torch.nn.Module, lr: float, betas=(0.9, 0.999), eps: f
     if needs_masters(model):
         return MixedPrecisionOptimizer(model, adamw)
     return adamw(model.parameters())
+
+
+def training_optimizer(model: torch.nn.Module, optim, rank: int, world: int, lr: float | None = None):
+    """The torch backend's optimizer for `optim` (an OptimConfig) on this rank: ZeRO-1 and/or host
+    offload (`ShardedOptimizer`, rl/zero.py) when asked (sharding by default for more than one
+    rank), else `make_optimizer`'s replicated one. `lr` overrides `optim.lr` (the SFT warm start)."""
+    from megatron_rl.rl.zero import ShardedOptimizer, deepspeed_cpu_adam
+
+    lr = optim.lr if lr is None else lr
+    shard = world > 1 if optim.shard_optimizer is None else optim.shard_optimizer
+    offload = optim.offload == "cpu"
+    if not (shard or offload):
+        return make_optimizer(model, lr, optim.betas, optim.eps, optim.weight_decay)
+
+    def inner(params):
+        if offload:
+            return deepspeed_cpu_adam(params, lr, optim.betas, optim.eps, optim.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(optim.betas), eps=optim.eps,
+                                 weight_decay=optim.weight_decay)
+
+    return ShardedOptimizer(model, inner, rank if shard else 0, world if shard else 1, optim.grad_clip,
+                            offload=offload, is_expert=is_expert_param)
+
+
+def optimizer_step(optimizer, model: torch.nn.Module, grad_clip: float, world: int) -> float:
+    """Reduce the gradients, clip them to the global norm, step; returns the norm before clipping.
+    Optimizers that reduce their own gradients (ZeRO-1's reduce-scatter, megatron-core's DDP
+    buckets) do all of it in `finish_step`."""
+    if hasattr(optimizer, "finish_step"):
+        return optimizer.finish_step()
+    named = grad_params(model, optimizer)
+    allreduce_dense_grads(named, world)
+    norm = clip_global_grad_norm(named, grad_clip, world)
+    optimizer.step()
+    return norm
 
 
 def check_replicas(model: torch.nn.Module, world: int) -> None:

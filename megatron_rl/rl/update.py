@@ -13,14 +13,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss
-from megatron_rl.rl.megatron_train import MegatronOptimizer
-from megatron_rl.rl.mixed_precision import grad_params
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.rl.train_step import (
     Packed,
-    allreduce_dense_grads,
     chunks,
-    clip_global_grad_norm,
+    optimizer_step,
     pack,
     sequence_logprobs,
 )
@@ -94,13 +91,7 @@ class PolicyUpdate:
                 loss_total += loss.detach().double()
                 for key in STAT_KEYS:
                     sums[key] += stats[key].double()
-            if isinstance(self.optimizer, MegatronOptimizer):  # its DDP reduced the grads in buckets
-                norms.append(self.optimizer.finish_step())
-                continue
-            named = grad_params(self.model, self.optimizer)
-            allreduce_dense_grads(named, self.world)
-            norms.append(clip_global_grad_norm(named, self.cfg.optim.grad_clip, self.world))
-            self.optimizer.step()
+            norms.append(optimizer_step(self.optimizer, self.model, self.cfg.optim.grad_clip, self.world))
         flat = torch.stack([loss_total, entropy_sum] + [sums[k] for k in STAT_KEYS])
         if self.world > 1:
             dist.all_reduce(flat)

@@ -1,0 +1,159 @@
+"""ZeRO-1 (rl/zero.py) on 1, 2 and 4 gloo ranks: training equals the unsharded optimizer bit for bit
+in float64 (global-norm clipping active); a sharded checkpoint resumes bit-identically; a
+checkpoint saved on 4 ranks resumes on 2 with every master and moment where it was."""
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.parallel.launch import run_ranks
+from megatron_rl.trainer_config import GRPOConfig, OptimConfig, TrainerConfig
+
+pytestmark = pytest.mark.timeout(240)
+ROWS = 8
+
+
+def _cfg(ranks: int, shard: bool, dtype: str = "float64") -> TrainerConfig:
+    return TrainerConfig(
+        model=MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                             kv_channels=8, num_moe_experts=8, moe_router_topk=2,
+                             moe_ffn_hidden_size=16, vocab_size=24),
+        grpo=GRPOConfig(group_size=4, micro_batch=1),
+        # a clip far below the norm, so every step clips (the norm must then be bit-equal too)
+        optim=OptimConfig(lr=1e-2, grad_clip=0.05, weight_decay=0.01, shard_optimizer=shard),
+        prompts_per_step=2, ranks=ranks, dtype=dtype)
+
+
+def _rows(step: int):
+    rng = random.Random(step)
+    return [([1] + [rng.randrange(3, 24) for _ in range(rng.randrange(2, 6))],
+             [rng.randrange(3, 24) for _ in range(rng.randrange(1, 7))]) for _ in range(ROWS)]
+
+
+def _steps(model, optimizer, cfg, rank, world, first: int, last: int) -> None:
+    from megatron_rl.rl.train_step import chunks, optimizer_step, pack, sequence_logprobs
+
+    for step in range(first, last + 1):
+        rows = _rows(step)
+        tokens = sum(len(r) for _, r in rows)
+        n = ROWS // world
+        optimizer.zero_grad(set_to_none=True)
+        for micro in chunks(rows[rank * n : (rank + 1) * n], 2):
+            packed = pack(micro, 0)
+            (-(sequence_logprobs(model, packed) * packed.loss_mask).sum() / tokens).backward()
+        optimizer_step(optimizer, model, cfg.optim.grad_clip, world)
+
+
+def _gathered(model) -> dict:
+    """Every parameter by name (dense from any rank, each expert from its owner), as numpy."""
+    import torch.distributed as dist
+
+    mine = {n: p.detach().clone().numpy() for n, p in model.named_parameters()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n: t for part in every for n, t in part.items()}
+
+
+def _optimizer_state(optimizer) -> dict:
+    """This rank's masters and moments by parameter name, gathered from every rank."""
+    import torch.distributed as dist
+
+    state = optimizer.sharded_state()
+    mine = {f"master.{n}": t.detach().numpy().copy() for n, t in state.get("master", {}).items()}
+    for n, s in state["optim"]["state"].items():
+        mine.update({f"{k}.{n}": torch.as_tensor(v).detach().numpy().copy() for k, v in s.items()})
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n: t for part in every for n, t in part.items()}
+
+
+def _equal_to_unsharded(ctx, dtype):
+    from megatron_rl.rl.model_setup import build_model
+    from megatron_rl.rl.train_step import training_optimizer
+    from megatron_rl.rl.zero import ShardedOptimizer
+
+    out = {}
+    for shard in (False, True):
+        cfg = _cfg(ctx.world, shard, dtype)
+        model = build_model(cfg, ctx.rank, ctx.world)
+        optimizer = training_optimizer(model, cfg.optim, ctx.rank, ctx.world)
+        assert isinstance(optimizer, ShardedOptimizer) == shard
+        _steps(model, optimizer, cfg, ctx.rank, ctx.world, 1, 3)
+        out[shard] = _gathered(model)
+        if shard:  # the moments exist for this rank's dense shard and its experts only
+            mine = {m for _, m in optimizer.pairs}
+            out["state_tensors"] = sum(t.numel() for m in mine for t in optimizer.inner.state[m].values()
+                                       if t.dim() > 0)
+    return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_sharded_training_is_bit_equal_to_unsharded(ranks):
+    out = run_ranks(_equal_to_unsharded, ranks, "float64", timeout_s=180)
+    assert set(out[True]) == set(out[False])
+    changed = 0
+    for n in out[False]:
+        assert np.array_equal(out[True][n], out[False][n]), n
+        changed += n in out[True]
+    assert changed and out["state_tensors"] > 0
+
+
+def _resume(ctx, tmp: str, save_world: int):
+    from elastic.trace import Trace
+    from megatron_rl.rl.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.rl.model_setup import build_model
+    from megatron_rl.rl.train_step import training_optimizer
+
+    cfg = _cfg(ctx.world, True)
+
+    def fresh():
+        model = build_model(cfg, ctx.rank, ctx.world)
+        return model, training_optimizer(model, cfg.optim, ctx.rank, ctx.world)
+
+    if ctx.world == save_world:
+        model, opt = fresh()
+        _steps(model, opt, cfg, ctx.rank, ctx.world, 1, 2)
+        save_checkpoint(tmp, 2, model, opt, None, {}, Trace([], "h"), ctx.rank)
+        saved = _optimizer_state(opt)
+        _steps(model, opt, cfg, ctx.rank, ctx.world, 3, 4)
+        straight = _gathered(model)
+    from pathlib import Path
+
+    model, opt = fresh()
+    load_checkpoint(Path(tmp) / "checkpoints" / "step_000002", model, opt, None)
+    loaded = _optimizer_state(opt)
+    _steps(model, opt, cfg, ctx.rank, ctx.world, 3, 4)
+    resumed = _gathered(model)
+    if ctx.world == save_world:
+        return {"saved": saved, "loaded": loaded, "straight": straight, "resumed": resumed}
+    return {"loaded": loaded, "resumed": resumed}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+
+
+def test_sharded_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
+    four = run_ranks(_resume, 4, str(tmp_path), 4, timeout_s=180)
+    _same(four["saved"], four["loaded"])
+    _same(four["straight"], four["resumed"])
+    assert any(k.startswith("exp_avg.") and ".local_experts." in k for k in four["saved"])
+    two = run_ranks(_resume, 2, str(tmp_path), 4, timeout_s=180)
+    _same(four["saved"], two["loaded"])  # every master and moment, now owned by one of 2 ranks
+    assert all(np.isfinite(t).all() for t in two["resumed"].values())
+
+
+def test_owners_are_contiguous_balanced_runs():
+    from megatron_rl.rl.zero import owners
+
+    sizes = [100, 1, 1, 50, 50, 300, 10, 10]
+    for world in (1, 2, 3, 4):
+        o = owners(sizes, world)
+        assert o == sorted(o) and o[0] == 0 and max(o) <= world - 1
+    assert owners(sizes, 2) == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert replace(_cfg(2, True).optim, shard_optimizer=None).shard_optimizer is None
