@@ -46,7 +46,7 @@ from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import build_model, check_init, export_hf
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
-from megatron_rl.rl.sft import sft_warmstart
+from megatron_rl.rl.sft import sft_pending, sft_stopped, sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
 from megatron_rl.rl.update import PolicyUpdate
 from megatron_rl.trainer_config import TrainerConfig
@@ -65,8 +65,14 @@ class Trainer:
         self.iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
         self.history = Trace([], "length history")
         self.start_step = 0
-        if resume is None and cfg.warmstart.sft_steps:
-            sft_warmstart(cfg, self.model, self.tok, data, rank, world)
+        state = read_trainer_state(resume, cfg.model)[0] if resume is not None else None
+        self.sft_stopped = None  # the warm-start step a stop signal saved, if one did
+        if cfg.warmstart.sft_steps and (resume is None or sft_pending(state)):
+            with StopOnSignal(ctx.device) as stop:
+                losses = sft_warmstart(cfg, self.model, self.tok, data, rank, world, stop, self.out_dir,
+                                       resume=resume)
+            self.sft_stopped = sft_stopped(losses) and (sft_stopped(losses), stop.signum)
+            resume = None  # the RL run starts at step 1 from the warm-started weights
         self.ref_model = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
         o = cfg.optim
         if cfg.backend == "megatron":
@@ -191,6 +197,12 @@ class Trainer:
     def run(self) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         curve, stopped = [], None
+        if self.sft_stopped:  # the warm start was stopped and saved: the requeue continues it
+            if self.logger is not None:
+                self.logger.close()
+            step, signum = self.sft_stopped
+            return {"start_step": 0, "steps": cfg.steps, "reward_curve": [], "wall_s": 0.0,
+                    "stopped": {"step": 0, "sft_step": step, "signal": signal.Signals(signum).name}}
         try:
             with StopOnSignal(next(self.model.parameters()).device) as stop:
                 for step in range(self.start_step + 1, cfg.steps + 1):

@@ -184,6 +184,10 @@ class TrainerConfig:
             require(self.dtype != "float64", "backend megatron: dtype must be bfloat16 or float32, got float64")
             require(self.grpo.kl_coef == 0, "backend megatron: grpo.kl_coef > 0 (a frozen reference model) "
                                             "is not supported yet; use kl_coef: 0 or backend: torch")
+            require(self.optim.offload == "none", "optim.offload: cpu is for backend torch (megatron-core's "
+                                                  "DistributedOptimizer keeps its own state)")
+        require(self.optim.offload == "none" or self.dtype != "float64",
+                "optim.offload: cpu steps fp32 masters with DeepSpeed's CPU Adam; dtype must be bfloat16 or float32")
 
     @property
     def rows_per_rank(self) -> int:

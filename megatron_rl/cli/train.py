@@ -48,7 +48,8 @@ def run(args) -> int:
     print(f"metrics: {os.path.join(args.out, 'metrics.jsonl')}")
     if "stopped" in summary:
         st = summary["stopped"]
-        print(f"stopped by {st['signal']} after step {st['step']} (checkpoint saved); the same command "
+        where = f"warm-start step {st['sft_step']}" if "sft_step" in st else f"step {st['step']}"
+        print(f"stopped by {st['signal']} after {where} (checkpoint saved); the same command "
               "resumes from it", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

@@ -4,16 +4,18 @@ RL from a random policy gets no reward signal (a group whose rewards are all equ
 advantage); a few supervised steps give a policy that sometimes succeeds. Same expert-parallel
 layout and gradient rules as the GRPO update (`train_step`); its own AdamW, dropped afterwards.
 Prompts come from a separate seeded iterator (seed + 1) so the warm start never shifts the RL
-data order.
+data order. A stop signal during it saves a checkpoint that the requeued run continues.
 """
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from elastic.trace import Trace
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import Tokenizer
@@ -22,8 +24,17 @@ from megatron_rl.trainer_config import TrainerConfig
 
 
 def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset, rank: int,
-                  world: int) -> list[float]:
-    """Run `cfg.warmstart.sft_steps` steps in place on `model`; returns the loss per step."""
+                  world: int, stop=None, out_dir: str | Path | None = None,
+                  resume: Path | None = None) -> list[float]:
+    """Run `cfg.warmstart.sft_steps` steps in place on `model`; returns the loss per step.
+
+    Resumable: with `stop` (a `StopOnSignal`, polled after every step, a collective) and
+    `out_dir`, a stop signal saves the warm start's weights, optimizer and data position as
+    `out_dir`'s checkpoint of step 0 (`trainer_state.json` has `sft_step`), and the function
+    returns at once (`sft_stopped(losses)` is then the step); `resume` continues such a
+    checkpoint from the step after it, bit-identically (its data order is keyed by seed + 1)."""
+    from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
+
     ws = cfg.warmstart
     usable = [p for p in data.prompts if p.answer is not None]
     if not usable:
@@ -31,8 +42,14 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
     optimizer = training_optimizer(model, cfg.optim, rank, world, lr=ws.lr)
     it = PromptIterator(len(usable), min(ws.prompts_per_step, len(usable) - len(usable) % world),
                         seed=cfg.seed + 1)
-    losses, t0 = [], time.perf_counter()
-    for step in range(1, ws.sft_steps + 1):
+    first = 1
+    if resume is not None:
+        state, _ = read_trainer_state(resume, cfg.model)
+        load_checkpoint(resume, model, optimizer, None)
+        it.load_state_dict(state["sft_data"])
+        first = state["sft_step"] + 1
+    losses, t0 = _Losses(), time.perf_counter()
+    for step in range(first, ws.sft_steps + 1):
         rows = [(tok.encode(usable[i].text), tok.encode_response(usable[i].answer))
                 for i in it.next_batch().indices]
         per_rank = len(rows) // world
@@ -52,9 +69,32 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
         if rank == 0 and (step % 20 == 0 or step == ws.sft_steps):
             print(f"[warmstart] step {step}/{ws.sft_steps} loss {float(total):.4f} "
                   f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+        if stop is not None and stop.requested():  # polled on the last step too: no signal is lost
+            state = {"sft_step": step, "sft_data": it.state_dict(), "seed": cfg.seed, "model": cfg.model.to_dict(),
+                     "ranks": world}
+            save_checkpoint(out_dir, 0, model, optimizer, None, state, Trace([], "length history"), rank)
+            if rank == 0:
+                print(f"[warmstart] stopped after step {step}/{ws.sft_steps}; checkpoint saved",
+                      file=sys.stderr, flush=True)
+            losses.stopped_at = step
+            break
     if hasattr(optimizer, "close"):
         optimizer.close()  # else its hooks would take the gradients of the next optimizer's steps
     return losses
+
+
+class _Losses(list):
+    stopped_at: int | None = None
+
+
+def sft_stopped(losses: list[float]) -> int | None:
+    """The warm-start step a stop signal saved and ended at, else None."""
+    return getattr(losses, "stopped_at", None)
+
+
+def sft_pending(state: dict) -> bool:
+    """A checkpoint's trainer state is a stopped warm start's (continue it before step 1)."""
+    return "sft_step" in state
 
 
 def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
