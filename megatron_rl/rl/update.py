@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, policy_loss
+from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, kl_k3, policy_loss
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.rl.train_step import (
     Packed,
@@ -21,6 +21,7 @@ from megatron_rl.rl.train_step import (
     pack,
     sequence_logprobs,
 )
+from megatron_rl.rl.update_stats import WeightDelta
 from megatron_rl.trainer_config import TrainerConfig
 
 
@@ -74,8 +75,12 @@ class PolicyUpdate:
         sums = {k: torch.zeros((), dtype=torch.float64, device=dev) for k in STAT_KEYS}
         loss_total, norms = torch.zeros((), dtype=torch.float64, device=dev), []
         entropy_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        # ppo_kl, rollout_gap token sums; rollout_gap_max (rl/update_stats.py)
+        diag = torch.zeros(3, dtype=torch.float64, device=dev)
+        sizes = []
         for micro, tokens in batches:
             self.optimizer.zero_grad(set_to_none=True)
+            delta = WeightDelta(self.model)
             for mb in micro:
                 logp, entropy = sequence_logprobs(self.model, mb.packed, T, self.cfg.logprob_chunk_tokens,
                                                   entropy=True)
@@ -89,12 +94,25 @@ class PolicyUpdate:
                     tis_cap=g.tis_cap, normalizer=max(tokens, 1))
                 loss.backward()
                 loss_total += loss.detach().double()
+                mask = mb.packed.loss_mask.double()
+                gap = (mb.old_logp.double() - mb.rollout_logp).abs() * mask
+                diag += torch.stack([(kl_k3(logp.detach().double(), mb.old_logp.double()) * mask).sum(),
+                                     gap.sum(), torch.zeros((), dtype=torch.float64, device=dev)])
+                diag[2] = torch.maximum(diag[2], gap.max() if gap.numel() else diag[2])
                 for key in STAT_KEYS:
                     sums[key] += stats[key].double()
             norms.append(optimizer_step(self.optimizer, self.model, self.cfg.optim.grad_clip, self.world))
-        flat = torch.stack([loss_total, entropy_sum] + [sums[k] for k in STAT_KEYS])
+            sizes.append(delta.measure(self.model, self.world))
+            del delta
+        flat = torch.stack([loss_total, entropy_sum, diag[0], diag[1]] + [sums[k] for k in STAT_KEYS])
+        gap_max = diag[2:3].clone()
         if self.world > 1:
             dist.all_reduce(flat)
-        totals = dict(zip(STAT_KEYS, flat[2:]))
+            dist.all_reduce(gap_max, op=dist.ReduceOp.MAX)
+        totals = dict(zip(STAT_KEYS, flat[4:]))
+        n = max(float(totals["tokens"]), 1.0)
         return {"loss": float(flat[0]) / len(batches), "grad_norm": sum(norms) / len(norms),
-                "entropy": float(flat[1]) / max(float(totals["tokens"]), 1.0), **finalize_stats(totals)}
+                "entropy": float(flat[1]) / n, **finalize_stats(totals),
+                "ppo_kl": float(flat[2]) / n, "rollout_gap": float(flat[3]) / n, "rollout_gap_max": float(gap_max),
+                "update_rel": sum(s for s, _ in sizes) / len(sizes),
+                "update_changed": sum(c for _, c in sizes) / len(sizes)}

@@ -287,6 +287,9 @@ class ShardedOptimizer:
         for n, (_, m) in zip(names, self.pairs):
             if n in state["optim"]["state"]:
                 self.inner.state[m] = _adopt(state["optim"]["state"][n], self.inner, m)
+        steps = [int(s["step"]) for s in self.inner.state.values()]
+        if steps and type(self.inner).__name__ == "DeepSpeedCPUAdam":
+            _prime_cpu_adam(self.inner, max(steps))
         self.copy_to_model()
 
 
@@ -299,6 +302,18 @@ def _saved(state: dict) -> dict:
     """A parameter's state with its step as a float32 tensor, as torch AdamW keeps it (DeepSpeed's
     CPU Adam keeps an int), so both optimizers' checkpoints have the same keys and types."""
     return {**state, "step": torch.as_tensor(state["step"], dtype=torch.float32)}
+
+
+def _prime_cpu_adam(inner, step: int) -> None:
+    """DeepSpeed's CPU Adam keeps beta^t in C++, per optimizer: a running one multiplies it by beta
+    at each step's first parameter (the previous step's last parameter left pow(beta, t - 1)), a
+    fresh one computes pow(beta, t), and the two differ in the last bit. One update of a scratch
+    tensor at the loaded step leaves the C++ state where the saving optimizer had it, so a resume
+    continues bit-identically."""
+    g = inner.param_groups[0]
+    scratch = [torch.zeros(1) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq
+    inner.ds_opt_adam.adam_update(inner.opt_id, step, g["lr"], g["betas"][0], g["betas"][1], g["eps"],
+                                  g["weight_decay"], g["bias_correction"], *scratch)
 
 
 def _adopt(saved: dict, inner: torch.optim.Optimizer, master: torch.Tensor) -> dict:

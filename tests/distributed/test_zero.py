@@ -161,7 +161,9 @@ def test_owners_are_contiguous_balanced_runs():
 
 
 # ---- optim.offload: cpu (DeepSpeed's CPU Adam on host masters) -------------------------------------
-OFFLOAD_TOL = 1e-5  # DeepSpeed's fused AVX Adam against torch AdamW, fp32, 20 steps at lr 1e-2
+# DeepSpeed's fused AVX Adam against torch AdamW, fp32, 20 steps at lr 1e-3 (clipped every step): the
+# largest weight difference, in units of the largest distance a weight moved
+OFFLOAD_TOL = 1e-3
 
 
 def _offload_vs_adamw(ctx):
@@ -171,7 +173,7 @@ def _offload_vs_adamw(ctx):
     out = {}
     for offload in ("none", "cpu"):
         cfg = _cfg(1, False, "float32")
-        cfg = replace(cfg, optim=replace(cfg.optim, offload=offload))
+        cfg = replace(cfg, optim=replace(cfg.optim, offload=offload, lr=1e-3))
         model = build_model(cfg, ctx.rank, ctx.world)
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = training_optimizer(model, cfg.optim, ctx.rank, ctx.world)
@@ -189,7 +191,7 @@ def test_offload_equals_torch_adamw_and_resumes_sharded(tmp_path):
     worst = max(float(np.abs(out["cpu"][n] - out["none"][n]).max()) for n in out["none"])
     print(f"offload vs torch AdamW after 20 steps: largest weight difference {worst:.1e} "
           f"(weights moved up to {out['moved_none']:.1e})")
-    assert worst < OFFLOAD_TOL < out["moved_none"] / 100
+    assert worst < OFFLOAD_TOL * out["moved_none"]
     # sharded and offloaded on 2 ranks: a checkpoint resumes bit-identically
     two = run_ranks(_resume, 2, str(tmp_path), 2, "cpu", timeout_s=600)
     _same(two["saved"], two["loaded"])

@@ -9,10 +9,11 @@ from megatron_rl.metric_keys import KEYS, PHASES, grouped, numeric
 def test_every_grouped_key_is_documented():
     documented = documented_keys()
     sample = {raw: ({"x": 1.0} if raw in ("reward_outcomes", "rank_seconds", "rank_steps", "shrink_latency_s",
-                                          "lease", "pool") else 1.0) for raw in KEYS}
+                                          "lease", "pool", "val") else 1.0) for raw in KEYS}
     sample["phase_s"] = {p: 1.0 for p in PHASES}
     sample["stages"] = [[0, 1], [0]]
     sample["lease_jobs"] = 2
+    sample["val"] = {"pass@1": 0.5, "reward_mean": 0.5, "response_len_mean": 2.0, "prompts": 41}
     names = set(grouped(sample))
     missing = sorted(n for n in names if not any(fnmatch(n, d) for d in documented))
     assert not missing, f"docs/training.md's metrics table lacks {missing}"
