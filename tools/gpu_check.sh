@@ -66,6 +66,9 @@ expected=("a: greedy bf16 vs fp64 CPU" "a: 5 GRPO steps bf16" "b: 2-rank elastic
           "b: bf16 responses per policy vs vanilla" "c: decode step, sync debug mode error"
           "c: graph replay = eager tokens (bf16)" "c: 30B-A3B slice step vs roofline, batch 64"
           "c: graphed tokens = eager tokens")
+# issue 21: bf16 vs fp32 GRPO updates on the same rollouts (per-update table), offloaded optimizer step
+stage "tests/gpu (training)" 300 python -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu/test_training_gpu.py
+expected+=("a: bf16 GRPO per-update table")
 
 # (m) the megatron backend (issue 20), ~90 s. A machine without megatron-core (the lent H200) gets
 # it from a carried wheel: $FF_MEGATRON_WHEELS names a folder holding megatron_core-0.16.1-*.whl

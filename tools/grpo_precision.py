@@ -103,10 +103,12 @@ def _compare_rank(ctx, cfg16, cfg32, steps: int, out_dir: str) -> dict:
     return {"rows": rows}
 
 
-def compare(*, device: str = "cpu", lr: float = 1e-3, steps: int = 5, mcfg=gpu_checks.SMALL_QWEN3_MOE) -> dict:
+def compare(*, device: str = "cpu", lr: float = 1e-3, steps: int = 5, mcfg=gpu_checks.SMALL_QWEN3_MOE,
+            **shape) -> dict:
+    """`shape`: grpo_config's prompts_per_step, group_size, max_response_len (small CPU tests)."""
     from megatron_rl.parallel.launch import run_ranks
 
-    cfg16 = gpu_checks.grpo_config(mcfg, device=device, dtype="bfloat16", lr=lr)
+    cfg16 = gpu_checks.grpo_config(mcfg, device=device, dtype="bfloat16", lr=lr, **shape)
     cfg32 = replace(cfg16, dtype="float32")
     with tempfile.TemporaryDirectory() as out:
         result = run_ranks(_compare_rank, 1, cfg16, cfg32, steps, out, timeout_s=1200, device=device)
@@ -130,6 +132,15 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['step']} | | bf16 update, fp32 judge | {j['before']:+.4f} -> {j['after']:+.4f} "
                    "| | | | | | |")
     return "\n".join(out)
+
+
+def summary(rows: list[dict]) -> str:
+    """One line for the GPU check's table: bf16's surrogate before -> after per update, its update
+    size against fp32's, and the bf16 update judged in fp32."""
+    return "; ".join(f"{r['step']}: {r['bf16']['before']:+.3f}->{r['bf16']['after']:+.3f}"
+                     f" (fp32 judge {r['bf16_judged_fp32']['before']:+.3f}->{r['bf16_judged_fp32']['after']:+.3f},"
+                     f" rel {r['bf16']['update_rel']:.1e} vs fp32 {r['fp32']['update_rel']:.1e})"
+                     + ("" if r["signal"] else " no signal") for r in rows)
 
 
 def main(argv=None) -> int:

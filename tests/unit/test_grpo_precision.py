@@ -1,0 +1,27 @@
+"""The CPU side of the bf16 GRPO row (tools/grpo_precision.py): bf16 and fp32 updates on the same
+rollouts, each with its per-update figures, on a tiny model."""
+from dataclasses import replace
+
+import pytest
+
+from tools import gpu_checks, grpo_precision
+
+TINY = replace(gpu_checks.SMALL_QWEN3_MOE, num_layers=2, hidden_size=64, num_attention_heads=4,
+               num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
+               vocab_size=256)
+
+
+@pytest.mark.timeout(300)
+def test_both_precisions_update_on_the_same_rollouts_with_their_figures():
+    out = grpo_precision.compare(mcfg=TINY, steps=1, prompts_per_step=2, group_size=4, max_response_len=6)
+    (row,) = out["rows"]
+    for name in ("bf16", "fp32"):
+        c = row[name]
+        assert set(c) == set(grpo_precision.COLUMNS)
+        assert c["update_rel"] > 0 and 0 < c["update_changed"] <= 1 and c["grad_norm"] > 0
+        assert c["after"] < c["before"] and c["kl_after"] > 0
+    # the same rollout: the same responses priced by both (their old log-probs differ by precision only)
+    assert row["bf16"]["rollout_gap"] < 0.1 and row["fp32"]["rollout_gap"] < 0.1
+    assert row["bf16"]["update_changed"] < row["fp32"]["update_changed"]  # bf16 rounds small steps away
+    table = grpo_precision.table(out["rows"])
+    assert "bf16 update, fp32 judge" in table and grpo_precision.summary(out["rows"]).startswith("1: ")
