@@ -132,8 +132,12 @@ def grpo_config(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str = "cuda",
 
 def grpo_steps(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str = "cuda", dtype: str = "bfloat16",
                steps: int = 5, prompts_per_step: int = 4, group_size: int = 8, max_response_len: int = 16,
-               lr: float = 1e-3) -> dict:
-    """`steps` GRPO steps on one rank; the surrogate loss before and after each update."""
+               lr: float = 1e-4) -> dict:
+    """`steps` GRPO steps on one rank; the surrogate loss before and after each update.
+
+    lr 1e-4, not 1e-3: at 1e-3 one AdamW step moves this model's policy by a KL of 1.7 to 236 nats
+    per token, where a first-order check means nothing; on the same rollouts fp32 then raises its
+    surrogate on the same steps as bf16 (tools/grpo_precision.py, docs/gpu.md)."""
     from megatron_rl.parallel.launch import run_ranks
 
     cfg = grpo_config(mcfg, device=device, dtype=dtype, prompts_per_step=prompts_per_step,

@@ -65,3 +65,60 @@ def test_a_stopped_warm_start_saves_and_resumes_to_the_same_weights(tmp_path):
     assert stopped["losses"] + resumed["losses"] == straight["losses"]
     for n, w in straight["weights"].items():
         assert np.array_equal(w, resumed["weights"][n]), n
+
+
+def _trainer_requeue(ctx, cfg, tmp: str):
+    """Through `Trainer` as `flexfloor train` runs it: a straight run; a run whose rank 0 gets
+    SIGTERM during warm-start step 2 (saved, stopped); its requeue (resumed from that checkpoint)."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.rl import sft
+    from megatron_rl.rl.checkpoint import latest_checkpoint
+    from megatron_rl.trainer import Trainer
+
+    data = load_prompts(cfg.data)
+
+    def weights(trainer):
+        mine = {n: p.detach().clone().numpy() for n, p in trainer.model.named_parameters()}
+        every = [None] * ctx.world
+        dist.all_gather_object(every, mine)
+        return {n: t for part in every for n, t in part.items()}
+
+    straight = Trainer(cfg, data, ctx, f"{tmp}/a", None)
+    out = {"straight": straight.run(), "straight_w": weights(straight)}
+    real_step, calls = sft.optimizer_step, []
+
+    def signalled_step(*args):  # the signal arrives while warm-start step 2 computes
+        calls.append(1)
+        if len(calls) == 2 and ctx.rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args)
+
+    sft.optimizer_step = signalled_step
+    try:
+        out["stopped"] = Trainer(cfg, data, ctx, f"{tmp}/b", None).run()
+    finally:
+        sft.optimizer_step = real_step
+    resumed = Trainer(cfg, data, ctx, f"{tmp}/b", latest_checkpoint(f"{tmp}/b"))
+    out["resumed"], out["resumed_w"] = resumed.run(), weights(resumed)
+    return out
+
+
+def test_a_signal_during_the_warm_start_saves_and_the_requeue_continues(tmp_path):
+    from megatron_rl.config import load_dataclass
+    from megatron_rl.trainer_config import TrainerConfig
+    from tests.tiny_train import tiny_train_config
+
+    cfg = load_dataclass(TrainerConfig, tiny_train_config(tmp_path), {
+        "dtype": "float64", "steps": 1, "warmstart.sft_steps": 4, "warmstart.prompts_per_step": 8,
+        "logging.wandb_mode": "disabled", "verify_replicas": False})
+    out = run_ranks(_trainer_requeue, 2, cfg, str(tmp_path), timeout_s=400)
+    assert out["stopped"]["stopped"] == {"step": 0, "sft_step": 2, "signal": "SIGTERM"}
+    assert out["stopped"]["reward_curve"] == []
+    assert out["resumed"]["reward_curve"] == out["straight"]["reward_curve"] and "stopped" not in out["resumed"]
+    for n, w in out["straight_w"].items():
+        assert np.array_equal(w, out["resumed_w"][n]), n

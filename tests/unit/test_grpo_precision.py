@@ -25,3 +25,20 @@ def test_both_precisions_update_on_the_same_rollouts_with_their_figures():
     assert row["bf16"]["update_changed"] < row["fp32"]["update_changed"]  # bf16 rounds small steps away
     table = grpo_precision.table(out["rows"])
     assert "bf16 update, fp32 judge" in table and grpo_precision.summary(out["rows"]).startswith("1: ")
+
+
+def _row(before16, after16, kl16, before32, after32, signal=True):
+    cols = dict.fromkeys(grpo_precision.COLUMNS, 0.0)
+    return {"signal": signal, "bf16": {**cols, "before": before16, "after": after16, "kl_after": kl16},
+            "fp32": {**cols, "before": before32, "after": after32}}
+
+
+def test_the_verdict_needs_descent_inside_the_trust_region_and_agreement_with_fp32():
+    # step 4 of the lr 1e-3 CPU run (docs/gpu.md): both precisions raise the surrogate, KL 2.98
+    assert not grpo_precision.verdict([_row(0.0, 0.1953, 2.98, 0.0, 0.1982)])
+    # a descent far outside the trust region says nothing either
+    assert not grpo_precision.verdict([_row(0.0, -0.11, 15.4, 0.0, -0.11)])
+    # inside it, bf16 must drop the surrogate as fp32 does on the same rollout
+    assert grpo_precision.verdict([_row(0.0, -0.05, 0.1, 0.0, -0.051)])
+    assert not grpo_precision.verdict([_row(0.0, -0.01, 0.1, 0.0, -0.05)])
+    assert not grpo_precision.verdict([_row(0.0, 0.0, 0.0, 0.0, 0.0, signal=False)])  # nothing judged
