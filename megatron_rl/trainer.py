@@ -319,6 +319,8 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "
               f"{data.skipped_rows[0][1]})", file=sys.stderr)
     check_data(cfg, data, build_tokenizer(cfg.tokenizer))
+    if cfg.eval.every and not load_heldout(cfg):  # a bad held-out file stops here, naming file:line
+        raise FlexFloorError(f"{cfg.eval.path}: no held-out prompts (eval.path)")
     resume = latest_checkpoint(out_dir)
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
