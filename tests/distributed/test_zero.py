@@ -139,6 +139,8 @@ def _same(a: dict, b: dict) -> None:
         assert np.array_equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # two launches of 4 and 2 ranks, each with a save or a load
 def test_sharded_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
     four = run_ranks(_resume, 4, str(tmp_path), 4, timeout_s=180)
     _same(four["saved"], four["loaded"])
