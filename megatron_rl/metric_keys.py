@@ -38,8 +38,8 @@ KEYS: dict[str, str] = {
     "ratio_mean": "actor/ratio_mean",
     "tis_weight_mean": "actor/tis_weight_mean",
     "ppo_kl": "actor/ppo_kl",  # rl/update_stats.py: per-update diagnostics
-    "rollout_gap": "actor/rollout_logp_gap",
-    "rollout_gap_max": "actor/rollout_logp_gap_max",
+    "rollout_gap": "rollout/logp_gap",
+    "rollout_gap_max": "rollout/logp_gap_max",
     "update_rel": "actor/update_rel",
     "update_changed": "actor/update_changed",
     "val": "val",  # held-out validation (rl/validation.py): val/pass@1, val/reward_mean, ...
