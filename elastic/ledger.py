@@ -1,4 +1,4 @@
-"""The rank-time ledger: the unit of every performance claim (DESIGN.md).
+"""The rank-time ledger: the unit of every performance claim (docs/design.md).
 
 Every rank-second of a rollout of wall time T on W ranks is exactly one of five states. Steps are
 counted on the global decode-step clock (one tick per synchronous EP step of the active group), so a

@@ -1,4 +1,4 @@
-"""Length traces: JSON Lines, one response per line (format in DESIGN.md).
+"""Length traces: JSON Lines, one response per line (format in docs/design.md).
 
     {"prompt_id": "dsr-00017", "epoch": 3, "sample": 2, "prompt_len": 118,
      "response_len": 6021, "truncated": false}

@@ -25,8 +25,9 @@ import numpy as np
 from elastic.planning.guard import TailGuard
 from elastic.planning.planner import plan_epoch
 from elastic.planning.predict import Predictor
-from elastic.planning.release import ShapeCost, replay
+from elastic.planning.release import replay
 from elastic.planning.shape import ModelShape
+from elastic.planning.step_cost import ShapeCost
 from elastic.sim.synth import generate, preset
 
 POLICIES = [  # name, layout, floor (None: the case's floor), tailguard, oracle

@@ -1,4 +1,4 @@
-"""Write a synthetic length trace (JSON Lines, the format of DESIGN.md).
+"""Write a synthetic length trace (JSON Lines, the format of docs/design.md).
 
     python tools/make_trace.py --preset deepscaler --seed 0 --out runs/dsr.jsonl
     python tools/make_trace.py --preset nosignal --prompts 64 --epochs 4 --out ns.jsonl

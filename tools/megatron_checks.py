@@ -12,6 +12,7 @@ models (tests/unit/test_megatron_checks.py), so a check that cannot fail is caug
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -19,11 +20,11 @@ from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.megatron_weights import canonical_parameters
 from megatron_rl.rl.grpo import policy_loss
 from megatron_rl.rl.train_step import Packed, pack, sequence_logprobs
+from tools.gpu_checks import SMALL_QWEN3_MOE
 
-# The GPU checks' model: small enough for minutes on one GPU, with Qwen3-30B-A3B's routing width.
-CHECK_CONFIG = MoEModelConfig(num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4,
-                              kv_channels=64, num_moe_experts=64, moe_router_topk=8, moe_ffn_hidden_size=256,
-                              vocab_size=4096)
+# The GPU checks' model (tools/gpu_checks.py's): small enough for minutes on one GPU, with
+# Qwen3-30B-A3B's routing width; these checks draw it at the default init std.
+CHECK_CONFIG = replace(SMALL_QWEN3_MOE, init_method_std=MoEModelConfig.init_method_std)
 
 
 def same_weights(reference: Qwen3MoeModel, dtype: torch.dtype, device) -> Qwen3MoeModel:

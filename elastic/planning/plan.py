@@ -99,7 +99,7 @@ class Plan:
 
     # ---- invariants -------------------------------------------------------------------------
     def check(self, batch: Iterable[tuple[str, int]] | None = None) -> None:
-        """Raise ValueError if the plan breaks an invariant of DESIGN.md."""
+        """Raise ValueError if the plan breaks an invariant of docs/design.md."""
         if not self.stages:
             raise ValueError("plan has no stages")
         if self.ownership not in OWNERSHIPS:

@@ -36,9 +36,10 @@ from elastic.planning.guard import TailGuard
 from elastic.planning.kv import Demand, RankKV
 from elastic.planning.plan import OWNERSHIPS, Assignment, Plan, PlanError
 from elastic.planning.predict import LengthDist, Predictor
-from elastic.planning.release import FixedCost, ShapeCost, StepCost, Timeline, rank_drain_steps
+from elastic.planning.release import Timeline, rank_drain_steps
 from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.planning.shape import MemoryBudget, ModelShape
+from elastic.planning.step_cost import FixedCost, ShapeCost, StepCost
 from elastic.trace import Trace
 
 __all__ = ["LAYOUTS", "OBJECTIVES", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]

@@ -32,12 +32,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elastic.planning.busiest import busiest_load
 from elastic.planning.online import OnlineModel
 from elastic.planning.plan import Plan
 from elastic.planning.planner import OBJECTIVES
-from elastic.planning.release import Estimate, StepCost, step_table
+from elastic.planning.release import Estimate
 from elastic.planning.schedule import build_stages, candidate_sizes, held_counts
 from elastic.planning.shape import ModelShape
+from elastic.planning.step_cost import StepCost, step_table
 
 # Grid of future steps a scenario is priced on: geometric, so the early decisions are resolved.
 PIECES = 24
@@ -271,7 +273,8 @@ class OnlineRule:
             tail = np.concatenate([np.cumsum(after[:, ::-1], axis=1)[:, ::-1], np.zeros((S, 1))], axis=1)
             moving = ~np.isin(ranks, self.plan.stages[j].members)
             # The requests still live at the shrink move, their KV grown by d tokens: each leaving
-            # rank sends its own, the members receive them spread evenly (`_busiest_bytes`).
+            # rank sends its own, the members receive them spread evenly: `busiest_load`'s tally in
+            # expectation, one column per delay.
             per = (rem[:, moving, None] > d).mean(axis=0) * (held[moving][:, None] + d)  # (moving, delays)
             _, sender = np.unique(ranks[moving], return_inverse=True)
             sent = np.zeros((sender.max() + 1 if len(sender) else 1, len(d)))
@@ -389,15 +392,10 @@ class OnlineRule:
 
     def _busiest_bytes(self, moves, rank_of, tokens) -> float:
         """KV bytes the busiest rank sends or receives in `moves`. Moves between distinct pairs run
-        at once (the runtime's loop blocks only the two ranks of each move; the simulator books them
-        so), so a batch of moves takes about as long as its busiest rank's share, as expert moves do
-        (`CostModel.transfer_s`)."""
-        load: dict[tuple[str, int], float] = {}
-        for i, r in moves:
-            held = float(self.prompt[i] + tokens[i])
-            for key in (("tx", int(rank_of[i])), ("rx", int(r))):
-                load[key] = load.get(key, 0.0) + held
-        return max(load.values(), default=0.0) * self.shape.kv_bytes_per_token
+        at once, so a batch of moves takes about as long as its busiest rank's share
+        (`elastic.planning.busiest`)."""
+        held = ((int(rank_of[i]), int(r), float(self.prompt[i] + tokens[i])) for i, r in moves)
+        return busiest_load(held) * self.shape.kv_bytes_per_token
 
     def _place(self, j, live, rank_of, tokens, rem, rebalance=False) -> list[tuple[int, int]] | None:
         """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
@@ -488,7 +486,7 @@ def _batch_context(batch: np.ndarray, kv_tokens: np.ndarray) -> tuple[np.ndarray
 
 def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence[int],
                    done: Sequence[bool]) -> None:
-    """Raise ValueError if carrying out `decision` would break an invariant of DESIGN.md: the
+    """Raise ValueError if carrying out `decision` would break an invariant of docs/design.md: the
     stage goes back up, a rank leaves with a live request, or a request moves outside the group."""
     if not stage <= decision.stage < len(plan.stages):
         raise ValueError(f"decision goes from stage {stage} to {decision.stage}")

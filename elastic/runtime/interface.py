@@ -1,10 +1,11 @@
 """The one interface between `elastic/` and an engine: an engine whose EP group can shrink.
 
 The real engine (`megatron_rl.rollout.elastic_engine.ElasticRolloutEngine`) implements it over
-torch; the simulator needs none of it. Expert weights cross this boundary as one flat tensor per
-expert (every layer's weights of that expert, concatenated in a fixed order), so moving an expert is
-one message. Buffers the runtime makes (status counts, receive buffers) are on the engine's `device`,
-and every tensor it exchanges goes through the engine's `transport` (elastic/runtime/transport.py).
+torch, and its `MigratingRolloutEngine` the `MigratingEngine` below; the simulator needs none of
+it. Expert weights cross this boundary as one flat tensor per expert (every layer's weights of that
+expert, concatenated in a fixed order), so moving an expert is one message. Buffers the runtime
+makes (status counts, receive buffers) are on the engine's `device`, and every tensor it exchanges
+goes through the engine's `transport` (elastic/runtime/transport.py).
 """
 from __future__ import annotations
 

@@ -105,8 +105,9 @@ def transitions_of(outcomes: list[RankOutcome]) -> dict:
 
 
 class IdlePoolLike:
-    def serve(self, should_stop: Callable[[], bool]) -> tuple[float, dict]:
-        """Run leases until `should_stop()`; return (leased seconds, report)."""
+    def serve(self, should_stop: Callable[[], bool], restore_by: float | None = None) -> tuple[float, dict]:
+        """Run leases until `should_stop()`, none past `restore_by` (a `time.perf_counter()`
+        instant, the predicted restoration); return (leased seconds, report). `pool.IdlePool`."""
 
 
 _groups: dict[tuple, object] = {}

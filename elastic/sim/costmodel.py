@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
+from elastic.planning.busiest import busiest_load
+
 # DeepEP v1 low-latency kernels (docs/legacy.md of deepseek-ai/DeepEP, H800 + CX7 400 Gb/s, 128
 # tokens per rank, hidden 7168, top-8, FP8 dispatch + BF16 combine): dispatch + combine latency per
 # MoE layer at EP 16/32/64/128/256 = 118+195, 155+273, 173+314, 192+369, 194+360 microseconds.
@@ -44,7 +46,7 @@ def _require(cond: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class CostModel:
-    # `decode_step_s` broadcasts over numpy arrays (`release.step_table` prices whole tables at once).
+    # `decode_step_s` broadcasts over numpy arrays (`step_cost.step_table` prices whole tables at once).
     takes_arrays = True
     name: str = "qwen3-30b-a3b@h100-80g"
     # ---- model (Qwen3-30B-A3B HF config.json) ---------------------------------------------------
@@ -231,16 +233,16 @@ class CostModel:
     def transfer_s(self, moves: Iterable[tuple[int, int, int]]) -> float:
         """Wall time of the expert moves `(expert, from_rank, to_rank)` of one shrink or restore:
         every rank sends and receives concurrently; the busiest sender or receiver sets the time."""
-        load: dict[tuple[int, str], float] = {}
-        any_move = False
-        for _e, src, dst in moves:
-            any_move = True
-            same_node = src // self.ranks_per_node == dst // self.ranks_per_node
-            bw = self.transfer_intra_bytes_per_s if same_node else self.transfer_inter_bytes_per_s
-            secs = self.expert_bytes / bw
-            for key in ((src, "tx"), (dst, "rx")):
-                load[key] = load.get(key, 0.0) + secs
-        return self.shrink_fixed_s + max(load.values()) if any_move else 0.0
+        moves = list(moves)
+        if not moves:
+            return 0.0
+        return self.shrink_fixed_s + busiest_load((src, dst, self.expert_bytes / self.link_bytes_per_s(src, dst))
+                                                  for _e, src, dst in moves)
+
+    def link_bytes_per_s(self, src: int, dst: int) -> float:
+        """The rate of the link between ranks `src` and `dst`: in-node or across nodes."""
+        same_node = src // self.ranks_per_node == dst // self.ranks_per_node
+        return self.transfer_intra_bytes_per_s if same_node else self.transfer_inter_bytes_per_s
 
     def min_decode_step_s(self, context, ep_size):
         """A step can cost no less than this when one request of `context` tokens is live in a
@@ -389,13 +391,10 @@ def calibrate_transitions(shrinks: Sequence[tuple[Sequence[tuple[int, int, int]]
     the rate keeps `base`'s value unless the shrinks move different loads. A restore costs that
     plus `restore_extra_s`, the mean excess of the measured restores."""
     def busiest_bytes(moves) -> float:
-        load: dict[tuple[int, str], int] = {}
         for _e, src, dst in moves:
             if src // base.ranks_per_node != dst // base.ranks_per_node:
                 raise ValueError(f"calibrate_transitions: move {src} -> {dst} leaves the node")
-            for key in ((src, "tx"), (dst, "rx")):
-                load[key] = load.get(key, 0) + 1
-        return max(load.values(), default=0) * float(base.expert_bytes)
+        return busiest_load((src, dst, 1.0) for _e, src, dst in moves) * float(base.expert_bytes)
 
     fitted = base
     moving = [(busiest_bytes(m), s) for m, s in shrinks if m]

@@ -92,7 +92,7 @@ def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *
                     assignments=natural(keys, ranks), stages=build_stages([ranks], shape.num_experts))
 
     oracle = policy.oracle or policy.name == "oracle"
-    # lengthsort balances predicted work and keeps every rank to the end (DESIGN.md).
+    # lengthsort balances predicted work and keeps every rank to the end (docs/design.md).
     floor = ranks if policy.name == "lengthsort" else policy.floor
     plan = make_plan(batch, history, ranks=ranks, floor=floor, shape=shape, layout=_LAYOUT[policy.name],
                      tailguard=policy.tailguard, cost=cost, objective=policy.objective,
@@ -185,7 +185,7 @@ def compare_policies(floors: tuple[int, ...] = (2, 4, 8), objective: str = "occu
 
 
 def decomposition(base: dict, other: dict) -> dict:
-    """DESIGN.md's split of the dummy run `other` removed against `base` (both summaries):
+    """docs/design.md's split of the dummy run `other` removed against `base` (both summaries):
     vanilla dummy = rollout shortening W x (T_base - T) + coordinated exits (detached rank-s)
                     + dummy left + the rest (change of busy and transition rank-s)."""
     w = base["ranks"]

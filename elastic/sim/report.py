@@ -1,5 +1,5 @@
 """Side-by-side comparison of simulated policies: every policy beside its oracle, the analytical
-lower bound and vanilla, with DESIGN.md's decomposition of the dummy run removed."""
+lower bound and vanilla, with docs/design.md's decomposition of the dummy run removed."""
 from __future__ import annotations
 
 from collections.abc import Callable

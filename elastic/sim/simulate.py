@@ -1,6 +1,6 @@
 """Cluster simulator: carry out a `Plan` on a cost model instead of GPUs, one decode step at a time.
 
-Semantics (DESIGN.md, issue 7), the same the runtime follows:
+Semantics (docs/design.md, issue 7), the same the runtime follows:
 - Tick 0 is the prefill of every rank's batch (it emits each response's first token); then one
   tick per synchronous decode step of the active EP group, so a response of L tokens is live for
   L - 1 decode steps. A step lasts `step_overhead + max over members(own compute) + all-to-all(group)`.
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from elastic.ledger import STATES, Ledger, RankLedger
+from elastic.planning.busiest import busiest_load
 from elastic.planning.plan import Plan
 from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
@@ -277,19 +278,16 @@ class _Rollout:
         between distinct pairs run at once, so the busiest rank's sends or receives set the time,
         each over the link between its ranks (as `CostModel.transfer_s` books expert moves)."""
         cost, kv_total = self.cost, 0
-        load: dict[tuple[str, int], float] = {}
+        timed = []
         for i, dst in moves:
             kv_bytes = int(self.prompt[i] + step) * self.shape.kv_bytes_per_token
             src = int(self.origin[i])
-            same = src // cost.ranks_per_node == dst // cost.ranks_per_node
-            secs = kv_bytes / (cost.transfer_intra_bytes_per_s if same else cost.transfer_inter_bytes_per_s)
-            for key in (("tx", src), ("rx", dst)):
-                load[key] = load.get(key, 0.0) + secs
-                if self.timelines is not None:
-                    self.timelines[key[1]].mark("migrate", "1 moved")
+            timed.append((src, dst, kv_bytes / cost.link_bytes_per_s(src, dst)))
+            for r in (src, dst) if self.timelines is not None else ():
+                self.timelines[r].mark("migrate", "1 moved")
             kv_total += kv_bytes
             self.origin[i] = dst
-        seconds = max(load.values(), default=0.0)
+        seconds = busiest_load(timed)
         self.result.migrated += len(moves)
         self.result.migrated_kv_bytes += kv_total
         self.drain[:] = 0

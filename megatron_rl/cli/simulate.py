@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "runtime's shrink-trigger rule, with a cost model in place of GPUs. Every epoch "
                     "with an earlier epoch is one rollout; figures are summed over rollouts.",
     )
-    p.add_argument("--trace", required=True, help="length trace (JSON Lines, see DESIGN.md)")
+    p.add_argument("--trace", required=True, help="length trace (JSON Lines, see docs/design.md)")
     p.add_argument("--policy", choices=SIM_POLICIES,
                    help="adaptive: planned, then the online rule re-predicts, re-plans and migrates "
                         "stragglers at every check (docs/planner.md)")

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron_rl.rollout.elastic_engine import tensor_digest
+from megatron_rl.models.params import tensor_digest
 
 SPECS = ("local", "te")
 _DENSE = ("self_attention.linear_qkv.weight", "self_attention.q_layernorm.weight",

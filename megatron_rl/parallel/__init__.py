@@ -1,1 +1,2 @@
-"""Process groups, launching and the expert-parallel token dispatcher (the CPU/gloo path)."""
+"""Process groups, launching, signals, the device, the parallel layout (`dims.py` builds
+`ParallelDims`) and the expert-parallel token dispatcher (the CPU/gloo path)."""

@@ -167,9 +167,10 @@ def gather_full_state(model, rank: int, world: int) -> dict[str, torch.Tensor] |
     Rank 0 needs the whole model in host memory (about 61 GB for Qwen3-30B-A3B in bf16).
     """
     from megatron_rl.models.megatron_weights import canonical_state_dict
+    from megatron_rl.models.params import is_expert_param
 
     mine = canonical_state_dict(model)  # either MoE backend, under the torch backend's names
-    local = {k: v.detach().cpu() for k, v in mine.items() if ".local_experts." in k}
+    local = {k: v.detach().cpu() for k, v in mine.items() if is_expert_param(k)}
     parts: list = [None] * world if rank == 0 else None
     dist.gather_object(local, parts, dst=0)
     if rank != 0:

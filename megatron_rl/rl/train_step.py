@@ -21,13 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from megatron_rl.models.params import is_expert_param
 from megatron_rl.rl.grpo import token_logprobs, token_logprobs_entropy
 from megatron_rl.rl.mixed_precision import MixedPrecisionOptimizer, grad_params, needs_masters
-
-
-def is_expert_param(name: str) -> bool:
-    # `.mlp.layer.experts.`: megatron-core's experts (SequentialMLP or TEGroupedMLP) in MegatronMoE.
-    return ".local_experts." in name or ".mlp.layer.experts." in name
 
 
 @dataclass
@@ -216,7 +212,7 @@ def check_replicas(model: torch.nn.Module, world: int) -> None:
     """Every rank's replicated weights are bitwise equal (after the update, before the next rollout)."""
     if world == 1:
         return
-    from megatron_rl.rollout.elastic_engine import tensor_digest
+    from megatron_rl.models.params import tensor_digest
 
     mine = {n: tensor_digest(p) for n, p in model.named_parameters() if not is_expert_param(n)}
     every: list = [None] * world

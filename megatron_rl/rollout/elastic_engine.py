@@ -7,18 +7,14 @@ on the model's device; `transport` carries them (and the dispatcher's tokens) to
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from elastic.runtime.transport import DirectTransport
 from megatron_rl.models.moe import LocalDispatcher
+from megatron_rl.models.params import is_expert_param, tensor_digest
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import RolloutEngine
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+from megatron_rl.rollout.kv_cache import kv_numel
 
 
 class ElasticRolloutEngine:
@@ -95,14 +91,14 @@ class ElasticRolloutEngine:
     def checksums(self) -> dict[str, str]:
         out = {}
         for name, p in self.model.named_parameters():
-            if ".local_experts." not in name:
+            if not is_expert_param(name):
                 out[name] = tensor_digest(p)
         for e in self.held_experts():
             out[f"expert.{e}"] = tensor_digest(self.export_expert(e))
         return out
 
 
-class MigratingEngine(ElasticRolloutEngine):
+class MigratingRolloutEngine(ElasticRolloutEngine):
     """The elastic engine whose live requests can move to another rank (straggler KV migration).
 
     A request crosses as three tensors: a header (prompt length, tokens so far, max_new_tokens,
@@ -148,7 +144,7 @@ class MigratingEngine(ElasticRolloutEngine):
 
     def empty_kv(self, held: int) -> torch.Tensor:
         k = self.engine.cache.k[0]
-        return torch.empty(len(self.engine.cache.k) * 2 * k.shape[1] * held * k.shape[3], dtype=k.dtype,
+        return torch.empty(kv_numel(len(self.engine.cache.k), k.shape[1], held, k.shape[3]), dtype=k.dtype,
                            device=k.device)
 
     def import_request(self, key: tuple[str, int], header: torch.Tensor, ids: torch.Tensor,

@@ -17,9 +17,15 @@ import torch.nn.functional as F
 from megatron_rl.errors import FlexFloorError
 
 
+def kv_numel(num_layers: int, groups: int, positions: int, channels: int) -> int:
+    """Elements of K and V of `positions` positions of one sequence in every layer: the one KV
+    formula (slots, the memory budget's bytes per token, a migrated request's rows)."""
+    return num_layers * 2 * groups * positions * channels
+
+
 def slot_bytes(num_layers: int, groups: int, max_len: int, channels: int, dtype: torch.dtype) -> int:
     """K and V of one sequence of `max_len` positions in every layer."""
-    return num_layers * 2 * groups * max_len * channels * dtype.itemsize
+    return kv_numel(num_layers, groups, max_len, channels) * dtype.itemsize
 
 
 def kv_budget_slots(total: int, free: int, peak: int, current: int, fraction: float, per_slot: int,

@@ -24,7 +24,8 @@ from megatron_rl.models.megatron_backend import (
     require_cuda_model,
     self_group,
 )
-from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, tensor_digest
+from megatron_rl.models.params import is_expert_param, tensor_digest
+from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import RolloutEngine
 
 
@@ -105,7 +106,7 @@ class MegatronElasticEngine(ElasticRolloutEngine):
         # restore (megatron layers): name the router as the torch backend does, and the experts,
         # which sit under block-local names in megatron's layers, by their global index.
         out = {name.replace(".mlp.layer.", ".mlp."): tensor_digest(p) for name, p in self.model.named_parameters()
-               if ".local_experts." not in name and ".mlp.layer.experts." not in name}
+               if not is_expert_param(name)}
         for e in self.held_experts():
             out[f"expert.{e}"] = tensor_digest(self.export_expert(e))
         return out

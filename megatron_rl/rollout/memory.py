@@ -19,6 +19,7 @@ import torch
 
 from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.rollout.kv_cache import kv_numel
 
 
 def weight_bytes(mcfg: MoEModelConfig, dtype_bytes: int) -> tuple[int, int]:
@@ -33,7 +34,7 @@ def weight_bytes(mcfg: MoEModelConfig, dtype_bytes: int) -> tuple[int, int]:
 
 
 def kv_bytes_per_token(mcfg: MoEModelConfig, dtype_bytes: int) -> int:
-    return mcfg.num_layers * 2 * mcfg.num_query_groups * mcfg.kv_channels * dtype_bytes
+    return kv_numel(mcfg.num_layers, mcfg.num_query_groups, 1, mcfg.kv_channels) * dtype_bytes
 
 
 def device_memory_bytes(device: torch.device, ranks_on_host: int) -> tuple[int, str]:

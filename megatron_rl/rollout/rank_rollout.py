@@ -106,7 +106,7 @@ def elastic_engine(spec: RankRollout, engine: RolloutEngine, carried: dict | Non
     """The engine `elastic/` drives, by backend and policy; with the online driver when a rule
     re-plans (torch backend only: megatron-core holds contiguous blocks and runs no rule)."""
     from elastic.runtime.transport import make_transport
-    from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingEngine
+    from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingRolloutEngine
     from megatron_rl.rollout.faults import FailingExport
 
     online = None
@@ -117,7 +117,7 @@ def elastic_engine(spec: RankRollout, engine: RolloutEngine, carried: dict | Non
     elif spec.rule is not None:
         from elastic.runtime.online import OnlineDriver
 
-        elastic = MigratingEngine(engine, spec.world, make_transport(spec.transport), carried=carried)
+        elastic = MigratingRolloutEngine(engine, spec.world, make_transport(spec.transport), carried=carried)
         keys = [(a.prompt_id, a.sample) for a in spec.plan.assignments]
         online = OnlineDriver(spec.rule, keys, [a.rank for a in spec.plan.assignments], spec.rank,
                               spec.token_scale)

@@ -70,7 +70,7 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
     if policy == "vanilla":
         return static_plan("natural", natural(keys, W), W, E)
     from elastic.planning.planner import PlanError, make_plan
-    from elastic.planning.release import ShapeCost
+    from elastic.planning.step_cost import ShapeCost
 
     floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
     shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)

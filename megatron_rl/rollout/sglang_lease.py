@@ -125,8 +125,9 @@ class SGLangSidecarJob:
     name = "sglang"
 
     def __init__(self, cfg: SidecarConfig, rank: int = 0, world: int = 1,
-                 engine_factory: Callable[[], ServingEngine] | None = None, poll_s: float = 0.002):
-        self.queue = SidecarQueue(cfg, rank, world)
+                 engine_factory: Callable[[], ServingEngine] | None = None, poll_s: float = 0.002,
+                 repeat: bool = True):
+        self.queue = SidecarQueue(cfg, rank, world, repeat)
         self.cfg, self.rank, self.poll_s = cfg, rank, poll_s
         self.factory = engine_factory or (lambda: SGLangEngine(cfg.checkpoint, cfg.sglang.mem_fraction_static, rank))
         self.engine: ServingEngine | None = None
@@ -135,7 +136,7 @@ class SGLangSidecarJob:
         self.skipped = 0  # leases not taken: the device lacked the engine's footprint
 
     def done(self) -> bool:
-        return not self.queue.rows
+        return self.queue.done()
 
     def _start(self) -> ServingEngine:
         """Create the engine once, then release it: it starts paused, holding nothing."""

@@ -103,10 +103,14 @@ class SidecarQueue:
         self.answered: dict[str, str] = {}  # prompt_id -> its first completed answer
         self.correct: dict[str, bool] = {}  # prompt_id -> that answer was right
 
+    def done(self) -> bool:
+        """Nothing left to serve: no queries, or the one pass made when passes do not repeat."""
+        return not self.pending and (not self.rows or (self.passes > 0 and not self.repeat))
+
     def take(self) -> Request | None:
         """The next query (a new pass starts when the share is done); None when there is none."""
         if not self.pending:
-            if not self.rows or (self.passes and not self.repeat):
+            if self.done():
                 return None
             self.pending.extend(Request(p.prompt_id, self.passes, ids, self.cfg.max_new_tokens)
                                 for p, ids in zip(self.rows, self.prompts))
@@ -147,8 +151,7 @@ class SidecarJob:
         self.model = None
 
     def done(self) -> bool:
-        q = self.queue
-        return not q.pending and (not q.rows or (q.passes > 0 and not q.repeat))
+        return self.queue.done()
 
     def _engine(self) -> RolloutEngine:
         from megatron_rl.models.hf import load_hf_checkpoint

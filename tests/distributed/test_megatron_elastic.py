@@ -22,7 +22,7 @@ CPU_BUILD = {"dispatcher": "allgather", "dtype": torch.float32, "expert_module":
 
 
 def _check(model: Qwen3MoeModel, reference: Qwen3MoeModel, group, experts: list[int]) -> None:
-    from megatron_rl.rl.train_step import is_expert_param
+    from megatron_rl.models.params import is_expert_param
 
     if group.size() > 1:
         # megatron-core's DDP reduces a parameter over the world unless it marks it `allreduce=False`

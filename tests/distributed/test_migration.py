@@ -46,14 +46,14 @@ def _migrate_then_lose_receiver(ctx, out_dir: str):
     from elastic.runtime.online import OnlineDriver
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-    from megatron_rl.rollout.elastic_engine import MigratingEngine
+    from megatron_rl.rollout.elastic_engine import MigratingRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
     cfg = MoEModelConfig()
     model = Qwen3MoeModel(cfg, list(range(cfg.num_moe_experts)), torch.float64)
     model.init_weights(0)
-    engine = MigratingEngine(RolloutEngine(model, SamplingParams(), 4, 64), 1)
+    engine = MigratingRolloutEngine(RolloutEngine(model, SamplingParams(), 4, 64), 1)
     engine.use_group(None, {e: 0 for e in range(cfg.num_moe_experts)})  # local: no all-to-all
     if ctx.rank == 0:
         engine.engine.add([Request("p", 0, [1, 2, 3], 32, fixed_len=32)])

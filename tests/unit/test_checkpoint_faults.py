@@ -5,9 +5,10 @@ import torch
 
 from elastic.trace import Trace
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.params import is_expert_param
 from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.rl.model_setup import build_model
-from megatron_rl.rl.train_step import is_expert_param, make_optimizer
+from megatron_rl.rl.train_step import make_optimizer
 from megatron_rl.trainer import TrainingDiverged, check_finite
 from megatron_rl.trainer_config import TrainerConfig
 

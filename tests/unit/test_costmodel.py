@@ -3,8 +3,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from elastic.planning.release import ShapeCost, step_table
 from elastic.planning.shape import ModelShape
+from elastic.planning.step_cost import ShapeCost, step_table
 from elastic.sim.costmodel import DEFAULT_COST, CostModel, calibrate, calibrate_transitions, fit_error
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import ConfigError

@@ -4,13 +4,13 @@ import torch
 
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.rollout.elastic_engine import MigratingEngine
+from megatron_rl.rollout.elastic_engine import MigratingRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
 
 
 def _engine(model, sampling):
-    e = MigratingEngine(RolloutEngine(model, sampling, 4, 64), 1)
+    e = MigratingRolloutEngine(RolloutEngine(model, sampling, 4, 64), 1)
     e.use_group(None, {x: 0 for x in range(model.config.num_moe_experts)})
     return e
 
