@@ -297,8 +297,9 @@ def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resum
     return Trainer(cfg, data, ctx, out_dir, resume).run()
 
 
-def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
-    """Check the inputs here (dataset, resume point), then train on `cfg.ranks` ranks.
+def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: bool = False) -> dict | None:
+    """Check the inputs here (the preflight unless the caller ran it, dataset, resume point), then
+    train on `cfg.ranks` ranks.
 
     Resumes from `out_dir`'s latest checkpoint when there is one. Returns rank 0's summary (None on
     non-zero torchrun ranks).
@@ -309,7 +310,8 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path) -> dict | None:
     from megatron_rl.rl.checkpoint import latest_checkpoint
     from megatron_rl.rollout.preflight import preflight
 
-    preflight(cfg.backend, cfg.dtype, cfg.leases)
+    if not preflight_done:
+        preflight(cfg.backend, cfg.dtype, cfg.leases)
     if cfg.logging.plot_every:
         require_matplotlib("logging.plot_every")
     device = resolve_device(cfg.device)

@@ -197,7 +197,10 @@ class TrainerConfig:
         require(self.logprob_chunk_tokens >= 0,
                 f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")
         if self.backend == "megatron":
-            require(self.dtype != "float64", "backend megatron: dtype must be bfloat16 or float32, got float64")
+            from megatron_rl.models.megatron_backend import MEGATRON_DTYPES
+
+            require(self.dtype in MEGATRON_DTYPES,
+                    f"backend megatron: dtype must be bfloat16 or float32, got {self.dtype}")
             require(self.grpo.kl_coef == 0, "backend megatron: grpo.kl_coef > 0 (a frozen reference model) "
                                             "is not supported yet; use kl_coef: 0 or backend: torch")
             require(self.optim.offload == "none", "optim.offload: cpu is for backend torch (megatron-core's "

@@ -19,7 +19,7 @@ costs its steps at each group's price, plus the shrink (`shrink_s`), the KV move
 and the restore it commits to. The rule acts only when shrinking now beats every later shrink it
 prices (D = one check, then doubling) and staying, under the same objective as `make_plan`
 (`planner.OBJECTIVES`: fewest occupied rank-seconds, or the shortest rollout), and, with
-`max_slowdown`, only within the time it may spend (`OnlineRule._bound`: what the rollout has gained
+`max_slowdown`, only within the time it may spend (`LatencyGuard.bound`: what the rollout has gained
 on vanilla so far, priced on both clocks, plus the margin). Between shrinks it rebalances: live
 requests move inside the group so the KV its members hold over the next checks is even
 (`OnlineRule._rebalance`), since a step waits for the member holding the most.
@@ -37,12 +37,13 @@ from elastic.planning.online import OnlineModel
 from elastic.planning.plan import Plan
 from elastic.planning.planner import OBJECTIVES
 from elastic.planning.release import Estimate
+from elastic.planning.replan_grid import Grid, batch_context
+from elastic.planning.replan_guard import LatencyGuard
+from elastic.planning.replan_place import deal, place
 from elastic.planning.schedule import build_stages, candidate_sizes, held_counts
 from elastic.planning.shape import ModelShape
 from elastic.planning.step_cost import StepCost, step_table
 
-# Grid of future steps a scenario is priced on: geometric, so the early decisions are resolved.
-PIECES = 24
 # A rebalance between shrinks must shorten its horizon's priced time by this share (`_rebalance`).
 REBALANCE_GAIN = 0.005
 # Shrink targets priced exactly per decision, best first by `_price`'s even-spread estimate (a
@@ -116,16 +117,25 @@ class OnlineRule:
         # Position of each rank in the leaving order (0 stays longest): the last stage it is in.
         self.stays = {r: -max(j for j, st in enumerate(plan.stages) if r in st.members) for r in range(plan.ranks)}
         self.restore_s = [0.0] + [cost.shrink_s(self._moved(j, 0), self.sizes[j]) for j in range(1, len(plan.stages))]
-        # Vanilla's layout (verl's contiguous chunks of the batch) and two clocks, its and this
-        # rollout's, priced at every check: the reference `max_slowdown` is measured against.
-        sizes = [len(c) for c in np.array_split(np.arange(len(self.prompt)), plan.ranks)]
-        self.natural = np.repeat(np.arange(plan.ranks), sizes)
-        self.clock = {"own": 0.0, "vanilla": 0.0}
-        self.clock_step = 0
-        self.deadline = math.inf  # see `_bound`
+        self.guard = LatencyGuard(self.prompt, plan.ranks, cost, max_slowdown)
         self.decisions = 0
         self.last = (-(10**9), 10**9)  # (step, live requests) of the last decision
         self.step_memo: dict[int, dict[tuple[int, int], float]] = {}  # g -> (batch, context/64) -> s
+
+    @property
+    def clock(self) -> dict[str, float]:
+        """The guard's two priced clocks, this rollout's ("own") and vanilla's (`LatencyGuard`)."""
+        return self.guard.clock
+
+    @clock.setter
+    def clock(self, clocks: dict[str, float]) -> None:
+        self.guard.clock = clocks
+
+    def _bound(self, fastest_s: float) -> float:
+        return self.guard.bound(fastest_s)
+
+    def _deal(self, j: int, ranks: np.ndarray, rem: np.ndarray) -> np.ndarray:
+        return deal(self.plan, j, ranks, rem)
 
     def key(self, scored: tuple[Estimate]):
         return OBJECTIVES[self.objective](scored)
@@ -154,7 +164,7 @@ class OnlineRule:
         length once `done[i]`)."""
         live = np.nonzero(~np.asarray(done, bool))[0]
         rank_of, tokens = np.asarray(rank_of), np.asarray(tokens, float)
-        self._tick(stage, step, live, rank_of, tokens)
+        self.guard.tick(self.sizes[stage], step, live, rank_of, tokens)
         if not len(live) or not self._due(step, len(live)):
             return Decision(stage)
         self.decisions += 1
@@ -168,7 +178,7 @@ class OnlineRule:
             return Decision(stage)
         rng = np.random.default_rng([self.seed, step])
         rem = self.model.sample_remaining(live, tokens, done, self.samples, rng)  # (S, n)
-        grid = _Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
+        grid = Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
         candidates = self._price(stage, targets, grid) if targets else []
         if not candidates:
             return self._rebalance(stage, grid, live, rank_of, tokens, rem) \
@@ -181,7 +191,8 @@ class OnlineRule:
         for j in candidates:
             proposals = []
             for rebalance in (False, True) if self.model.options.migrate else (False,):
-                moves = self._place(j, live, rank_of, tokens, rem, rebalance)
+                moves = place(self.plan, self.budget[j], self.prompt, self.max_batch, j, live, rank_of, tokens, rem,
+                              rebalance)
                 if moves is not None:
                     proposals.append((self._exact(stage, j, grid, live, rank_of, moves, tokens), moves))
             if not proposals:  # the KV of the leaving ranks' requests fits no member
@@ -195,57 +206,9 @@ class OnlineRule:
                 return Decision(j, tuple(moves), kv)
         return Decision(stage)
 
-    def _deal(self, j: int, ranks: np.ndarray, rem: np.ndarray) -> np.ndarray:
-        """`ranks` (of the live requests) with those outside stage j dealt to its members: longest
-        expected remainder first, in snake order over the members, least loaded first (what
-        `_place` does, without its KV checks, in one vectorised pass)."""
-        kept = np.array(self.plan.stages[j].members)
-        out = np.array(ranks)
-        moving = np.nonzero(~np.isin(out, kept))[0]
-        if not len(moving):
-            return out
-        mean = rem.mean(axis=0)
-        load = np.bincount(out, weights=mean, minlength=self.plan.ranks)[kept]
-        members = kept[np.argsort(load, kind="stable")]
-        moving = moving[np.argsort(-mean[moving], kind="stable")]
-        k = np.arange(len(moving))
-        pos = k % len(kept)
-        back = (k // len(kept)) % 2 == 1
-        pos[back] = len(kept) - 1 - pos[back]
-        out[moving] = members[pos]
-        return out
-
-    def _tick(self, stage: int, step: int, live: np.ndarray, rank_of: np.ndarray, tokens: np.ndarray) -> None:
-        """Advance both clocks to `step`: the steps since the last check, each priced at the
-        busiest member's live batch and KV as they are now, this rollout's in its group, vanilla's
-        on its chunks of all W ranks (the lengths do not depend on where a response runs)."""
-        steps, self.clock_step = step - self.clock_step, step
-        if self.max_slowdown is None or steps <= 0 or not len(live):  # nothing reads the clocks
-            return
-        held = self.prompt[live] + tokens[live]
-        for name, ranks, g in (("own", rank_of[live], self.sizes[stage]),
-                               ("vanilla", self.natural[live], self.plan.ranks)):
-            count = np.bincount(ranks, minlength=self.plan.ranks)
-            kv = np.bincount(ranks, held, minlength=self.plan.ranks)
-            b = max(int(count.max()), 1)
-            self.clock[name] += steps * float(step_table(self.cost, np.array([b]), np.array([kv.max() / b]), g)[0])
-
-    def _bound(self, fastest_s: float) -> float:
-        """The longest remainder an option may be priced at, given the fastest option's: within
-        `max_slowdown` of it, or within the deadline. The deadline is the earliest finish ever
-        promised: vanilla's priced clock (what it would have taken to here) plus the then fastest
-        remainder, with `max_slowdown`, so what the layout and rebalances have gained on vanilla
-        may be spent on releasing ranks, once: a shrink makes the later fastest slower, and a
-        deadline taken from it would spend the same gain again. Only realised gains count: the
-        sampled futures of vanilla's chunks run long (a hard prompt's samples share a rank there),
-        and spending them measured up to 3% slower than vanilla."""
-        margin = 1 + self.max_slowdown
-        self.deadline = min(self.deadline, self.clock["vanilla"] + fastest_s * margin)
-        return max(fastest_s * margin, self.deadline - self.clock["own"])
-
-    def _price(self, stage: int, targets: list[int], grid: _Grid) -> list[int]:
+    def _price(self, stage: int, targets: list[int], grid: Grid) -> list[int]:
         """The targets to shrink to now, best first, or none when staying (perhaps to shrink later)
-        is best. The leaving ranks' requests are dealt to the members that stay (`_deal`) and every
+        is best. The leaving ranks' requests are dealt to the members that stay (`replan_place.deal`) and every
         option is priced per sample at its busiest member: spread evenly instead, a large shrink
         looked faster than it ran (the busiest of 64 members holding 250 requests each is some 15%
         above their mean)."""
@@ -256,7 +219,7 @@ class OnlineRule:
         def busiest(j: int) -> tuple[np.ndarray, np.ndarray]:
             kept = list(self.plan.stages[j].members)
             count, kv = grid.per_rank(self._deal(j, ranks, rem) if j != stage else ranks)
-            return _batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2))
+            return batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2))
 
         tau_now = self._steps(*busiest(stage), g0)
         run_now = seg * tau_now[None, :]
@@ -286,7 +249,7 @@ class OnlineRule:
             whole = until + tail[:, at] + self.restore_s[j]
             for est, delay in zip(self._estimate(whole, until, g0, g, W), d):
                 options.append((est, j, delay))
-        # Whatever the objective, no option predicted to take longer than `_bound` allows: in a
+        # Whatever the objective, no option predicted to take longer than `LatencyGuard.bound` allows: in a
         # synchronous job a slower rollout holds every rank back (`max_slowdown` None: no guard,
         # the objective alone decides, as in `make_plan`).
         if self.max_slowdown is not None:
@@ -318,7 +281,7 @@ class OnlineRule:
             memo.update(zip(missing, step_table(self.cost, b, (c << 6) + 32, g).tolist()))
         return np.array([memo[k] for k in keys])
 
-    def _rebalance(self, stage: int, grid: _Grid, live, rank_of, tokens, rem) -> Decision:
+    def _rebalance(self, stage: int, grid: Grid, live, rank_of, tokens, rem) -> Decision:
         """Staying: even out the KV the members are expected to hold over the next
         `REBALANCE_HORIZON_CHECKS` checks, with the fewest moves, to whichever member holds least
         (for `occupied`, among those that stay at least as long), taken only if it shortens those
@@ -370,7 +333,7 @@ class OnlineRule:
             return Decision(stage, tuple(moves), kv_bytes)
         return Decision(stage)
 
-    def _exact(self, stage: int, j: int, grid: _Grid, live, rank_of, moves, tokens,
+    def _exact(self, stage: int, j: int, grid: Grid, live, rank_of, moves, tokens,
                horizon: float | None = None) -> Estimate:
         """The remainder of the rollout if stage j starts now with `moves` made, each sample priced
         with its own busiest member (with `horizon`: only its next `horizon` steps, no restore)."""
@@ -380,7 +343,7 @@ class OnlineRule:
         count, kv = grid.per_rank(np.array([where[i] for i in live.tolist()]))
         kept = list(self.plan.stages[j].members)
         g0, g = self.sizes[stage], self.sizes[j]
-        tau = self._steps(*_batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2)), g)
+        tau = self._steps(*batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2)), g)
         shrink = (self.cost.shrink_s(self._moved(stage, j), g0) if j != stage else 0.0) \
             + migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), g0)
         seg, restore = grid.seg, self.restore_s[j]
@@ -397,91 +360,6 @@ class OnlineRule:
         held = ((int(rank_of[i]), int(r), float(self.prompt[i] + tokens[i])) for i, r in moves)
         return busiest_load(held) * self.shape.kv_bytes_per_token
 
-    def _place(self, j, live, rank_of, tokens, rem, rebalance=False) -> list[tuple[int, int]] | None:
-        """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
-        every live request): longest expected remainder first, each to the member with the least
-        expected remaining work whose KV budget (and slot count, `max_batch`) holds it (a request
-        is reserved its tokens so far plus its longest sampled remainder). Only requests whose
-        rank changes are listed."""
-        kept = list(self.plan.stages[j].members)
-        mean, top = rem.mean(axis=0), rem.max(axis=0)
-        work = dict.fromkeys(kept, 0.0)
-        kv = dict.fromkeys(kept, 0.0)
-        count = dict.fromkeys(kept, 0)
-        slots = self.max_batch or len(live)
-        placing = []
-        for col, i in enumerate(live):
-            r = int(rank_of[i])
-            need = self.prompt[i] + tokens[i] + top[col]
-            if r in work and not rebalance:
-                work[r] += mean[col]
-                kv[r] += need
-                count[r] += 1
-            else:
-                placing.append((mean[col], need, int(i)))
-        moves = []
-        for m, need, i in sorted(placing, key=lambda x: (-x[0], x[2])):
-            room = [r for r in kept if kv[r] + need <= self.budget[j][r] and count[r] < slots]
-            if not room:
-                return None
-            r = min(room, key=lambda r: (work[r], r))
-            work[r] += m
-            kv[r] += need
-            count[r] += 1
-            if r != rank_of[i]:
-                moves.append((i, r))
-        return moves
-
-
-class _Grid:
-    """The sampled future of one decision: segments of remaining decode steps (geometric, plus
-    the delays a later shrink is priced at), and the live requests alive in each."""
-
-    def __init__(self, rem: np.ndarray, held: np.ndarray, ranks: np.ndarray, world: int, check_every: int):
-        self.rem, self.held, self.ranks, self.world = rem, held, np.asarray(ranks), world
-        end = rem.max(axis=1)
-        self.delays = [check_every * 2**m for m in range(64) if check_every * 2**m < end.max()]
-        self.bounds = np.unique(np.concatenate([[0.0], np.geomspace(1.0, max(end.max(), 2.0), PIECES),
-                                                np.array(self.delays, float)]))
-        self.seg = np.clip(np.minimum(self.bounds[1:][None, :], end[:, None]) - self.bounds[:-1][None, :], 0.0, None)
-        self.mid = (self.bounds[:-1] + self.bounds[1:]) / 2
-        self.by_rem = np.argsort(rem, axis=1, kind="stable")  # each sample's requests, shortest first
-        self.span = float(rem.max()) + 1.0 if rem.size else 1.0
-        self.memo: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # a decision asks for a layout twice
-
-    def per_rank(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(S, K, world) live requests and their KV tokens per rank, with request c on ranks[c].
-
-        Per sample, the requests sorted by rank and, within a rank, by remainder: those alive at
-        a segment's middle are a suffix of their rank's run, found by one binary search per
-        (rank, segment) on the key rank * span + remainder (whole numbers below 2**53: exact)."""
-        ranks = np.asarray(ranks, dtype=np.int64)
-        key = ranks.tobytes()
-        if key not in self.memo:
-            self.memo[key] = self._per_rank(ranks)
-        return self.memo[key]
-
-    def _per_rank(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        S, K = self.seg.shape
-        W = self.world
-        per = np.bincount(ranks, minlength=W)
-        ends = np.cumsum(per)
-        query = np.arange(W)[:, None] * self.span + self.mid[None, :]  # (W, K)
-        count = np.empty((S, K, W))
-        kv = np.empty((S, K, W))
-        for s in range(S):
-            o = self.by_rem[s][np.argsort(ranks[self.by_rem[s]], kind="stable")]
-            pos = np.searchsorted(ranks[o] * self.span + self.rem[s, o], query, side="right")
-            csum = np.concatenate([[0.0], np.cumsum(self.held[o])])
-            count[s] = (ends[:, None] - pos).T
-            kv[s] = (csum[ends][:, None] - csum[pos]).T
-        return count, kv + count * self.mid[None, :, None]
-
-
-def _batch_context(batch: np.ndarray, kv_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(S, K) batch and KV tokens of the member that sets each step -> the mean batch and context."""
-    b = np.maximum(batch.mean(axis=0), 1.0)
-    return b, kv_tokens.mean(axis=0) / b
 
 
 def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence[int],

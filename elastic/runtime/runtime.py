@@ -191,82 +191,72 @@ class ElasticRuntime:
             raise self._fault(e) from e
 
     def _run(self) -> RankOutcome:
-        plan, rank = self.plan, self.rank
+        before = self._setup()
+        self.t0 = self.t_prev = time.perf_counter()
+        start_wall = time.time()
+        self.tick, self.detached_at, self.shrink_s = 0, None, {}
+        self._decode()
+        if self.detached_at is not None:
+            total_ticks, freed, pool_report = self._detached()
+        else:
+            total_ticks, freed, pool_report = self._announce_end(), {}, {}
+        restore_s = 0.0
+        if self.stage != 0:
+            restore_s = self._restore(before)
+            total_ticks += 1
+        dist.barrier()
+        end = time.perf_counter()
+        # The final barrier waits for the slowest rank: that wait is part of the last state held.
+        last = "transition" if self.stage != 0 else "dummy"
+        self.ledger.add(last, end - self.t_prev, 0)
+        return RankOutcome(self.ledger, total_ticks, self.stage, self.detached_at, end - self.t0, self.shrink_s,
+                           restore_s, pool_report, start_wall, start_wall + (end - self.t0), last, freed,
+                           self.online.migrated if self.online is not None else 0)
+
+    # ---- the phases of a run, in order ----------------------------------------------------------
+    def _setup(self) -> dict[str, str]:
+        """Every stage's communicator (warmed), the full world's routing; the weights' checksums,
+        which the restore is verified against."""
+        plan = self.plan
         plan.check()
         self.groups = [_stage_group(st.members, self.world) for st in plan.stages]
-        warm_groups([st.members for st in plan.stages], self.groups, rank, self.engine.transport,
+        warm_groups([st.members for st in plan.stages], self.groups, self.rank, self.engine.transport,
                     self.engine.device)
         before = self.engine.checksums()
         self._use_stage(0)
-        ledger = self.ledger = RankLedger(rank)
+        self.ledger = RankLedger(self.rank)
         dist.barrier()
-        t0 = t_prev = time.perf_counter()
-        start_wall = time.time()
-        tick, detached_at, shrink_s = 0, None, {}
+        return before
+
+    def _book(self, state: str) -> float:
+        """End the tick in `state`: its seconds go to the ledger (and are returned)."""
+        now = time.perf_counter()
+        seconds = now - self.t_prev
+        self.ledger.add(state, seconds)
+        self.t_prev, self.tick = now, self.tick + 1
+        return seconds
+
+    def _decode(self) -> None:
+        """Decode steps, with a status check every `k` ticks, until the group has drained or this
+        rank leaves it."""
         self.phase = "decode"
         while True:
-            if tick % self.k == 0:
-                self.phase = "status"
-                if self.online is not None:
-                    status = torch.as_tensor(self.online.status(self.engine, self._group(self.stage)))
-                else:
-                    status = torch.zeros(self.world, dtype=torch.long)
-                    status[rank] = self.engine.load()
-                    status = self.engine.transport.all_reduce(status.to(self.engine.device),
-                                                              self._group(self.stage)).cpu()
-                live = int(status.sum())
-                if self.progress is not None and rank == min(plan.stages[self.stage].members):
-                    self.progress(tick, self.stage, len(plan.stages[self.stage].members), live)
+            if self.tick % self.k == 0:
+                status, live = self._status()
                 if live == 0:
-                    break
-                if self.online is not None:
-                    decision = self.online.decide(self.stage, tick)
-                    nxt = decision.stage
-                    if (nxt != self.stage or decision.moves) and \
-                            not self.online.agree(self.engine, self._group(self.stage), decision):
-                        raise ElasticFault(rank, self.stage, "decide",
-                                           "the members reached different online decisions from the same status")
-                    if nxt == self.stage and decision.moves:
-                        # A rebalance inside the group: one transition tick for its members.
-                        self.phase = "migrate"
-                        moved = self.online.migrate(self.engine, decision.moves)
-                        now = time.perf_counter()
-                        ledger.add("transition", now - t_prev)
-                        if moved:
-                            ledger.mark("migrate", f"{moved} moved")
-                        t_prev, tick = now, tick + 1
-                        continue
-                else:
-                    drained = {r for r in range(self.world) if status[r] == 0}
-                    nxt = plan.advance(self.stage, drained)
-                if nxt != self.stage:
-                    self.phase, moved = "shrink", 0
-                    if self.online is not None:
-                        self.phase = "migrate"
-                        moved = self.online.migrate(self.engine, decision.moves)
-                        self.phase = "shrink"
-                    _move_experts(self.engine, plan.transfers(self.stage, nxt), rank)
-                    leaving = rank not in plan.stages[nxt].members
-                    if leaving and self.engine.load() != 0:
-                        raise ElasticFault(rank, self.stage, self.phase,
-                                           f"would leave with {self.engine.load()} live requests")
-                    expert_bytes = self.engine.expert_bytes() if leaving else 0
-                    for e in self.engine.held_experts():
-                        if leaving or rank not in plan.stages[nxt].owners[e]:
-                            self.engine.drop_expert(e)
-                    if not leaving:
-                        self._use_stage(nxt)
-                    now = time.perf_counter()
-                    ledger.add("transition", now - t_prev)
+                    return
+                nxt, decision = self._decide(status)
+                if nxt == self.stage and decision is not None and decision.moves:
+                    # A rebalance inside the group: one transition tick for its members.
+                    self.phase = "migrate"
+                    moved = self.online.migrate(self.engine, decision.moves)
+                    self._book("transition")
                     if moved:
-                        ledger.mark("migrate", f"{moved} moved")
-                    ledger.mark("stage", f"stage {nxt}: {len(plan.stages[nxt].members)} ranks")
-                    shrink_s[nxt] = now - t_prev
-                    t_prev, tick = now, tick + 1
-                    self.stage = nxt
-                    if leaving:
-                        detached_at = tick
-                        break
+                        self.ledger.mark("migrate", f"{moved} moved")
+                    continue
+                if nxt != self.stage:
+                    if self._shrink(nxt, decision):
+                        return
                     continue
             self.phase = "decode"
             state = "busy" if self.engine.load() > 0 else "dummy"
@@ -276,71 +266,126 @@ class ElasticRuntime:
                 self.engine.dummy_step()
             if self.after_step is not None:
                 self.after_step()
-            now = time.perf_counter()
-            ledger.add(state, now - t_prev)
-            t_prev, tick = now, tick + 1
+            self._book(state)
 
-        pool_report: dict = {}
-        freed: dict = {}
-        final_members = plan.stages[self.stage].members
-        if detached_at is not None:
-            self.phase = "detached"
-            freed = {"experts": expert_bytes, "kv_cache": self.engine.release_memory()}
-            def restored() -> bool:
-                return self.store.check([self.restore_key])
-
-            leased_s, restore_by = 0.0, None
-            if self.predicted_ticks is not None and detached_at > 0:
-                # The predicted restoration in this rank's clock: the ticks the plan expects still
-                # to run, at the pace the rollout has kept so far.
-                per_tick = (t_prev - t0) / detached_at
-                restore_by = t_prev + max(0.0, self.predicted_ticks - detached_at) * per_tick
-            if self.pool is not None:
-                leased_s, pool_report = self.pool.serve(restored, restore_by)
-            while not restored():
-                time.sleep(0.005)
-            total_ticks, self.stage = map(int, self.store.get(self.restore_key).decode().split(","))
-            self.engine.reclaim_memory()
-            now = time.perf_counter()
-            idle_s = max(0.0, now - t_prev - leased_s)
-            missed = total_ticks - detached_at
-            leased_steps = round(missed * leased_s / (leased_s + idle_s)) if leased_s + idle_s > 0 else 0
-            ledger.add("leased", leased_s, leased_steps)
-            ledger.add("idle", idle_s, missed - leased_steps)
-            t_prev = now
+    def _status(self) -> tuple[torch.Tensor, int]:
+        """The group's status (each rank's load, or with `online` each response's progress),
+        all-reduced over the current group, and the live requests it counts."""
+        self.phase = "status"
+        if self.online is not None:
+            status = torch.as_tensor(self.online.status(self.engine, self._group(self.stage)))
         else:
-            total_ticks = tick
-            self.phase = "restore"
-            if rank == min(final_members):
-                self.store.set(self.restore_key, f"{total_ticks},{self.stage}")
+            status = torch.zeros(self.world, dtype=torch.long)
+            status[self.rank] = self.engine.load()
+            status = self.engine.transport.all_reduce(status.to(self.engine.device),
+                                                      self._group(self.stage)).cpu()
+        live = int(status.sum())
+        if self.progress is not None and self.rank == min(self.plan.stages[self.stage].members):
+            self.progress(self.tick, self.stage, len(self.plan.stages[self.stage].members), live)
+        return status, live
 
-        restore_s = 0.0
-        if self.stage != 0:
-            self.phase = "restore"
-            _move_experts(self.engine, plan.transfers(self.stage, 0), rank)
-            for e in self.engine.held_experts():
-                if rank not in plan.stages[0].owners[e]:
-                    self.engine.drop_expert(e)
-            self._use_stage(0)
-            self.phase = "verify"
-            bad = sorted(k for k, v in self.engine.checksums().items() if before.get(k) != v)
-            bad += sorted(set(before) - set(self.engine.checksums()))
-            flag = self.engine.transport.all_reduce(torch.tensor([len(bad)], device=self.engine.device))
-            if bad:
-                raise ElasticFault(rank, self.stage, "verify",
-                                   f"restored weights differ from the pre-rollout checksums: {bad[:5]}")
-            if int(flag) > 0:
-                raise ElasticFault(rank, self.stage, "verify", "another rank's restored weights failed the checksum")
-            now = time.perf_counter()
-            restore_s = now - t_prev
-            ledger.add("transition", restore_s)
-            ledger.mark("stage", f"stage 0: {self.world} ranks (restore)")
-            t_prev, total_ticks = now, total_ticks + 1
-        dist.barrier()
-        end = time.perf_counter()
-        # The final barrier waits for the slowest rank: that wait is part of the last state held.
-        last = "transition" if self.stage != 0 else "dummy"
-        ledger.add(last, end - t_prev, 0)
-        return RankOutcome(ledger, total_ticks, self.stage, detached_at, end - t0, shrink_s,
-                           restore_s, pool_report, start_wall, start_wall + (end - t0), last, freed,
-                           self.online.migrated if self.online is not None else 0)
+    def _decide(self, status: torch.Tensor):
+        """(the stage to be in, the online decision or None): the online rule's, checked to be
+        every member's, or `Plan.advance` on the drained ranks."""
+        if self.online is None:
+            drained = {r for r in range(self.world) if status[r] == 0}
+            return self.plan.advance(self.stage, drained), None
+        decision = self.online.decide(self.stage, self.tick)
+        if (decision.stage != self.stage or decision.moves) and \
+                not self.online.agree(self.engine, self._group(self.stage), decision):
+            raise ElasticFault(self.rank, self.stage, "decide",
+                               "the members reached different online decisions from the same status")
+        return decision.stage, decision
+
+    def _shrink(self, nxt: int, decision) -> bool:
+        """Enter stage `nxt`: the decision's request moves, then the expert moves; a leaving rank
+        drops every expert (and must hold no live request). Whether this rank left."""
+        plan, rank, moved = self.plan, self.rank, 0
+        if self.online is not None:
+            self.phase = "migrate"
+            moved = self.online.migrate(self.engine, decision.moves)
+        self.phase = "shrink"
+        _move_experts(self.engine, plan.transfers(self.stage, nxt), rank)
+        leaving = rank not in plan.stages[nxt].members
+        if leaving and self.engine.load() != 0:
+            raise ElasticFault(rank, self.stage, self.phase,
+                               f"would leave with {self.engine.load()} live requests")
+        self.expert_bytes = self.engine.expert_bytes() if leaving else 0
+        for e in self.engine.held_experts():
+            if leaving or rank not in plan.stages[nxt].owners[e]:
+                self.engine.drop_expert(e)
+        if not leaving:
+            self._use_stage(nxt)
+        self.shrink_s[nxt] = self._book("transition")
+        if moved:
+            self.ledger.mark("migrate", f"{moved} moved")
+        self.ledger.mark("stage", f"stage {nxt}: {len(plan.stages[nxt].members)} ranks")
+        self.stage = nxt
+        if leaving:
+            self.detached_at = self.tick
+        return leaving
+
+    def _detached(self) -> tuple[int, dict, dict]:
+        """A rank that left: its memory freed, leased (none past the predicted restoration) until
+        the group's first member announces the end; (the rollout's ticks, bytes freed, pool report)."""
+        self.phase = "detached"
+        detached_at = self.detached_at
+        freed = {"experts": self.expert_bytes, "kv_cache": self.engine.release_memory()}
+
+        def restored() -> bool:
+            return self.store.check([self.restore_key])
+
+        leased_s, restore_by, pool_report = 0.0, None, {}
+        if self.predicted_ticks is not None and detached_at > 0:
+            # The predicted restoration in this rank's clock: the ticks the plan expects still
+            # to run, at the pace the rollout has kept so far.
+            per_tick = (self.t_prev - self.t0) / detached_at
+            restore_by = self.t_prev + max(0.0, self.predicted_ticks - detached_at) * per_tick
+        if self.pool is not None:
+            leased_s, pool_report = self.pool.serve(restored, restore_by)
+        while not restored():
+            time.sleep(0.005)
+        total_ticks, self.stage = map(int, self.store.get(self.restore_key).decode().split(","))
+        self.engine.reclaim_memory()
+        now = time.perf_counter()
+        idle_s = max(0.0, now - self.t_prev - leased_s)
+        missed = total_ticks - detached_at
+        leased_steps = round(missed * leased_s / (leased_s + idle_s)) if leased_s + idle_s > 0 else 0
+        self.ledger.add("leased", leased_s, leased_steps)
+        self.ledger.add("idle", idle_s, missed - leased_steps)
+        self.t_prev = now
+        return total_ticks, freed, pool_report
+
+    def _announce_end(self) -> int:
+        """A rank still in the group at the end: its first member tells the detached ranks the
+        rollout's ticks and final stage. The rollout's ticks."""
+        self.phase = "restore"
+        if self.rank == min(self.plan.stages[self.stage].members):
+            self.store.set(self.restore_key, f"{self.tick},{self.stage}")
+        return self.tick
+
+    def _restore(self, before: dict[str, str]) -> float:
+        """Back to the full world (the experts return to their first-stage owners), verified against
+        the pre-rollout checksums on every rank; the seconds it took."""
+        plan, rank = self.plan, self.rank
+        self.phase = "restore"
+        _move_experts(self.engine, plan.transfers(self.stage, 0), rank)
+        for e in self.engine.held_experts():
+            if rank not in plan.stages[0].owners[e]:
+                self.engine.drop_expert(e)
+        self._use_stage(0)
+        self.phase = "verify"
+        bad = sorted(k for k, v in self.engine.checksums().items() if before.get(k) != v)
+        bad += sorted(set(before) - set(self.engine.checksums()))
+        flag = self.engine.transport.all_reduce(torch.tensor([len(bad)], device=self.engine.device))
+        if bad:
+            raise ElasticFault(rank, self.stage, "verify",
+                               f"restored weights differ from the pre-rollout checksums: {bad[:5]}")
+        if int(flag) > 0:
+            raise ElasticFault(rank, self.stage, "verify", "another rank's restored weights failed the checksum")
+        now = time.perf_counter()
+        restore_s = now - self.t_prev
+        self.ledger.add("transition", restore_s)
+        self.ledger.mark("stage", f"stage 0: {self.world} ranks (restore)")
+        self.t_prev = now
+        return restore_s

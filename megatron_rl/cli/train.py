@@ -38,7 +38,7 @@ def run(args) -> int:
     preflight(cfg.backend, cfg.dtype, cfg.leases)  # what this machine cannot run is refused before any output
     check_out_dir(args.out, "--out")
     check_out_file(args.json, "--json")
-    summary = run_training(cfg, args.out)
+    summary = run_training(cfg, args.out, preflight_done=True)
     if summary is None:  # a non-zero rank under torchrun
         return 0
     curve = summary["reward_curve"]

@@ -37,6 +37,8 @@ from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.moe import MoELayer as TorchMoELayer
 
 BACKENDS = ("torch", "megatron")
+# The dtypes megatron-core runs (its layers and optimizer): the rule configs and preflight ask.
+MEGATRON_DTYPES = ("bfloat16", "float32")
 DISPATCHERS = ("alltoall", "flex", "allgather")
 
 # (fc1 [2F, D], fc2 [D, F]) of one expert in one layer.

@@ -25,6 +25,7 @@ import torch
 
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.megatron_backend import MEGATRON_DTYPES
 from megatron_rl.trainer_config import OptimConfig
 
 
@@ -32,7 +33,7 @@ def optimizer_config(optim: OptimConfig, dtype: torch.dtype):
     """megatron-core's OptimizerConfig for `optim`: Adam(W) with fp32 masters and fp32 state."""
     from megatron.core.optimizer import OptimizerConfig
 
-    if dtype not in (torch.bfloat16, torch.float32):
+    if dtype not in tuple(getattr(torch, d) for d in MEGATRON_DTYPES):
         raise FlexFloorError(f"backend 'megatron' trains in bfloat16 or float32, got {dtype}")
     return OptimizerConfig(
         optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,

@@ -15,8 +15,8 @@ def preflight(backend: str, dtype: str, leases: LeaseConfig) -> None:
     from megatron_rl.models import megatron_backend
 
     megatron_backend.require_backend(backend)
-    if backend == "megatron" and dtype == "float64":
-        raise FlexFloorError("backend 'megatron': megatron-core runs bfloat16 or float32, not dtype float64")
+    if backend == "megatron" and dtype not in megatron_backend.MEGATRON_DTYPES:
+        raise FlexFloorError(f"backend 'megatron': megatron-core runs bfloat16 or float32, not dtype {dtype}")
     if "sglang" in leases.jobs:
         from megatron_rl.rollout.sglang_lease import require_sglang
 

@@ -1,0 +1,67 @@
+"""Where the online rule puts live requests: the leaving ranks' requests dealt over the members
+that stay (`deal`, the vectorised estimate `OnlineRule` prices options with) and the exact
+placement under each member's KV budget and slot count (`place`, the moves a decision makes).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from elastic.planning.plan import Plan
+
+
+def deal(plan: Plan, j: int, ranks: np.ndarray, rem: np.ndarray) -> np.ndarray:
+    """`ranks` (of the live requests) with those outside stage j dealt to its members: longest
+    expected remainder first, in snake order over the members, least loaded first (what
+    `place` does, without its KV checks, in one vectorised pass)."""
+    kept = np.array(plan.stages[j].members)
+    out = np.array(ranks)
+    moving = np.nonzero(~np.isin(out, kept))[0]
+    if not len(moving):
+        return out
+    mean = rem.mean(axis=0)
+    load = np.bincount(out, weights=mean, minlength=plan.ranks)[kept]
+    members = kept[np.argsort(load, kind="stable")]
+    moving = moving[np.argsort(-mean[moving], kind="stable")]
+    k = np.arange(len(moving))
+    pos = k % len(kept)
+    back = (k // len(kept)) % 2 == 1
+    pos[back] = len(kept) - 1 - pos[back]
+    out[moving] = members[pos]
+    return out
+
+
+def place(plan: Plan, budget: dict[int, float], prompt: np.ndarray, max_batch: int | None, j: int, live, rank_of,
+          tokens, rem, rebalance: bool = False) -> list[tuple[int, int]] | None:
+    """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
+    every live request): longest expected remainder first, each to the member with the least
+    expected remaining work whose KV budget (and slot count, `max_batch`) holds it (a request
+    is reserved its tokens so far plus its longest sampled remainder). Only requests whose
+    rank changes are listed."""
+    kept = list(plan.stages[j].members)
+    mean, top = rem.mean(axis=0), rem.max(axis=0)
+    work = dict.fromkeys(kept, 0.0)
+    kv = dict.fromkeys(kept, 0.0)
+    count = dict.fromkeys(kept, 0)
+    slots = max_batch or len(live)
+    placing = []
+    for col, i in enumerate(live):
+        r = int(rank_of[i])
+        need = prompt[i] + tokens[i] + top[col]
+        if r in work and not rebalance:
+            work[r] += mean[col]
+            kv[r] += need
+            count[r] += 1
+        else:
+            placing.append((mean[col], need, int(i)))
+    moves = []
+    for m, need, i in sorted(placing, key=lambda x: (-x[0], x[2])):
+        room = [r for r in kept if kv[r] + need <= budget[r] and count[r] < slots]
+        if not room:
+            return None
+        r = min(room, key=lambda r: (work[r], r))
+        work[r] += m
+        kv[r] += need
+        count[r] += 1
+        if r != rank_of[i]:
+            moves.append((i, r))
+    return moves
