@@ -133,8 +133,8 @@ def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | Non
     rollout.) AdamW allocates its moments at the first step; they are counted from the start, as
     the planner must hold room for them."""
     from elastic.planning.train_memory import optimizer_state_bytes
+    from megatron_rl.models.params import is_expert_param
     from megatron_rl.rl.megatron_train import MegatronOptimizer
-    from megatron_rl.rl.train_step import is_expert_param
     from megatron_rl.rl.zero import ShardedOptimizer
 
     if isinstance(optimizer, ShardedOptimizer):

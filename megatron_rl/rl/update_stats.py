@@ -27,7 +27,7 @@ class WeightDelta:
     @torch.no_grad()
     def measure(self, model, world: int) -> tuple[float, float]:
         """(update_rel, update_changed) of the step taken since construction."""
-        from megatron_rl.rl.train_step import is_expert_param
+        from megatron_rl.models.params import is_expert_param
 
         params = dict(model.named_parameters())
         dev = next(iter(params.values())).device
