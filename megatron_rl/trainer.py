@@ -86,7 +86,8 @@ class Trainer:
             self.optimizer = training_optimizer(self.model, o, rank, world)
         if resume is not None:
             state, self.history = read_trainer_state(resume, cfg.model)
-            load_checkpoint(resume, self.model, self.optimizer, self.ref_model)
+            load_checkpoint(resume, self.model, self.optimizer, self.ref_model,
+                            cfg.checkpoint.allow_unverified)
             self.iterator.load_state_dict(state["data"])
             self.start_step = state["step"]
         self.scorer = Scorer(cfg.reward)

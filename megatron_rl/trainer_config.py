@@ -116,6 +116,9 @@ class CheckpointConfig:
     # After SIGTERM/SIGUSR1/Ctrl+C, the ranks finish the step and save; a spawning `flexfloor train`
     # kills them if that takes longer (under torchrun, its --shutdown-timeout decides).
     stop_grace_s: float = 300.0
+    # Resume from a checkpoint that has no checksums.json (written elsewhere, or by an old version).
+    # Only for checkpoints from a trusted source (docs/training.md, "Checkpoints are data").
+    allow_unverified: bool = False
 
     def __post_init__(self):
         require(self.every >= 0, f"checkpoint.every: expected >= 0, got {self.every}")

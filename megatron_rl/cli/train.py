@@ -29,7 +29,8 @@ def run(args) -> int:
     from megatron_rl.trainer_config import TrainerConfig
 
     flags = (("policy", "elastic.policy"), ("floor", "elastic.floor"), ("steps", "steps"),
-             ("ranks", "ranks"), ("seed", "seed"), ("device", "device"))
+             ("ranks", "ranks"), ("seed", "seed"), ("device", "device"),
+             ("allow_unverified_checkpoint", "checkpoint.allow_unverified"))
     cfg = resolve(TrainerConfig, args.config, args, flags, world_size_key="ranks")
     cfg.logging.experiment = cfg.logging.experiment or Path(args.config).stem  # the W&B group
     if args.print_config:
@@ -73,6 +74,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="cpu: gloo ranks; cuda: one GPU per rank over NCCL; auto: cuda when available")
+    p.add_argument("--allow-unverified-checkpoint", action="store_true", default=None,
+                   help="resume from a checkpoint that has no checksums.json (only one you trust: "
+                        "see docs/training.md)")
     p.add_argument("--json", metavar="OUT", help="write the run summary (reward curve, wall time) here")
     from megatron_rl.cli.overrides import add_override_args
 

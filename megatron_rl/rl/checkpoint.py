@@ -12,6 +12,7 @@
     planner reads.
 `DIR/checkpoints/latest` names the newest complete checkpoint; it is replaced (atomically) only
 after every rank has finished writing, so a crash during a save leaves the previous one in force.
+Loading never runs code from the folder (rl/checkpoint_trust.py): a checkpoint is data.
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
         dcp.save(_state(model, optimizer, ref_model), checkpoint_id=str(path))
         if _megatron(optimizer):
             optimizer.save(path, rank)
+            dist.barrier()  # every rank's optimizer file is whole before the checksums hash it
         write_checksums(path, rank)
         if rank == 0:
             (path / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
@@ -122,8 +124,9 @@ def read_trainer_state(path: Path, model_cfg: MoEModelConfig) -> tuple[dict, Tra
     return state, history
 
 
-def load_checkpoint(path: Path, model, optimizer, ref_model) -> None:
-    """Load model, optimizer (and reference) state in place from the DCP shards at `path`."""
+def load_checkpoint(path: Path, model, optimizer, ref_model, allow_unverified: bool = False) -> None:
+    """Load model, optimizer (and reference) state in place from the DCP shards at `path`.
+    `allow_unverified`: load a checkpoint that has no checksums.json (else refused)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -131,16 +134,20 @@ def load_checkpoint(path: Path, model, optimizer, ref_model) -> None:
         set_optimizer_state_dict,
     )
 
-    verify_checksums(path)
+    from megatron_rl.rl.checkpoint_trust import SafeLoadPlanner, SafeReader
+
+    verify_checksums(path, allow_unverified)
+    keys = _saved_keys(path)  # the metadata is vetted before DCP reads it
     if _sharded(optimizer):  # the names this rank owns now, whatever the rank count that saved
-        state = {"model": model.state_dict(), **optimizer.load_request(_saved_keys(path))}
+        state = {"model": model.state_dict(), **optimizer.load_request(keys)}
         if ref_model is not None:
             state["ref"] = ref_model.state_dict()
     else:
         state = _state(model, optimizer, ref_model)
-    absent = [] if _megatron(optimizer) or _sharded(optimizer) else _drop_unsaved_optimizer_state(state, path)
+    absent = [] if _megatron(optimizer) or _sharded(optimizer) else _drop_unsaved_optimizer_state(state, keys)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
+                 planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's is a BaseException)
         raise CheckpointError(f"{path}: cannot load the checkpoint shards ({_cause(e)})") from None
     if _megatron(optimizer):
@@ -186,22 +193,24 @@ CHECKSUMS = "checksums.json"
 
 
 def _saved_keys(path: Path) -> set[str]:
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_rl.rl.checkpoint_trust import UntrustedCheckpoint, read_metadata
 
     try:
-        return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        return set(read_metadata(path).state_dict_metadata)
+    except UntrustedCheckpoint:
+        raise
     except Exception as e:  # noqa: BLE001  (a torn pickle raises whatever it hits)
         raise CheckpointError(f"{path / '.metadata'}: unreadable checkpoint metadata "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def _drop_unsaved_optimizer_state(state: dict, path: Path) -> list[str]:
+def _drop_unsaved_optimizer_state(state: dict, saved_keys: set[str]) -> list[str]:
     """AdamW creates a parameter's state at its first gradient, so an expert that no token reached
     has none, while `get_state_dict` makes state for every parameter of a fresh optimizer. Load only
     what was saved; returns the parameters whose state must then be forgotten again."""
     prefix = "optim.state."
     # Keys are "optim.state.<parameter fqn>.<exp_avg|exp_avg_sq|step>".
-    saved = {k[len(prefix):].rsplit(".", 1)[0] for k in _saved_keys(path) if k.startswith(prefix)}
+    saved = {k[len(prefix):].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}
     optim_state = state["optim"].get("state", {})
     absent = [fqn for fqn in optim_state if fqn not in saved]
     for fqn in absent:
@@ -241,21 +250,31 @@ def write_checksums(path: Path, rank: int) -> None:
         (path / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
 
 
-def verify_checksums(path: Path) -> None:
-    """Refuse a checkpoint whose files differ from what was written (every rank checks its share;
-    all raise the same one-line error). Checkpoints written before checksums load unverified."""
+def verify_checksums(path: Path, allow_unverified: bool = False) -> None:
+    """Refuse a checkpoint whose files differ from what was written, or that has a file the listing
+    does not cover (every rank checks its share; all raise the same one-line error). A checkpoint
+    without `checksums.json` is refused unless `allow_unverified`."""
     listing = path / CHECKSUMS
     if not listing.exists():
-        return
+        if allow_unverified:
+            return
+        raise CheckpointError(f"{listing}: missing, so the checkpoint cannot be verified; if you trust "
+                              "where it came from, load it anyway with --allow-unverified-checkpoint "
+                              "(checkpoint.allow_unverified=true)")
     try:
         sums = json.loads(listing.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{listing}: unreadable ({e})") from None
+        if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+            raise ValueError("expected a mapping of file name to sha256")
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{listing}: unreadable ({str(e)[:200]})") from None
     rank, world = dist.get_rank(), dist.get_world_size()
-    bad = []
+    bad = [f"{f}: not covered by {listing}" for f in [path / ".metadata", *_shards(path)]
+           if f.name not in sums][:1] if rank == 0 else []
     for name in sorted(sums)[rank::world]:
         f = path / name
-        if not f.exists():
+        if Path(name).name != name:
+            bad.append(f"{listing}: names {name[:100]!r}, which is not a file of the checkpoint")
+        elif not f.exists():
             bad.append(f"{f}: missing")
         elif _sha256(f) != sums[name]:
             bad.append(f"{f}: checksum mismatch (the file changed after it was written)")
