@@ -42,6 +42,16 @@ _FIELDS = {
 }
 
 
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 100 else text[:100] + "..."
+
+
+# No model has this many positions (Qwen3: 32k-128k); a longer length is a unit mix-up or a typo, and
+# every consumer (planner, simulator, rollout) would size arrays by it.
+MAX_LENGTH = 2**24
+
+
 def parse_record(obj: object, where: str) -> TraceRecord:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -51,16 +61,20 @@ def parse_record(obj: object, where: str) -> TraceRecord:
             raise TraceError(f"{where}: missing field {name!r}")
         v = obj[name]
         if tp is int and (isinstance(v, bool) or not isinstance(v, int)):
-            raise TraceError(f"{where}: field {name!r} must be an integer, got {v!r}")
+            raise TraceError(f"{where}: field {name!r} must be an integer, got {_short(v)}")
         if tp is str and not isinstance(v, str):
-            raise TraceError(f"{where}: field {name!r} must be a string, got {v!r}")
+            raise TraceError(f"{where}: field {name!r} must be a string, got {_short(v)}")
         values[name] = v
     for name in ("epoch", "sample", "prompt_len", "response_len"):
         if values[name] < 0:
             raise TraceError(f"{where}: field {name!r} must be >= 0, got {values[name]}")
+    for name in ("prompt_len", "response_len"):
+        if values[name] > MAX_LENGTH:
+            raise TraceError(f"{where}: field {name!r} is {str(values[name])[:40]} tokens, beyond any "
+                             f"model's positions (at most {MAX_LENGTH})")
     truncated = obj.get("truncated", False)
     if not isinstance(truncated, bool):
-        raise TraceError(f"{where}: field 'truncated' must be true or false, got {truncated!r}")
+        raise TraceError(f"{where}: field 'truncated' must be true or false, got {_short(truncated)}")
     return TraceRecord(truncated=truncated, **values)
 
 
@@ -115,9 +129,12 @@ def iter_jsonl(path: Path, error: type[Exception], what: str):
             if not line.strip():
                 continue
             try:
-                yield where, lineno, json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, lineno, error(f"{where}: not valid JSON ({e.msg})")
+                obj = error(f"{where}: not valid JSON ({e.msg})")
+            except RecursionError:
+                obj = error(f"{where}: JSON nested too deeply")
+            yield where, lineno, obj
 
 
 def read_trace(path: str | Path) -> Trace:

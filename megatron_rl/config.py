@@ -7,6 +7,7 @@ so a typo in a YAML file names the file and the dotted field instead of failing 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -15,8 +16,10 @@ from typing import Any, TypeVar
 import yaml
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.yaml_input import parse, shorten
 
 T = TypeVar("T")
+INT_LIMIT = 2**63  # every integer field must fit a 64-bit signed integer (torch, numpy, C)
 
 
 def _type_name(tp: Any) -> str:
@@ -40,47 +43,52 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(value)}")
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
             choices = ", ".join(repr(a) for a in typing.get_args(tp))
-            raise ConfigError(f"{where}: expected one of {choices}, got {value!r}")
+            raise ConfigError(f"{where}: expected one of {choices}, got {shorten(value)}")
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {shorten(value)}")
         return from_dict(tp, value, where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {shorten(value)}")
         args = typing.get_args(tp)
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {shorten(value)}")
         return dict(value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {shorten(value)}")
+        # No field means inf or nan: a timeout of .inf, a cost of nan, 1e400 (read as inf) are typos.
+        if isinstance(value, int) and abs(value) >= INT_LIMIT or not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {shorten(value, 40)}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {shorten(value)}")
+        if abs(value) >= INT_LIMIT:
+            raise ConfigError(f"{where}: expected an integer of at most 2^63 - 1, got {shorten(value, 40)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            raise ConfigError(f"{where}: expected true or false, got {shorten(value)}")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {shorten(value)}")
         return value
     if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(value)}")
     return value
 
 
@@ -94,7 +102,7 @@ def from_dict(cls: type[T], data: dict, where: str) -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(
-            f"{where}: unknown field {unknown[0]!r} (known fields: {', '.join(sorted(fields))})"
+            f"{where}: unknown field {shorten(unknown[0], 80)} (known fields: {', '.join(sorted(fields))})"
         )
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
     try:
@@ -115,13 +123,7 @@ def load_yaml(path: str | Path) -> dict:
         line = e.object[: e.start].count(b"\n") + 1
         raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x} at file offset "
                           f"{e.start})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
+    data = parse(text, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -182,6 +184,26 @@ def require(cond: bool, message: str) -> None:
     """Validation helper for `__post_init__`: raise a ConfigError naming what was expected."""
     if not cond:
         raise ConfigError(message)
+
+
+SEED_LIMIT = 2**32  # seeds are mixed into 64-bit generator seeds (e.g. seed x 1_000_003 + step)
+
+
+def require_seed(seed: int, name: str = "seed") -> None:
+    require(0 <= seed < SEED_LIMIT, f"{name}: expected an integer in [0, 2^32), got {shorten(seed, 40)}")
+
+
+WEEK_S = 7 * 24 * 3600.0  # the longest duration any field may hold (timers overflow far beyond it)
+
+
+def require_seconds(value: float, name: str, low: float = 0.0) -> None:
+    """A duration: more than `low` (or, for a collective's timeout, at least 1 s) and at most a week."""
+    require(low < value <= WEEK_S, f"{name}: expected seconds in ({low:g}, {WEEK_S:g}], got {value:g}")
+
+
+def require_timeout(value: float, name: str = "timeout_s") -> None:
+    """A collective's timeout: at least 1 s (a rendezvous takes that long), at most a week."""
+    require(1.0 <= value <= WEEK_S, f"{name}: expected seconds in [1, {WEEK_S:g}], got {value:g}")
 
 
 def _plain(value):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.config import require
+from megatron_rl.config import require, require_seconds, require_seed, require_timeout
 from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig
@@ -76,6 +76,9 @@ class GenerationConfig:
         require(self.max_response_len > 0, "generation.max_response_len: expected > 0")
         require(self.temperature > 0, f"generation.temperature: expected > 0, got {self.temperature}")
         require(0 < self.top_p <= 1, f"generation.top_p: expected in (0, 1], got {self.top_p}")
+        # 0 would leave every request waiting for a slot forever (the run hangs, issue 23).
+        require(self.max_batch_per_rank > 0,
+                f"generation.max_batch_per_rank: expected > 0, got {self.max_batch_per_rank}")
 
 
 @dataclass
@@ -122,7 +125,7 @@ class CheckpointConfig:
 
     def __post_init__(self):
         require(self.every >= 0, f"checkpoint.every: expected >= 0, got {self.every}")
-        require(self.stop_grace_s > 0, f"checkpoint.stop_grace_s: expected > 0, got {self.stop_grace_s}")
+        require_seconds(self.stop_grace_s, "checkpoint.stop_grace_s")
 
 
 @dataclass
@@ -196,7 +199,12 @@ class TrainerConfig:
             require(self.model.vocab_size >= need,
                     f"model.vocab_size ({self.model.vocab_size}) is smaller than the character "
                     f"tokenizer's {need} ids")
-        require(self.timeout_s > 0, f"timeout_s: expected > 0, got {self.timeout_s}")
+        require_timeout(self.timeout_s)
+        require_seed(self.seed)
+        require(self.generation.max_response_len < self.model.max_position_embeddings,
+                f"generation.max_response_len ({self.generation.max_response_len}) must be below "
+                f"model.max_position_embeddings ({self.model.max_position_embeddings}): a response "
+                "follows a prompt of at least one token")
         require(self.logprob_chunk_tokens >= 0,
                 f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")
         if self.backend == "megatron":

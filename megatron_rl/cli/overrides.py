@@ -16,7 +16,6 @@ import re
 from megatron_rl.errors import ConfigError
 
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)")  # what YAML 1.1 leaves a string: 1e-6
 
 
 def add_override_args(p) -> None:
@@ -29,21 +28,16 @@ def add_override_args(p) -> None:
 
 def parse_overrides(tokens: list[str]) -> tuple[dict, dict[str, str]]:
     """`["a.b=1", ...]` -> ({"a.b": 1}, {"a.b": "a.b=1"}) (values, and where each came from)."""
-    import yaml
+    from megatron_rl.yaml_input import parse, shorten
 
     values, sources = {}, {}
     for tok in tokens:
         key, eq, text = tok.partition("=")
         if not eq or not _KEY.fullmatch(key):
-            raise ConfigError(f"{tok!r}: expected KEY=VALUE with a dotted field name, e.g. "
+            raise ConfigError(f"{shorten(tok)}: expected KEY=VALUE with a dotted field name, e.g. "
                               "grpo.group_size=16")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{tok}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
-        if isinstance(value, str) and _FLOAT.fullmatch(value):
-            value = float(value)
-        values[key], sources[key] = value, tok
+        label = tok if len(tok) <= 200 else f"{key}=..."
+        values[key], sources[key] = parse(text, label, value=True) if text.strip() else None, label
     return values, sources
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastic.planning.shape import QWEN3_30B_A3B_H100
-from megatron_rl.config import require
+from megatron_rl.config import require, require_seed
 from megatron_rl.errors import FlexFloorError
 
 FLAGS = tuple((a, a) for a in ("trace", "epoch", "ranks", "floor", "layout", "tailguard", "alpha", "oracle",
@@ -51,6 +51,8 @@ class PlanConfig:
         if self.floor is not None:
             require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")
         require(0 < self.alpha < 1, f"alpha must be in (0, 1), got {self.alpha}")
+        require_seed(self.seed)
+        require(self.epoch is None or self.epoch >= 0, f"epoch: expected >= 0, got {self.epoch}")
         require(self.max_response_len is None or self.max_response_len > 0,
                 f"max_response_len: expected > 0 (a generation cap in tokens), got {self.max_response_len}")
 

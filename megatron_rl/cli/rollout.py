@@ -59,10 +59,9 @@ def resolve_rollout(args, pinned: dict | None = None):
 
 
 def run(args) -> int:
-    from elastic.ledger import format_report
+    from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.cli.outputs import check_out_dir, check_out_file, check_plot_dir
-    from megatron_rl.config import config_yaml, write_config
-    from megatron_rl.rollout.runner import run_rollout
+    from megatron_rl.config import config_yaml
 
     cfg = resolve_rollout(args)
     if args.print_config:
@@ -72,6 +71,15 @@ def run(args) -> int:
     check_out_dir(out_dir, "--out")
     check_out_file(args.json, "--json")
     check_plot_dir(args.plot)
+    with hold_out_dir(out_dir, "rollout"):
+        return _rollout(args, cfg, out_dir)
+
+
+def _rollout(args, cfg, out_dir) -> int:
+    from elastic.ledger import format_report
+    from megatron_rl.config import write_config
+    from megatron_rl.rollout.runner import run_rollout
+
     if out_dir is not None:
         write_config(cfg, out_dir)
     t0 = time.perf_counter()

@@ -21,6 +21,7 @@ from elastic.planning.policies import POLICIES
 
 
 def run(args) -> int:
+    from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.cli.outputs import check_out_dir, check_out_file
     from megatron_rl.cli.overrides import resolve
     from megatron_rl.config import config_yaml
@@ -39,13 +40,14 @@ def run(args) -> int:
     preflight(cfg.backend, cfg.dtype, cfg.leases)  # what this machine cannot run is refused before any output
     check_out_dir(args.out, "--out")
     check_out_file(args.json, "--json")
-    summary = run_training(cfg, args.out, preflight_done=True)
+    with hold_out_dir(args.out, "train"):
+        summary = run_training(cfg, args.out, preflight_done=True)
     if summary is None:  # a non-zero rank under torchrun
         return 0
     curve = summary["reward_curve"]
     if curve:
         print(f"reward_mean: step {summary['start_step'] + 1} {curve[0]:.3f} -> step "
-              f"{summary['steps']} {curve[-1]:.3f}; {summary['wall_s']:.1f}s")
+              f"{summary['start_step'] + len(curve)} {curve[-1]:.3f}; {summary['wall_s']:.1f}s")
     if summary.get("val_pass@1"):
         val = summary["val_pass@1"]
         print(f"held-out pass@1: step {val[0][0]} {val[0][1]:.3f} -> step {val[-1][0]} {val[-1][1]:.3f}")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from elastic.trace import iter_jsonl
 from megatron_rl.config import require
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.errors import ConfigError, FlexFloorError
 
 
 class DatasetError(FlexFloorError):
@@ -34,6 +34,23 @@ class Prompt:
     # The row's other columns, for reward functions that need more than the answer.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     where: str = field(default="", compare=False, hash=False)  # "file:line" of its row, for errors
+
+
+def check_template(template: str) -> None:
+    """`data.template` may name `{prompt}` only: another field, a positional `{0}`, an attribute or
+    index (`{prompt.__class__}`) or a stray brace would fail (or leak) at the first row."""
+    import string
+
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as e:
+        raise ConfigError(f"data.template: {e} (write a literal brace as {{{{ or }}}})") from None
+    for name, spec, conv in fields:
+        require(name == "prompt" and not spec and not conv,
+                f"data.template: only {{prompt}} may be filled in, got {{{name[:40]}"
+                f"{'!' + conv if conv else ''}{':' + spec[:20] if spec else ''}}} (write a literal "
+                "brace as {{ or }})")
 
 
 @dataclass
@@ -53,6 +70,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path: expected a dataset file or directory, got ''")
         require("{prompt}" in self.template, "data.template: must contain '{prompt}'")
+        check_template(self.template)
 
 
 @dataclass

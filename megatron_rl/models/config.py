@@ -46,6 +46,9 @@ class MoEModelConfig:
             self.moe_router_topk <= self.num_moe_experts,
             f"moe_router_topk ({self.moe_router_topk}) exceeds num_moe_experts ({self.num_moe_experts})",
         )
+        require(self.layernorm_epsilon > 0 and self.rotary_base > 1 and self.init_method_std >= 0,
+                f"layernorm_epsilon > 0, rotary_base > 1 and init_method_std >= 0 expected, got "
+                f"{self.layernorm_epsilon}, {self.rotary_base}, {self.init_method_std}")
         require(self.kv_channels % 2 == 0, f"kv_channels must be even for RoPE, got {self.kv_channels}")
 
     @property

@@ -181,17 +181,27 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
     held = list(range(cfg.num_moe_experts)) if experts is None else sorted(experts)
     model = Qwen3MoeModel(cfg, held, dtype)
     sd = _convert(path, _SafetensorsDir(path), cfg, held, model.state_dict())
-    _check_finite(path, sd)
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)
+    model.load_state_dict(_cast_finite(path, sd, dtype), strict=True)
     return model
 
 
-def _check_finite(path: Path, sd: dict) -> None:
-    """A NaN or inf weight would generate garbage (every token 0) and train on NaN: refuse it."""
+def _cast_finite(path: Path, sd: dict, dtype: torch.dtype) -> dict:
+    """`sd` in the run's dtype. A NaN or inf weight would generate garbage (every token 0) and train
+    on NaN: refuse it, checked after the cast, so a float64 1e300 that becomes inf in float32 is named
+    as the overflow it is."""
+    out = {}
     for k, v in sd.items():
-        if v.is_floating_point() and not torch.isfinite(v).all():
-            n = int((~torch.isfinite(v)).sum())
-            raise CheckpointError(f"{path}: weight {k} holds {n} non-finite value(s) (NaN or inf)")
+        cast = v.to(dtype)
+        if cast.is_floating_point() and not torch.isfinite(cast).all():
+            bad = ~torch.isfinite(cast)
+            if torch.isfinite(v[bad]).all():
+                big = float(v[bad].abs().max())
+                raise CheckpointError(f"{path}: weight {k} holds {int(bad.sum())} value(s) (largest "
+                                      f"{big:.3g}) that overflow {str(dtype).removeprefix('torch.')} "
+                                      f"(max {torch.finfo(dtype).max:.3g})")
+            raise CheckpointError(f"{path}: weight {k} holds {int(bad.sum())} non-finite value(s) (NaN or inf)")
+        out[k] = cast
+    return out
 
 
 def check_same_shape(path: str | Path, configured: MoEModelConfig, where: str = "config") -> None:

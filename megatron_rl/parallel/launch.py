@@ -9,6 +9,7 @@ that raises or dies ends the whole job with an error naming the rank, after at m
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 import traceback
@@ -128,7 +129,7 @@ def under_torchrun() -> bool:
 
 def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_grace_s: float = GRACE_S,
               device: str = "cpu", transport: str = "direct"):
-    """`stop_grace_s`: after a SIGTERM/SIGINT/SIGUSR1 to this process, how long the ranks may take
+    """`stop_grace_s`: after a SIGTERM/SIGINT/SIGHUP/SIGUSR1 to this process, how long the ranks may take
     to finish (a trainer saves a checkpoint) before they are ended; a rank that returns normally
     then still counts, so a stopped trainer's summary comes back. `device`: 'cpu' or 'cuda'
     (resolved, `parallel.device.resolve_device`); `transport`: 'direct' (NCCL on GPUs) or 'host' (a
@@ -167,8 +168,17 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
         result, errors, reported = _collect(procs, queue, sup)
         # Finished ranks exit by themselves; anything else (a failure, a signal) ends them now.
         sup.end(timeout_s if len(reported) == world and not errors else 2.0)
+    if sup.signum is not None:
+        # A rank the forwarded signal ended before it could install its handlers (still starting
+        # up) is the stop itself, not a failure to report as "rank 0 died (exit code -15)".
+        forwarded = {-signal.SIGTERM, -sup.signum}
+        errors = [e for e in errors if not (e[1] == "died" and int(e[2].split()[-1]) in forwarded)]
+        if isinstance(result, dict) and isinstance(result.get("stopped"), dict):
+            # Ranks see SIGINT as the SIGTERM it was forwarded as; the user pressed Ctrl+C.
+            result["stopped"]["signal"] = signal.Signals(sup.signum).name
     if errors or len(reported) < world:  # (a rank killed after its report leaves the result whole)
-        text = _describe(errors) if errors else "the ranks did not finish"
+        text = _describe(errors) if errors else ("the ranks stopped before they finished"
+                                                 if sup.signum is not None else "the ranks did not finish")
         if sup.killed:
             text += f"; rank(s) {', '.join(map(str, sup.killed))} did not end and were killed"
         if sup.signum is not None:

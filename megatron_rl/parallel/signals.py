@@ -1,14 +1,14 @@
 """Signals and stuck ranks: a job the launcher started ends whole, and keeps what it finished.
 
 Three pieces, one per side of the launcher:
-  - `rank_signals()` (every rank): SIGTERM and SIGUSR1 raise `Interrupted` in the rank, so its
+  - `rank_signals()` (every rank): SIGTERM, SIGHUP and SIGUSR1 raise `Interrupted` in the rank, so its
     `finally` blocks flush what is finished. A spawned rank ignores SIGINT, because its launcher
     turns a Ctrl+C into one SIGTERM for every rank; under torchrun, which forwards the SIGINT
     itself, SIGINT counts as a stop signal too. A spawned rank also dies with its launcher
     (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no orphan computing into `--out`.
   - `StopOnSignal` (the trainer's loop): Megatron's DistributedSignalHandler. The handler only sets a
     flag; after every step all ranks all-reduce it, so all of them save the same step and leave together.
-  - `Supervisor` (the spawning launcher): forwards SIGTERM/SIGINT/SIGUSR1 to its ranks, gives them
+  - `Supervisor` (the spawning launcher): forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1 to its ranks, gives them
     `stop_grace_s` to finish, and ends any rank that outlives that (or a failure) with SIGTERM, then
     SIGKILL after `GRACE_S`. SIGKILL is the only signal a frozen (SIGSTOPped) process obeys.
 """
@@ -23,7 +23,10 @@ import time
 from megatron_rl.errors import Interrupted
 
 GRACE_S = 10.0  # how long a rank may take to end after SIGTERM before it is SIGKILLed
-_stop_signals = [signal.SIGTERM, signal.SIGUSR1]  # what stops this rank (see rank_signals)
+# What stops this rank (see rank_signals). SIGHUP: the terminal closed or the SSH session dropped,
+# which must save and stop like a pre-emption, not kill the run mid-step (its default).
+_stop_signals = [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1]
+LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -96,7 +99,7 @@ class StopOnSignal:
 class Supervisor:
     """The spawning launcher's side: `with Supervisor(procs, stop_grace_s) as sup:` while waiting.
 
-    A first SIGTERM, SIGINT or SIGUSR1 is forwarded (SIGINT as SIGTERM) and starts the stop grace;
+    A first SIGTERM, SIGINT, SIGHUP or SIGUSR1 is forwarded (SIGINT as SIGTERM) and starts the stop grace;
     a second one, or the end of the grace, ends the ranks at once. `end()` leaves no rank alive.
     """
 
@@ -109,8 +112,7 @@ class Supervisor:
 
     def __enter__(self) -> Supervisor:
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._on_signal)
-                         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+            self._old = {s: signal.signal(s, self._on_signal) for s in LAUNCHER_SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rl.config import require
+from megatron_rl.config import require_seconds
 from megatron_rl.rewards.math_answer import (
     CORRECT,
     NO_REFERENCE,
@@ -33,7 +33,7 @@ class RewardConfig:
     timeout_s: int = 5
 
     def __post_init__(self) -> None:
-        require(self.timeout_s > 0, f"reward.timeout_s: expected > 0, got {self.timeout_s}")
+        require_seconds(self.timeout_s, "reward.timeout_s")
 
 
 def exact_match(response: str, reference: str | None) -> str:

@@ -49,11 +49,18 @@ def scaled_len(n: int, scale: float) -> int:
     return max(1, round(n * scale))
 
 
-def make_requests(batch: list[TraceRecord], cfg: BatchConfig, seed: int, vocab: int) -> list[Request]:
+def make_requests(batch: list[TraceRecord], cfg: BatchConfig, seed: int, vocab: int,
+                  max_positions: int | None = None) -> list[Request]:
+    """The batch's requests; with `max_positions` (the model's), a request whose prompt and response
+    would run past the model's positions is refused, naming it, before any rank starts."""
     out = []
     for r in batch:
         plen = min(cfg.max_prompt_len, scaled_len(r.prompt_len, cfg.length_scale))
         n = scaled_len(r.response_len, cfg.length_scale)
+        if max_positions is not None and plen + n > max_positions:
+            raise FlexFloorError(f"{cfg.trace or 'batch'}: response {r.prompt_id}/{r.sample} needs {plen} "
+                                 f"prompt + {n} response tokens, beyond model.max_position_embeddings "
+                                 f"({max_positions}); lower batch.length_scale or use a longer-context model")
         out.append(Request(r.prompt_id, r.sample, prompt_tokens(seed, r.prompt_id, plen, vocab),
                            max_new_tokens=n, fixed_len=n))
     return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.config import require
+from megatron_rl.config import require, require_seed, require_timeout
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
 from megatron_rl.parallel.dims import parallel_dims
@@ -76,7 +76,9 @@ class RolloutConfig:
             require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
         require(self.max_batch_per_rank > 0, "max_batch_per_rank must be > 0")
         require(self.status_interval > 0, f"status_interval must be > 0, got {self.status_interval}")
-        require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        require_timeout(self.timeout_s)
+        require_seed(self.seed)
+        require_seed(self.sampling.seed, "sampling.seed")
         require(0 < self.kv_memory_fraction <= 1,
                 f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.floor is not None:

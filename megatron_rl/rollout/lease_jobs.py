@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from megatron_rl.config import require
+from megatron_rl.config import require, require_seconds
 from megatron_rl.rollout.engine import Request
 from megatron_rl.rollout.sidecar import SidecarConfig
 
@@ -41,8 +41,8 @@ class LeaseConfig:
         check_lease_jobs(self.jobs, "leases.jobs")
         if {"sidecar", "sglang"} & set(self.jobs):
             self.sidecar.check("leases.jobs", self.grace_s)
-        require(self.lease_s > 0 and self.grace_s > 0,
-                f"leases.lease_s/grace_s: expected > 0, got {self.lease_s}/{self.grace_s}")
+        require_seconds(self.lease_s, "leases.lease_s")
+        require_seconds(self.grace_s, "leases.grace_s")
 
 
 def distinct_ngram_reward(tokens: list[int], n: int = 4) -> float:

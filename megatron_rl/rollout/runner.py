@@ -141,7 +141,7 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
         from megatron_rl.rollout.megatron_elastic_engine import check_plan
 
         check_plan(plan)
-    requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size)
+    requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
     rule = None if cfg.policy != "adaptive" else online_rule(

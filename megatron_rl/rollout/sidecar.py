@@ -23,7 +23,7 @@ from typing import Callable, Literal
 
 import torch
 
-from megatron_rl.config import require
+from megatron_rl.config import require, require_seconds
 from megatron_rl.data.tokenizer import TokenizerConfig
 from megatron_rl.rewards import RewardConfig
 from megatron_rl.rewards.math_answer import CORRECT
@@ -42,7 +42,7 @@ class SGLangConfig:
     def __post_init__(self):
         require(0 < self.mem_fraction_static < 1,
                 f"sidecar.sglang.mem_fraction_static: expected in (0, 1), got {self.mem_fraction_static}")
-        require(self.drain_s > 0, f"sidecar.sglang.drain_s: expected > 0, got {self.drain_s}")
+        require_seconds(self.drain_s, "sidecar.sglang.drain_s")
         require(self.reserve_bytes >= 0 and self.release_slack_bytes >= 0,
                 "sidecar.sglang.reserve_bytes/release_slack_bytes: expected >= 0")
 

@@ -19,7 +19,7 @@ def _ranks_up(d: Path, n: int = 2):
     return lambda: all((d / f"rank{r}.pid").exists() for r in range(n))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
 def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
     proc = start([sys.executable, PROG, "sleep", str(tmp_path)])
     wait_for(_ranks_up(tmp_path), 90, "both ranks", proc)

@@ -1,0 +1,61 @@
+"""Issue 23 items 3 and 4: one run per --out, and SIGHUP (a closed terminal, a dropped SSH session)
+saves and stops `train` like SIGTERM. Each run is its own process group; none may remain."""
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_rl.cli.out_lock import LOCK_NAME, OutDirInUse, hold_out_dir
+from tests.process_tree import assert_group_gone, finish, flexfloor, wait_for
+from tests.tiny_train import tiny_train_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _lines(path):
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_second_run_on_the_same_out_is_refused_and_sighup_saves_and_exits_0(tmp_path):
+    cfg = tiny_train_config(tmp_path, steps=500)
+    out = tmp_path / "out"
+    first = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
+    wait_for(lambda: len(_lines(out / "metrics.jsonl")) >= 1, 120, "the first step", first)
+    config = (out / "config.yaml").read_text()
+    second = flexfloor("train", "--config", str(cfg), "--out", str(out), "seed=1", env={"WANDB_MODE": "disabled"})
+    rc, _, err, _ = finish(second, 120)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err[-2000:]
+    assert f"--out {out}: in use by pid {first.pid} (`flexfloor train`, started " in lines[0], lines
+    assert (out / "config.yaml").read_text() == config  # nothing of the first run was touched
+    assert_group_gone(second.pid)
+    first.send_signal(signal.SIGHUP)
+    rc, stdout, err, _ = finish(first, 120)
+    assert rc == 0, err[-3000:]
+    done = len(_lines(out / "metrics.jsonl"))
+    assert f"stopped by SIGHUP after step {done} (checkpoint saved)" in stdout, stdout
+    assert f"-> step {done} " in stdout, stdout  # not "-> step 500"
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{done:06d}"
+    assert_group_gone(first.pid)
+
+
+def test_the_lock_of_a_killed_holder_is_reclaimed(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from megatron_rl.cli.out_lock import hold_out_dir\n"
+        f"with hold_out_dir({str(tmp_path)!r}, 'train'):\n    print('held', flush=True); time.sleep(600)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OutDirInUse, match=f"in use by pid {holder.pid}"):
+            with hold_out_dir(tmp_path, "rollout"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert (tmp_path / LOCK_NAME).exists()  # left behind by the SIGKILL, and no obstacle
+    t0 = time.monotonic()
+    with hold_out_dir(tmp_path, "rollout"):
+        pass
+    assert time.monotonic() - t0 < 1
