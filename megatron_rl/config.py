@@ -43,6 +43,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except ConfigError as e:
                 errors.append(str(e))
+        choices = [a for arg in args if typing.get_origin(arg) is typing.Literal for a in typing.get_args(arg)]
+        if choices and len(choices) == sum(len(typing.get_args(a)) for a in args if a is not type(None)):
+            nullable = " or null" if type(None) in args else ""
+            raise ConfigError(f"{where}: expected one of {', '.join(repr(c) for c in choices)}{nullable}, "
+                              f"got {shorten(value)}")
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(value)}")
     if origin is typing.Literal:
         if value not in typing.get_args(tp):

@@ -14,8 +14,10 @@ canonical order, so the rollout policy (vanilla or planned) changes nothing trai
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -110,6 +112,7 @@ class Trainer:
         cfg, G = self.cfg, self.cfg.grpo.group_size
         torch.manual_seed(step_seed(cfg.seed, step))
         times: dict[str, float] = {}
+        self.phase = "rollout"
         t = t_step = time.perf_counter()
         batch = self.iterator.next_batch()
         prompts = [self.data[i] for i in batch.indices]
@@ -173,10 +176,11 @@ class Trainer:
             dist.all_reduce(counts)
         return rewards, {k: int(c) for k, c in zip(OUTCOMES, counts)}
 
-    @staticmethod
-    def _lap(times: dict, name: str, t: float) -> float:
+    def _lap(self, times: dict, name: str, t: float) -> float:
+        """Record phase `name`'s time; the next phase starts (named in a fault's message)."""
         now = time.perf_counter()
         times[name] = now - t
+        self.phase = _NEXT_PHASE.get(name, name)
         return now
 
     def _timeline_media(self, step: int) -> dict:
@@ -224,7 +228,8 @@ class Trainer:
         try:
             with StopOnSignal(next(self.model.parameters()).device) as stop:
                 for step in range(self.start_step + 1, cfg.steps + 1):
-                    metrics = self.step(step)
+                    with step_faults(self, step):
+                        metrics = self.step(step)
                     check_finite(step, metrics, self.out_dir)
                     if self.heldout is not None and step % cfg.eval.every == 0:
                         metrics["val"] = self.validate()
@@ -239,10 +244,12 @@ class Trainer:
                         if "val" in metrics:
                             self._log_validation(step, metrics["val"], t0)
                     # The last step needs no early stop: it is saved and exported anyway.
-                    stopped = step if stop.requested() and step < cfg.steps else None
+                    with step_faults(self, step, "stop-check"):
+                        stopped = step if stop.requested() and step < cfg.steps else None
                     if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                        save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
-                                        self.trainer_state(), self.history, self.rank)
+                        with step_faults(self, step, "checkpoint"):
+                            save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
+                                            self.trainer_state(), self.history, self.rank)
                     if stopped:
                         break
             if cfg.checkpoint.export_hf and not stopped:
@@ -261,6 +268,41 @@ class Trainer:
 
 class TrainingDiverged(FlexFloorError):
     pass
+
+
+_NEXT_PHASE = {"rollout": "reward", "reward": "logprob", "logprob": "update", "update": "sync"}
+# What a collective that failed says (gloo, NCCL, the c10d store): a peer froze, died or timed out.
+_COLLECTIVE = re.compile(r"[Tt]imed out|[Tt]imeout|Connection (closed|reset|refused)|NCCL|gloo|"
+                         r"Broken pipe|peer|[Ss]ocket")
+
+
+class StepFault(RuntimeError):
+    """A collective failed in a training step: one line naming rank, step and phase (what the
+    launcher prints), as the rollout's `ElasticFault` names rank, stage and phase."""
+
+    one_line = True
+
+
+@contextlib.contextmanager
+def step_faults(trainer: Trainer, step: int, phase: str | None = None):
+    """Turn a failed collective inside the block into a `StepFault`; bugs keep their traceback."""
+    from elastic.runtime.runtime import ElasticFault, _short
+
+    if phase is not None:
+        trainer.phase = phase
+    try:
+        yield
+    except ElasticFault as e:  # the rollout's own (rank, stage, phase); the step is what it lacks
+        from megatron_rl.parallel.launch import user_error
+
+        if user_error(e) is not None:  # a user's mistake travels as itself
+            raise
+        raise StepFault(f"step {step}, {e}") from None
+    except RuntimeError as e:
+        if isinstance(e, StepFault) or not (isinstance(e, dist.DistError) or _COLLECTIVE.search(str(e))):
+            raise
+        raise StepFault(f"rank {trainer.rank}, step {step}, phase {trainer.phase}: {_short(e)} "
+                        f"(timeout_s {trainer.cfg.timeout_s:g}; a peer rank froze, died or is slower)") from None
 
 
 def check_finite(step: int, metrics: dict, out_dir: Path) -> None:
@@ -282,6 +324,12 @@ def check_data(cfg: TrainerConfig, data: PromptDataset, tok) -> None:
     if len(data) < cfg.prompts_per_step:
         raise FlexFloorError(f"{cfg.data.path}: {len(data)} usable prompts, fewer than one step's "
                              f"prompts_per_step ({cfg.prompts_per_step})")
+    # Both reward kinds compare with a reference answer: without any, every response would score
+    # `no_reference` (reward 0) and the run would train on nothing.
+    if not any(p.answer is not None and str(p.answer).strip() for p in data.prompts):
+        raise FlexFloorError(f"{cfg.data.path}: no row has a reference answer (data.answer_field "
+                             f"{cfg.data.answer_field!r}), which reward kind {cfg.reward.kind!r} compares "
+                             "responses with; set data.answer_field to the field that holds it")
     room = cfg.model.max_position_embeddings - cfg.generation.max_response_len
     for p in data.prompts:
         try:
@@ -298,12 +346,13 @@ def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resum
     return Trainer(cfg, data, ctx, out_dir, resume).run()
 
 
-def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: bool = False) -> dict | None:
+def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: bool = False,
+                 resume_step: int | None = None) -> dict | None:
     """Check the inputs here (the preflight unless the caller ran it, dataset, resume point), then
     train on `cfg.ranks` ranks.
 
-    Resumes from `out_dir`'s latest checkpoint when there is one. Returns rank 0's summary (None on
-    non-zero torchrun ranks).
+    Resumes from `out_dir`'s latest checkpoint when there is one (`resume_step`: from that step's).
+    Returns rank 0's summary (None on non-zero torchrun ranks).
     """
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.parallel.device import resolve_device
@@ -324,11 +373,17 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     check_data(cfg, data, build_tokenizer(cfg.tokenizer))
     if cfg.eval.every and not load_heldout(cfg):  # a bad held-out file stops here, naming file:line
         raise FlexFloorError(f"{cfg.eval.path}: no held-out prompts (eval.path)")
-    resume = latest_checkpoint(out_dir)
+    if resume_step is not None:
+        from megatron_rl.cli.export import checkpoint_at
+
+        resume = checkpoint_at(Path(out_dir), resume_step)
+    else:
+        resume = latest_checkpoint(out_dir)
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
         if state["step"] >= cfg.steps:
-            done = f"{resume}: already at step {state['step']} of steps={cfg.steps}"
+            done = (f"{resume}: already at step {state['step']} of steps={cfg.steps} (a missing "
+                    f"{Path(out_dir) / 'hf'}: `flexfloor export --out {out_dir}` writes it)")
             if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
                 # A requeue that came after the last step was saved: the job is done, not failed.
                 print(f"[train] {done}; the requeued job has nothing left to train", file=sys.stderr)

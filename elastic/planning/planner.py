@@ -92,7 +92,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
         if pred.empty and pred.cap is None:
             raise PlanError("no length history and no max_response_len: nothing bounds a "
                             "response's KV cache "
-                            "(pass the generation cap, --max-response-len)")
+                            "(pass the generation cap: max_response_len, `flexfloor plan --max-response-len`)")
         dists = pred.predict_batch(batch)
         work = np.array([d.median for d in dists])
         if tailguard:

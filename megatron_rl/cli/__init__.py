@@ -20,6 +20,7 @@ COMMANDS = [
     "megatron_rl.cli.predict",
     "megatron_rl.cli.simulate",
     "megatron_rl.cli.train",
+    "megatron_rl.cli.export",
 ]
 
 
@@ -34,13 +35,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_MESSAGE = 2000  # characters of one error line (values in it are cut to ~200 where they are made)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parse_args`, except that `key=value` overrides may also come after flags
+    (`train --config c.yaml --steps 3 optim.lr=1e-4`), where argparse would call them unrecognized."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    rest = [a for a in extra if a not in overrides]
+    if rest or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(rest or overrides)[:200]}")
+    if overrides:
+        args.overrides = [*(args.overrides or []), *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         return int(args.func(args) or 0)
     except FlexFloorError as e:
-        print(f"flexfloor {args.command}: error: {e}", file=sys.stderr)
+        text = str(e).replace("\n", " ")
+        if len(text) > MAX_MESSAGE:
+            text = text[:MAX_MESSAGE] + f"... ({len(text) - MAX_MESSAGE} more characters)"
+        print(f"flexfloor {args.command}: error: {text}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `flexfloor demo | head -1`: the reader is gone, nothing to report to
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 128 + 13  # as a process that SIGPIPE ended
     except KeyboardInterrupt:
         print(f"flexfloor {args.command}: interrupted", file=sys.stderr)
         return 130

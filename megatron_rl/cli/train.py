@@ -8,7 +8,8 @@ optim.lr=1e-6`; `--print-config` prints the resolved config and exits. Writes DI
 resolved config), DIR/metrics.jsonl (one object per step), DIR/wandb/ (offline unless WANDB_MODE=online;
 upload later with `wandb sync DIR/wandb/offline-run-*`),
 DIR/checkpoints/step_<N>/ and, after the last step, DIR/hf/. Rerunning with the same --out resumes
-from the latest checkpoint.
+from the latest checkpoint (--resume-step N: from step N's); `flexfloor export --out DIR [--step N]`
+writes any checkpoint as a HuggingFace folder. One run at a time may use an --out folder.
 """
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def run(args) -> int:
         return 0
     preflight(cfg.backend, cfg.dtype, cfg.leases)  # what this machine cannot run is refused before any output
     check_out_dir(args.out, "--out")
+    check_out_dir(Path(args.out) / "checkpoints", "--out")  # read-only: found now, not at the first save
     check_out_file(args.json, "--json")
     with hold_out_dir(args.out, "train"):
-        summary = run_training(cfg, args.out, preflight_done=True)
+        summary = run_training(cfg, args.out, preflight_done=True, resume_step=args.resume_step)
     if summary is None:  # a non-zero rank under torchrun
         return 0
     curve = summary["reward_curve"]
@@ -76,6 +78,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="cpu: gloo ranks; cuda: one GPU per rank over NCCL; auto: cuda when available")
+    p.add_argument("--resume-step", type=int, metavar="N",
+                   help="resume from checkpoint step N of --out instead of the latest (the later "
+                        "checkpoints and metrics are replaced as the run passes them again)")
     p.add_argument("--allow-unverified-checkpoint", action="store_true", default=None,
                    help="resume from a checkpoint that has no checksums.json (only one you trust: "
                         "see docs/training.md)")

@@ -82,8 +82,13 @@ class HFTokenizer:
     """A local `transformers` tokenizer (e.g. Qwen3's), optionally applying its chat template."""
 
     def __init__(self, path: str, chat_template: bool = True):
+        from pathlib import Path
+
         from transformers import AutoTokenizer
 
+        if not Path(path).is_dir():  # else transformers reads it as a hub repo id and says so
+            raise FlexFloorError(f"tokenizer.path {path}: no such folder (a local tokenizer directory, "
+                                 "e.g. a HuggingFace checkpoint's; nothing is downloaded)")
         try:
             self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:

@@ -100,7 +100,7 @@ def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid, device=
         user = user_error(e)
         if user is not None:
             queue.put((rank, "error", (type(user).__name__, str(user))))
-        elif isinstance(e, (ElasticFault, Interrupted)):
+        elif isinstance(e, (ElasticFault, Interrupted)) or getattr(e, "one_line", False):
             queue.put((rank, "error", (type(e).__name__, str(e))))
         else:
             queue.put((rank, "error", (type(e).__name__, traceback.format_exc())))
@@ -123,8 +123,45 @@ def _describe(errors: list[tuple[int, str, str]]) -> str:
     return text
 
 
+# What torchrun (and Slurm scripts that start ranks themselves) set for every rank.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    """True when this process is one rank of a torchrun world. Some of its variables without the
+    others (left over in a shell, half exported by a script) would join a world nobody else joins,
+    and wait out the timeout: refused at once, saying what is missing."""
+    have = [v for v in TORCHRUN_VARS if os.environ.get(v)]
+    if not have:
+        return False
+    missing = [v for v in TORCHRUN_VARS if v not in have]
+    unset = "unset " + " ".join(have)
+    if missing:
+        raise FlexFloorError(f"torchrun environment half set: {', '.join(have)} set but {', '.join(missing)} "
+                             f"not; under torchrun all of {', '.join(TORCHRUN_VARS)} are set, outside it "
+                             f"none is (`{unset}`)")
+    try:
+        rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        port = int(os.environ["MASTER_PORT"])
+    except ValueError:
+        raise FlexFloorError("torchrun environment: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be "
+                             f"integers, got {', '.join(f'{v}={os.environ[v][:20]!r}' for v in TORCHRUN_VARS)}"
+                             ) from None
+    if not (0 <= rank < world and 0 <= local <= rank and 0 < port < 65536):
+        raise FlexFloorError(f"torchrun environment: expected 0 <= LOCAL_RANK <= RANK < WORLD_SIZE and a "
+                             f"port, got RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local} MASTER_PORT={port}")
+    return True
+
+
+def _join_torchrun(rank: int, size: int, timeout_s: float, device: str, transport: str) -> torch.device:
+    try:
+        return _init(rank, size, timeout_s, device, transport)
+    except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError: a rendezvous timeout
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        text = str(e).strip().splitlines()
+        raise RankFailed(f"rank {rank} of {size} could not join the torchrun world at {where} within "
+                         f"timeout_s {timeout_s:g} ({text[0][:200] if text else type(e).__name__}); if this "
+                         f"is not a torchrun job, `unset {' '.join(TORCHRUN_VARS)}`") from None
 
 
 def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_grace_s: float = GRACE_S,
@@ -137,7 +174,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
     if under_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         rank_signals()
-        here = _init(rank, size, timeout_s, device, transport)
+        here = _join_torchrun(rank, size, timeout_s, device, transport)
         try:
             out = fn(_make_context(timeout_s, here), *args)
         except Exception as e:

@@ -38,7 +38,14 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     pointer = Path(out_dir) / "checkpoints" / "latest"
     if not pointer.exists():
         return None
-    path = pointer.parent / pointer.read_text().strip()
+    try:
+        name = pointer.read_bytes()[:200].decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{pointer}: unreadable ({getattr(e, 'strerror', None) or 'not a step name'}); "
+                              "it should hold a name such as step_000010") from None
+    if not (name.startswith("step_") and name[5:].isdigit()):
+        raise CheckpointError(f"{pointer}: names {name[:60]!r}, not a checkpoint such as step_000010")
+    path = pointer.parent / name
     if not (path / "trainer_state.json").exists():
         raise CheckpointError(f"{pointer}: names {path}, which holds no trainer_state.json")
     return path
@@ -107,11 +114,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
 
 def read_trainer_state(path: Path, model_cfg: MoEModelConfig) -> tuple[dict, Trace]:
     """The sidecars of checkpoint `path`; refuses a checkpoint of another model shape."""
-    try:
-        state = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}/trainer_state.json: unreadable ({e})") from None
-    saved, want = state.get("model", {}), model_cfg.to_dict()
+    state = read_state_json(path)
+    saved, want = state["model"], model_cfg.to_dict()
     diff = sorted(k for k in set(saved) | set(want) if saved.get(k) != want.get(k))
     if diff:
         shown = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, config {want.get(k)!r}" for k in diff[:4])
@@ -122,6 +126,26 @@ def read_trainer_state(path: Path, model_cfg: MoEModelConfig) -> tuple[dict, Tra
     except (OSError, TraceError) as e:
         raise CheckpointError(f"{hist_file}: {e}") from None
     return state, history
+
+
+def read_state_json(path: Path) -> dict:
+    """Checkpoint `path`'s trainer_state.json, with the fields a resume reads checked (one line
+    naming the file for anything else: torn, binary, nested without end, fields of the wrong type)."""
+    f = path / "trainer_state.json"
+    try:
+        state = json.loads(f.read_bytes()[:1 << 24].decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # (JSON and UTF-8 errors are ValueErrors)
+        reason = "nested too deeply" if isinstance(e, RecursionError) else (getattr(e, "strerror", None)
+                                                                             or str(e)[:200])
+        raise CheckpointError(f"{f}: unreadable ({reason})") from None
+    types = {"step": int, "model": dict, "data": dict}
+    bad = [k for k, tp in types.items() if not isinstance(state, dict) or not isinstance(state.get(k), tp)
+           or isinstance(state.get(k), bool)]
+    if bad:
+        raise CheckpointError(f"{f}: field {bad[0]!r} missing or not {types[bad[0]].__name__}")
+    if state["step"] < 0:
+        raise CheckpointError(f"{f}: step {state['step']} is negative")
+    return state
 
 
 def load_checkpoint(path: Path, model, optimizer, ref_model, allow_unverified: bool = False) -> None:
@@ -166,6 +190,28 @@ def load_checkpoint(path: Path, model, optimizer, ref_model, allow_unverified: b
         _forget_state(inner, holder, absent)
     if ref_model is not None:
         ref_model.load_state_dict(state["ref"])
+
+
+def load_model_weights(path: Path, model, allow_unverified: bool = False) -> None:
+    """Only the model's weights of checkpoint `path`, into `model` (which holds every expert), in
+    one process with no process group: what `flexfloor export` needs."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.rl.checkpoint_trust import SafeLoadPlanner, SafeReader
+
+    verify_checksums(path, allow_unverified)
+    _saved_keys(path)  # the metadata is vetted before DCP reads it
+    import warnings
+
+    state = {"model": model.state_dict()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
+                     planner=SafeLoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's is a BaseException)
+        raise CheckpointError(f"{path}: cannot load the checkpoint shards ({_cause(e)})") from None
+    model.load_state_dict(state["model"])
 
 
 def gather_full_state(model, rank: int, world: int) -> dict[str, torch.Tensor] | None:
@@ -267,7 +313,7 @@ def verify_checksums(path: Path, allow_unverified: bool = False) -> None:
             raise ValueError("expected a mapping of file name to sha256")
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{listing}: unreadable ({str(e)[:200]})") from None
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     bad = [f"{f}: not covered by {listing}" for f in [path / ".metadata", *_shards(path)]
            if f.name not in sums][:1] if rank == 0 else []
     for name in sorted(sums)[rank::world]:
@@ -278,8 +324,10 @@ def verify_checksums(path: Path, allow_unverified: bool = False) -> None:
             bad.append(f"{f}: missing")
         elif _sha256(f) != sums[name]:
             bad.append(f"{f}: checksum mismatch (the file changed after it was written)")
-    found = [None] * world
-    dist.all_gather_object(found, bad)
+    found = [bad]
+    if world > 1:
+        found = [None] * world
+        dist.all_gather_object(found, bad)
     bad = sorted(b for part in found for b in part)
     if bad:
         raise CheckpointError(f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")

@@ -5,14 +5,16 @@ the other.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from elastic.planning.plan import block_owners
+from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.qwen3_moe import DTYPES
-from megatron_rl.rl.checkpoint import gather_full_state
+from megatron_rl.rl.checkpoint import CheckpointError, gather_full_state
 from megatron_rl.trainer_config import TrainerConfig
 
 
@@ -58,12 +60,53 @@ def build_model(cfg: TrainerConfig, rank: int, world: int, device: torch.device 
 
 def export_hf(model, model_cfg, path: str | Path, rank: int, world: int) -> None:
     """Write the whole model (every rank's experts) as a HuggingFace checkpoint from rank 0."""
-    from megatron_rl.models.hf import save_hf_checkpoint
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 
     full = gather_full_state(model, rank, world)
+    failed = None
     if rank == 0:
         whole = Qwen3MoeModel(model_cfg, None, model.dtype)
         whole.load_state_dict(full, strict=True)
-        save_hf_checkpoint(whole, path)
+        try:
+            write_hf_atomically(whole, Path(path))
+        except FlexFloorError as e:
+            failed = e
     dist.barrier()
+    if failed is not None:
+        raise failed
+
+
+def write_hf_atomically(model, path: Path) -> None:
+    """`save_hf_checkpoint` into a temporary folder beside `path`, then renamed onto it: `path` is
+    either the previous export or the whole new one, never half of one (a full disk, a kill)."""
+    import shutil
+
+    from megatron_rl.models.hf import save_hf_checkpoint
+
+    tmp, old = path.with_name(f"{path.name}.tmp"), path.with_name(f"{path.name}.old")
+    for leftover in (tmp, old):  # of an export that was interrupted
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        save_hf_checkpoint(model, tmp)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001  (safetensors reports a full disk as its own error type)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            os.replace(old, path)
+        raise CheckpointError(f"{path}: cannot write the HuggingFace export ({_io_reason(e)}); "
+                              f"{'the previous export is unchanged' if path.exists() else 'nothing was written'}; "
+                              "once there is room, `flexfloor export --out DIR` writes it from the "
+                              "last checkpoint") from None
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _io_reason(e: Exception) -> str:
+    import re
+
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    found = re.search(r'message: "([^"]+)"', str(e))  # safetensors: IoError(Os { .., message: ".." })
+    text = str(e).strip().splitlines()
+    return found.group(1) if found else f"{type(e).__name__}: {text[-1][:200] if text else ''}"

@@ -41,7 +41,10 @@ def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history, budget:
     plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
                         tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
                         budget=budget, ownership=BACKEND_OWNERSHIP[cfg.backend],
-                        length_scale=cfg.batch.length_scale, device=resolve_device(cfg.device))
+                        length_scale=cfg.batch.length_scale, device=resolve_device(cfg.device),
+                        # A replayed response has its traced length: with no earlier epoch to
+                        # learn a cap from, that is the bound on its KV (a one-epoch trace).
+                        max_response_len=None if len(history) else max(r.response_len for r in batch))
     if "floor_raised" in plan.meta:
         print(f"[rollout] planner: {plan.meta['floor_raised']}", file=sys.stderr)
     return plan

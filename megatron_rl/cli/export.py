@@ -1,0 +1,74 @@
+"""`flexfloor export`: a training checkpoint of `flexfloor train --out DIR` as a HuggingFace folder.
+
+    flexfloor export --out runs/tiny                 # the latest checkpoint -> runs/tiny/hf
+    flexfloor export --out runs/tiny --step 10 --to runs/tiny/hf-step10
+
+`train` exports DIR/hf after its last step by itself; this redoes that (after a failed export, e.g. a
+full disk) or exports any earlier checkpoint. One process, no ranks: the model's weights are read
+from the checkpoint's shards (verified as a resume verifies them) into a model holding every expert,
+which needs the whole model in host memory. The folder is written beside its target and renamed
+onto it, so it is the previous export or the whole new one.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def run(args) -> int:
+    from megatron_rl.cli.out_lock import hold_out_dir
+    from megatron_rl.errors import FlexFloorError
+    from megatron_rl.models.config import MoEModelConfig
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+    from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_model_weights, read_state_json
+    from megatron_rl.rl.checkpoint_trust import read_metadata
+    from megatron_rl.rl.model_setup import write_hf_atomically
+
+    out = Path(args.out)
+    if not (out / "checkpoints").is_dir():
+        raise FlexFloorError(f"--out {out}: holds no checkpoints/ folder (not a `flexfloor train` --out)")
+    with hold_out_dir(out, "export"):
+        path = checkpoint_at(out, args.step) if args.step is not None else latest_checkpoint(out)
+        if path is None:
+            raise FlexFloorError(f"--out {out}: holds no checkpoint yet")
+        # The checkpoint alone says what to build: its shape (trainer_state.json) and its dtype
+        # (the shards' metadata), so a config.yaml edited since cannot mislead the export.
+        state = read_state_json(path)
+        try:
+            model_cfg = MoEModelConfig(**state["model"])
+        except (TypeError, FlexFloorError) as e:
+            raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({str(e)[:200]})") from None
+        dtypes = {m.properties.dtype for k, m in read_metadata(path).state_dict_metadata.items()
+                  if k.startswith("model.") and hasattr(m, "properties")}
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{path}: expected model weights of one dtype, found {sorted(map(str, dtypes))}")
+        model = Qwen3MoeModel(model_cfg, None, dtypes.pop())
+        load_model_weights(path, model, args.allow_unverified_checkpoint)
+        target = Path(args.to) if args.to else out / "hf"
+        write_hf_atomically(model, target)
+    print(f"exported step {state['step']} ({path}) to {target}")
+    return 0
+
+
+def checkpoint_at(out: Path, step: int) -> Path:
+    """`out`'s checkpoint of step `step`, or one line listing the steps it has."""
+    from megatron_rl.errors import FlexFloorError
+
+    path = out / "checkpoints" / f"step_{step:06d}"
+    if not (path / "trainer_state.json").is_file():
+        have = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_[0-9]*")
+                      if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+        raise FlexFloorError(f"{path}: no checkpoint of step {step} (checkpoints of steps: "
+                             f"{', '.join(map(str, have[-20:])) or 'none'})")
+    return path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write a training checkpoint as a HuggingFace folder",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the `flexfloor train --out` folder")
+    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    p.add_argument("--to", help="the HuggingFace folder to write (default: OUT/hf)")
+    p.add_argument("--allow-unverified-checkpoint", action="store_true",
+                   help="export a checkpoint that has no checksums.json (only one you trust)")
+    p.set_defaults(func=run)
