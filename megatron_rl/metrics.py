@@ -71,13 +71,31 @@ def _drop_steps_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
-            if json.loads(line).get("step", -1) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:
+            row = json.loads(line)
+        except (ValueError, RecursionError):
             continue  # a line cut by a crash mid-write: the step is recomputed anyway
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
     path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+
+
+def read_run_state(path: Path) -> dict:
+    """`wandb_run.json` ({"id": str, "last_step": int}); {} when absent; one line naming it when bad."""
+    from megatron_rl.errors import FlexFloorError
+
+    if not path.exists():
+        return {}
+    try:
+        state = json.loads(path.read_bytes()[:4096].decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        state = e
+    if not (isinstance(state, dict) and isinstance(state.get("id", ""), str)
+            and isinstance(state.get("last_step", -1), int)):
+        raise FlexFloorError(f"{path}: unreadable (expected {{\"id\": run id, \"last_step\": int}}); "
+                             "remove it to log the resumed run as a new W&B run")
+    return state
 
 
 class MetricsLogger:
@@ -106,9 +124,7 @@ class MetricsLogger:
     def _start_wandb(self, cfg: LoggingConfig, run_config: dict, resuming: bool, tags: list[str]) -> None:
         # The run id lives beside the metrics, so a resumed run continues the same W&B run, and
         # with it the last W&B step sent, so the next one is above it.
-        state = {}
-        if resuming and self._state_file.exists():
-            state = json.loads(self._state_file.read_text(encoding="utf-8"))
+        state = read_run_state(self._state_file) if resuming else {}
         self._run = start_run(self.out_dir, cfg, self.mode, config=run_config, tags=tags,
                               run_id=state.get("id") or os.urandom(4).hex())
         self._run_id = self._run.id

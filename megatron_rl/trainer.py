@@ -42,6 +42,7 @@ from megatron_rl.rl.checkpoint import (
     load_checkpoint,
     read_trainer_state,
     save_checkpoint,
+    vet_checkpoint,
 )
 from megatron_rl.rl.grpo import group_advantages
 from megatron_rl.rl.leases import TrainingLeases
@@ -297,7 +298,8 @@ def step_faults(trainer: Trainer, step: int, phase: str | None = None):
 
         if user_error(e) is not None:  # a user's mistake travels as itself
             raise
-        raise StepFault(f"step {step}, {e}") from None
+        cause = str(e).split(": ", 1)[-1]
+        raise StepFault(f"rank {e.rank}, step {step}, stage {e.stage}, phase {e.phase}: {cause}") from None
     except RuntimeError as e:
         if isinstance(e, StepFault) or not (isinstance(e, dist.DistError) or _COLLECTIVE.search(str(e))):
             raise
@@ -381,6 +383,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
         resume = latest_checkpoint(out_dir)
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
+        vet_checkpoint(resume, cfg.checkpoint.allow_unverified)
         if state["step"] >= cfg.steps:
             done = (f"{resume}: already at step {state['step']} of steps={cfg.steps} (a missing "
                     f"{Path(out_dir) / 'hf'}: `flexfloor export --out {out_dir}` writes it)")

@@ -192,6 +192,14 @@ def load_checkpoint(path: Path, model, optimizer, ref_model, allow_unverified: b
         ref_model.load_state_dict(state["ref"])
 
 
+def vet_checkpoint(path: Path, allow_unverified: bool = False) -> None:
+    """What the driver checks before any rank starts: the checksum listing is there (or waived) and
+    covers the metadata, and the metadata reads through the restricted unpickler. The shards' hashes
+    are left to the ranks, which hash them in parallel as they load."""
+    verify_checksums(path, allow_unverified, only=[".metadata"])
+    _saved_keys(path)
+
+
 def load_model_weights(path: Path, model, allow_unverified: bool = False) -> None:
     """Only the model's weights of checkpoint `path`, into `model` (which holds every expert), in
     one process with no process group: what `flexfloor export` needs."""
@@ -296,10 +304,10 @@ def write_checksums(path: Path, rank: int) -> None:
         (path / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
 
 
-def verify_checksums(path: Path, allow_unverified: bool = False) -> None:
+def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str] | None = None) -> None:
     """Refuse a checkpoint whose files differ from what was written, or that has a file the listing
     does not cover (every rank checks its share; all raise the same one-line error). A checkpoint
-    without `checksums.json` is refused unless `allow_unverified`."""
+    without `checksums.json` is refused unless `allow_unverified`. `only`: check just these files."""
     listing = path / CHECKSUMS
     if not listing.exists():
         if allow_unverified:
@@ -314,9 +322,9 @@ def verify_checksums(path: Path, allow_unverified: bool = False) -> None:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{listing}: unreadable ({str(e)[:200]})") from None
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    bad = [f"{f}: not covered by {listing}" for f in [path / ".metadata", *_shards(path)]
-           if f.name not in sums][:1] if rank == 0 else []
-    for name in sorted(sums)[rank::world]:
+    covered = [path / n for n in only] if only is not None else [path / ".metadata", *_shards(path)]
+    bad = [f"{f}: not covered by {listing}" for f in covered if f.name not in sums][:1] if rank == 0 else []
+    for name in sorted(n for n in sums if only is None or n in only)[rank::world]:
         f = path / name
         if Path(name).name != name:
             bad.append(f"{listing}: names {name[:100]!r}, which is not a file of the checkpoint")

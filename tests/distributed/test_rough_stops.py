@@ -1,5 +1,8 @@
-"""Issue 23 items 3 and 4: one run per --out, and SIGHUP (a closed terminal, a dropped SSH session)
-saves and stops `train` like SIGTERM. Each run is its own process group; none may remain."""
+"""Issue 23 items 3, 4 and 9: one run per --out; SIGHUP (a closed terminal, a dropped SSH session)
+saves and stops `train` like SIGTERM; a training collective that times out is one line naming rank,
+step and phase. Each run is its own process group; none may remain."""
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -8,7 +11,8 @@ import time
 import pytest
 
 from megatron_rl.cli.out_lock import LOCK_NAME, OutDirInUse, hold_out_dir
-from tests.process_tree import assert_group_gone, finish, flexfloor, wait_for
+from megatron_rl.parallel.signals import GRACE_S
+from tests.process_tree import _processes, assert_group_gone, finish, flexfloor, wait_for
 from tests.tiny_train import tiny_train_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -59,3 +63,21 @@ def test_the_lock_of_a_killed_holder_is_reclaimed(tmp_path):
     with hold_out_dir(tmp_path, "rollout"):
         pass
     assert time.monotonic() - t0 < 1
+
+
+def test_a_frozen_rank_in_training_is_one_line_naming_rank_step_and_phase(tmp_path):
+    cfg = tiny_train_config(tmp_path, steps=500, timeout_s=2.0)
+    out = tmp_path / "out"
+    proc = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
+    wait_for(lambda: len(_lines(out / "metrics.jsonl")) >= 1, 120, "the first step", proc)
+    ranks = [pid for pid, _, ppid, _ in _processes() if ppid == proc.pid
+             and b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(ranks) == 2, ranks
+    os.kill(max(ranks), signal.SIGSTOP)
+    rc, _, err, waited = finish(proc, 120)
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and len([x for x in err.strip().splitlines() if not x.startswith("[")]) == 1, err[-3000:]
+    assert re.search(r"failed: rank \d, step \d+, (stage \d+, )?phase [\w-]+: ", line), line
+    assert "did not end and were killed" in line, line
+    assert waited < 2 * 2.0 + 5 + GRACE_S + 20, waited
+    assert_group_gone(proc.pid)
