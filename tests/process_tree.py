@@ -82,3 +82,19 @@ def live_children(pid: int | None = None) -> list[int]:
     pid = os.getpid() if pid is None else pid
     return [p for p, state, ppid, _ in _processes()
             if state != "Z" and ppid == pid and "resource_tracker" not in _cmdline(p)]
+
+
+def one_line_exit_2(capsys, argv, *fragments) -> str:
+    """`flexfloor ARGV` in process exits 2 with one short error line holding every fragment, and
+    leaves no rank alive; returns the line."""
+    from megatron_rl.cli import main
+
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if not line.startswith("[")]  # progress lines
+    assert rc == 2 and len(lines) == 1, (argv, err[-3000:])
+    assert len(lines[0]) < 600, lines[0][:1000]
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    assert not live_children(), "a rank of the run is still alive"
+    return lines[0]

@@ -41,8 +41,9 @@ def test_sigterm_to_train_saves_exits_0_and_the_same_command_resumes(tmp_path):
 
 def test_sigterm_to_rollout_ends_every_rank_and_keeps_finished_responses(tailed_trace, tmp_path):
     out = tmp_path / "run"
+    # Full-length responses (up to 16384 tokens), so the model needs that many positions.
     proc = flexfloor("rollout", "--trace", str(tailed_trace), "--ranks", "2", "--length-scale", "1.0",
-                     "--out", str(out), "--quiet")
+                     "--out", str(out), "--quiet", "model.max_position_embeddings=16500")
     streamed = [out / "responses.rank0.jsonl", out / "responses.rank1.jsonl"]
     wait_for(lambda: any(_lines(p) for p in streamed), 180, "a finished response", proc)
     proc.send_signal(signal.SIGTERM)

@@ -11,20 +11,8 @@ import time
 import pytest
 
 from megatron_rl.cli import main
-from tests.process_tree import live_children
+from tests.process_tree import one_line_exit_2 as _one_line_exit_2
 from tests.tiny_train import tiny_train_config
-
-
-def _one_line_exit_2(capsys, argv, *fragments):
-    rc = main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.strip().splitlines() if not line.startswith("[")]  # progress lines
-    assert rc == 2 and len(lines) == 1, (argv, err[-3000:])
-    assert len(lines[0]) < 600, lines[0][:1000]
-    for f in fragments:
-        assert f in lines[0], (f, lines[0])
-    assert not live_children(), "a rank is still alive"
-    return lines[0]
 
 
 @pytest.fixture
