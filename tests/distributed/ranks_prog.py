@@ -5,6 +5,8 @@ Each rank writes DIR/rank<R>.pid once it runs, then, by MODE:
   stubborn    also treats SIGTERM as a flag only (as the trainer does); rank 1 exits 3 after its
               pid file is written, so only the launcher can end rank 0
   barrier     loops on dist.barrier() (a frozen peer makes it time out)
+  stop        steps under StopOnSignal as the trainer does, and returns {"stopped": {"signal": ...}}
+              when a signal asks it to (printed as `ranks_prog: stopped by SIGNAL`, exit 0)
 Exit status and stderr are the CLI's: one line, 128 + signal after a signal.
 """
 import os
@@ -21,6 +23,13 @@ def _rank(ctx, mode, out):
         if ctx.rank == 1:
             time.sleep(1.0)
             os._exit(3)
+    if mode == "stop":
+        from megatron_rl.parallel.signals import StopOnSignal
+
+        with StopOnSignal() as stop:
+            while not stop.requested():
+                time.sleep(0.05)
+        return {"stopped": {"signal": signal.Signals(stop.signum).name}}
     while True:
         if mode == "barrier":
             import torch.distributed as dist
@@ -36,13 +45,15 @@ def main():
     mode, out = sys.argv[1], sys.argv[2]
     timeout_s = float(sys.argv[3]) if len(sys.argv) > 3 else 60.0
     try:
-        run_ranks(_rank, 2, mode, out, timeout_s=timeout_s)
+        result = run_ranks(_rank, 2, mode, out, timeout_s=timeout_s)
     except Interrupted as e:
         print(f"ranks_prog: {e}", file=sys.stderr)
         return 128 + e.signum
     except FlexFloorError as e:
         print(f"ranks_prog: error: {e}", file=sys.stderr)
         return 2
+    if result:
+        print(f"ranks_prog: stopped by {result['stopped']['signal']}", file=sys.stderr)
     return 0
 
 

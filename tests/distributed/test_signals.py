@@ -31,6 +31,17 @@ def test_a_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
     assert_group_gone(proc.pid)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_a_stop_is_reported_as_the_signal_the_user_sent(tmp_path, sig):
+    """The ranks see a Ctrl+C as the SIGTERM the launcher forwards; the report names SIGINT."""
+    proc = start([sys.executable, PROG, "stop", str(tmp_path)])
+    wait_for(_ranks_up(tmp_path), 90, "both ranks", proc)
+    proc.send_signal(sig)
+    rc, _, err, _ = finish(proc, 60)
+    assert rc == 0 and err.strip().splitlines()[-1] == f"ranks_prog: stopped by {sig.name}", err
+    assert_group_gone(proc.pid)
+
+
 def test_a_crashed_rank_ends_one_that_ignores_sigterm(tmp_path):
     # rank 1 exits 3; rank 0 treats SIGTERM as a flag (as the trainer does), so only SIGKILL ends it.
     proc = start([sys.executable, PROG, "stubborn", str(tmp_path)])
