@@ -198,6 +198,14 @@ def require_seed(seed: int, name: str = "seed") -> None:
     require(0 <= seed < SEED_LIMIT, f"{name}: expected an integer in [0, 2^32), got {shorten(seed, 40)}")
 
 
+MAX_SIZE = 2**24  # any one model dimension, batch or token count: beyond it a value is a typo
+
+
+def require_size(value: int, name: str, low: int = 1) -> None:
+    """A count that sizes an allocation (a model dimension, batch slots, prompts): in [low, 2^24]."""
+    require(low <= value <= MAX_SIZE, f"{name}: expected an integer in [{low}, 2^24], got {shorten(value, 40)}")
+
+
 WEEK_S = 7 * 24 * 3600.0  # the longest duration any field may hold (timers overflow far beyond it)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.config import require, require_seconds, require_seed, require_timeout
+from megatron_rl.config import require, require_seconds, require_seed, require_size, require_timeout
 from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig
@@ -79,6 +79,8 @@ class GenerationConfig:
         # 0 would leave every request waiting for a slot forever (the run hangs, issue 23).
         require(self.max_batch_per_rank > 0,
                 f"generation.max_batch_per_rank: expected > 0, got {self.max_batch_per_rank}")
+        require_size(self.max_batch_per_rank, "generation.max_batch_per_rank")
+        require_size(self.max_response_len, "generation.max_response_len")
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from megatron_rl.config import require
+from megatron_rl.config import require, require_size
 from megatron_rl.errors import ConfigError
 
 
@@ -37,6 +37,7 @@ class MoEModelConfig:
                      "kv_channels", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
                      "vocab_size", "max_position_embeddings"):
             require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+            require_size(getattr(self, name), name)
         require(
             self.num_attention_heads % self.num_query_groups == 0,
             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.config import require, require_seed, require_timeout
+from megatron_rl.config import require, require_seed, require_size, require_timeout
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
 from megatron_rl.parallel.dims import parallel_dims
@@ -34,6 +34,8 @@ class BatchConfig:
         require(self.epochs >= 2, f"batch.epochs must be >= 2 (the planner needs history), got {self.epochs}")
         require(0 < self.length_scale <= 1, f"batch.length_scale must be in (0, 1], got {self.length_scale}")
         require(self.max_prompt_len > 0, f"batch.max_prompt_len must be > 0, got {self.max_prompt_len}")
+        require_size(self.prompts * self.samples * self.epochs, "batch.prompts x samples x epochs")
+        require_size(self.max_prompt_len, "batch.max_prompt_len")
 
 
 @dataclass
@@ -75,6 +77,7 @@ class RolloutConfig:
         else:
             require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
         require(self.max_batch_per_rank > 0, "max_batch_per_rank must be > 0")
+        require_size(self.max_batch_per_rank, "max_batch_per_rank")
         require(self.status_interval > 0, f"status_interval must be > 0, got {self.status_interval}")
         require_timeout(self.timeout_s)
         require_seed(self.seed)
