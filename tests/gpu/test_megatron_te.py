@@ -53,7 +53,7 @@ def test_te_layer_holds_our_weights_and_its_attention_computes_ours(one_rank_gro
 
     B, S, C = 2, 64, cfg.kv_channels
     x = torch.randn(B, S, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    cos, sin = rope_cos_sin(torch.arange(S, device="cuda").expand(B, S), C, cfg.rotary_base, torch.bfloat16)
+    cos, sin = rope_cos_sin(torch.arange(S, device="cuda").expand(B, S), C, cfg.rotary_base, torch.bfloat16, S)
     inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, C, 2, dtype=torch.float64) / C))
     ang = torch.arange(S, dtype=torch.float64)[:, None] * inv_freq
     emb = torch.cat([ang, ang], dim=-1).float()[:, None, None, :].cuda()

@@ -115,7 +115,7 @@ def test_megatron_attention_computes_ours_from_the_same_weights(one_rank_group):
     layer.load_state_dict(megatron_layer_state(canonical_state_dict(model), 0, range(CFG.num_moe_experts)))
     B, S, C = 3, 11, CFG.kv_channels
     x_BSD = torch.randn(B, S, CFG.hidden_size, generator=torch.Generator().manual_seed(0))
-    cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), C, CFG.rotary_base, torch.float32)
+    cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), C, CFG.rotary_base, torch.float32, S)
     # megatron-core's rotary embedding [S, 1, 1, C]: the angles, both halves (rotate-half).
     inv_freq = 1.0 / (CFG.rotary_base ** (torch.arange(0, C, 2, dtype=torch.float64) / C))
     ang = torch.arange(S, dtype=torch.float64)[:, None] * inv_freq
