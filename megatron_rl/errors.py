@@ -14,6 +14,10 @@ class ConfigError(FlexFloorError):
     pass
 
 
+class CheckpointError(FlexFloorError):
+    """A checkpoint (ours or a HuggingFace one) that is missing, torn, unverified or not ours to trust."""
+
+
 class Interrupted(BaseException):
     """A signal (SIGTERM, SIGINT, SIGUSR1) ended the run before it finished; the CLI exits 128 + signum.
 

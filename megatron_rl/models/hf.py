@@ -14,13 +14,9 @@ from typing import Iterable
 
 import torch
 
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.errors import CheckpointError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-
-
-class CheckpointError(FlexFloorError):
-    pass
 
 
 def _qkv_to_megatron(q_HCD, k_GCD, v_GCD, cfg: MoEModelConfig) -> torch.Tensor:

@@ -26,12 +26,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.trace import Trace, TraceError, read_trace, write_trace
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.errors import CheckpointError
 from megatron_rl.models.config import MoEModelConfig
-
-
-class CheckpointError(FlexFloorError):
-    pass
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:

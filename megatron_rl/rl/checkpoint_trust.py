@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megatron_rl.rl.checkpoint import CheckpointError
+from megatron_rl.errors import CheckpointError
 
 
 class UntrustedCheckpoint(CheckpointError):

@@ -139,7 +139,7 @@ class MegatronOptimizer:
         torch.save(state, path / OPTIM_FILE.format(rank=rank))
 
     def load(self, path: Path, rank: int) -> None:
-        from megatron_rl.rl.checkpoint import CheckpointError
+        from megatron_rl.errors import CheckpointError
 
         file = path / OPTIM_FILE.format(rank=rank)
         try:

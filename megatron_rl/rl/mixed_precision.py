@@ -135,9 +135,8 @@ def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | Non
     from elastic.planning.train_memory import optimizer_state_bytes
     from megatron_rl.models.params import is_expert_param
     from megatron_rl.rl.megatron_train import MegatronOptimizer
-    from megatron_rl.rl.zero import ShardedOptimizer
-
-    if isinstance(optimizer, ShardedOptimizer):
+    # ZeRO-1 (rl/zero.py, which builds on this file) knows its own shard: asked, not imported.
+    if hasattr(optimizer, "device_state_bytes"):
         total = optimizer.device_state_bytes()
     elif isinstance(optimizer, MegatronOptimizer):
         named = list(model.named_parameters())
