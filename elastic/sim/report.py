@@ -82,6 +82,12 @@ def single_report(summary: dict) -> str:
              (f"lower bound {summary['lower_bound_s']:.2f} s "
              f"(rollout time is {summary['rollout_time_s'] / summary['lower_bound_s']:.2f}x it); "
              f"{summary['shrinks']} shrinks, {summary['detached_rank_s']:.1f} detached rank-s")]
+    part = summary.get("partial")
+    if part:
+        lines.append(f"partial rollouts ({part['rule']}): {part['trained_groups']} groups trained, "
+                     f"{part['carried']} responses carried over, off-policy tokens {part['off_policy_share']:.2%} "
+                     f"(largest version lag {part['max_version_lag']}), {part['pending_groups_at_end']} groups "
+                     f"pending after the last rollout, {part['dropped']} dropped")
     mig = summary.get("migration")
     if mig:
         lines.append(f"KV migration (up to {mig['max_responses']} stragglers per shrink): {mig['migrated_responses']} "
