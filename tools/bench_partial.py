@@ -11,9 +11,11 @@ re-planning and KV migration) and `adaptive + partial`. Partial rollouts use the
 with over_sample 0.25 (`elastic.planning.partial`); every run trains the same groups per rollout
 (one epoch's). Each trace has one epoch beyond the rollouts, so the last rollouts can over-sample
 too (the synchronous runs never read it). Columns: rollout time summed over rollouts, dummy share,
-response tokens per occupied rank-second, off-policy token share (trained tokens sampled by an
-older policy than the one trained), the largest version lag, responses carried over (summed over
-rollouts), groups still pending after the last rollout (not lost: they would train next).
+response tokens per occupied rank-second, the response tokens trained against vanilla's (partial
+rollouts train the long groups later: fewer of them in the same rollouts), off-policy token share
+(trained tokens sampled by an older policy than the one trained), the largest version lag,
+responses carried over (summed over rollouts), groups still pending after the last rollout (not
+lost: they would train next).
 """
 from __future__ import annotations
 
@@ -77,15 +79,18 @@ def run_trace(name: str, rollouts: int, seed: int, cost: CostModel, shape: Model
 
 
 def table(results: dict[str, list[dict]]) -> list[str]:
-    out = ["| trace | policy | rollout s | vs vanilla | dummy share | tok/occupied rank-s | off-policy tokens "
-           "| max lag | carried over | pending at end |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| trace | policy | rollout s | vs vanilla | dummy share | tok/occupied rank-s | trained tokens vs vanilla "
+           "| off-policy tokens | max lag | carried over | pending at end |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         van = rows[0]
         for s in rows:
             p = s.get("partial") or {}
             out.append(f"| {TRACES[name][0]} | {s['row']} | {s['rollout_time_s']:.1f} "
                        f"| {s['rollout_time_s'] / van['rollout_time_s'] - 1:+.2%} | {s['dummy_share']:.2%} "
-                       f"| {s['tokens_per_occupied_rank_s']:.1f} | {p.get('off_policy_share', 0.0):.2%} "
+                       f"| {s['tokens_per_occupied_rank_s']:.1f} "
+                       f"| {p.get('trained_tokens', s['response_tokens']) / van['response_tokens']:.3f}x "
+                       f"| {p.get('off_policy_share', 0.0):.2%} "
                        f"| {p.get('max_version_lag', 0)} | {p.get('carried', 0)} "
                        f"| {p.get('pending_groups_at_end', 0)} |")
     return out

@@ -47,3 +47,20 @@ def test_partial_over_a_trace_drops_nothing_and_composes_with_adaptive():
     assert alone["response_tokens"] == both["response_tokens"]
     # Over-sampled and cut at the target, partial ends its rollouts sooner than the synchronous run.
     assert alone["rollout_time_s"] < sync["rollout_time_s"]
+
+
+def test_simulate_cli_partial(tmp_path, capsys):
+    import json
+
+    from elastic.trace import write_trace
+    from megatron_rl.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(generate(preset("deepscaler", prompts=16, samples=4, epochs=3), seed=0).records, trace)
+    assert main(["simulate", "--trace", str(trace), "--policy", "vanilla", "--ranks", "4", "--partial",
+                 "partial.over_sample=0.5", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["partial"]
+    assert p["dropped"] == 0 and p["trained_groups"] == 2 * 16 and "over-sampling 50%" in p["rule"]
+    assert main(["simulate", "--trace", str(trace), "--partial", "partial.end=budget"]) == 2
+    assert "end 'budget' needs a budget > 0" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(trace), "--partial", "--compare"]) == 2
