@@ -50,26 +50,31 @@ RULE = PartialRule(over_sample=0.25, end="groups")
 BEGIN, END = "<!-- bench_partial:begin -->", "<!-- bench_partial:end -->"
 
 
-def policies():
-    """(label, policy, partial rule or None) in table order."""
+ABLATION = "adaptive + partial, tokens so far hidden"
+
+
+def policies(ablation: bool = False):
+    """(label, policy, partial rule or None) in table order; with `ablation`, adaptive + partial
+    with the resumed responses' tokens so far hidden from the planner and the online rule."""
     adaptive = Policy("adaptive", FLOOR, True, objective="rollout")
-    return [("vanilla", Policy("vanilla", RANKS), None), ("partial", Policy("vanilla", RANKS), RULE),
+    rows = [("vanilla", Policy("vanilla", RANKS), None), ("partial", Policy("vanilla", RANKS), RULE),
             ("adaptive", adaptive, None), ("adaptive + partial", adaptive, RULE)]
+    return rows + ([(ABLATION, adaptive, RULE)] if ablation else [])
 
 
 def run_trace(name: str, rollouts: int, seed: int, cost: CostModel, shape: ModelShape,
-              config: SimConfig) -> list[dict]:
+              config: SimConfig, ablation: bool = False) -> list[dict]:
     _, base, kw = TRACES[name]
     trace = generate(preset(base, epochs=rollouts + 2, **kw), seed=seed)
     epochs = trace.epochs[1:rollouts + 1]
     rows = []
-    for label, pol, rule in policies():
+    for label, pol, rule in policies(ablation):
         t0 = time.perf_counter()
         if rule is None:
             res = simulate_trace(trace, pol, ranks=RANKS, cost=cost, shape=shape, config=config, epochs=epochs)
         else:
             res = simulate_partial(trace, pol, rule, ranks=RANKS, cost=cost, shape=shape, config=config,
-                                   epochs=epochs)
+                                   epochs=epochs, tell_prefix=label != ABLATION)
         s = res.summary()
         s["row"], s["sim_s"] = label, time.perf_counter() - t0
         rows.append(s)
@@ -145,13 +150,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rollouts", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", type=Path, help="replace this file's partial-rollout section")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also adaptive + partial with the carried responses' tokens so far hidden from the planner")
     args = ap.parse_args(argv)
     names = [n for n in args.traces.replace("held-out", ",".join(HELD_OUT)).split(",") if n]
     unknown = [n for n in names if n not in TRACES]
     if unknown:
         ap.error(f"unknown trace {unknown[0]!r}; traces are {', '.join(TRACES)} (or held-out)")
     cost, shape, config = CostModel(), ModelShape(), SimConfig()
-    results = {n: run_trace(n, args.rollouts, args.seed, cost, shape, config) for n in names}
+    results = {n: run_trace(n, args.rollouts, args.seed, cost, shape, config, args.ablation) for n in names}
     lines = section(results, args.rollouts, args.seed)
     print("\n".join(lines[3:-1]))
     if args.write:

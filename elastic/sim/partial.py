@@ -50,7 +50,9 @@ def _stream(trace: Trace, first: int) -> Iterator[tuple[str, int, tuple[int, dic
 
 def simulate_partial(trace: Trace, policy: Policy, rule: PartialRule, *, ranks: int, cost: CostModel,
                      shape: ModelShape, config: SimConfig | None = None,
-                     epochs: list[int] | None = None) -> TraceResult:
+                     epochs: list[int] | None = None, tell_prefix: bool = True) -> TraceResult:
+    """`tell_prefix=False` (an ablation) hides the resumed responses' tokens so far from the planner
+    and the online rule: they are then planned by their whole predicted length."""
     config = config or SimConfig()
     epochs = epochs if epochs is not None else rollout_epochs(trace)
     first = trace.epoch(epochs[0])
@@ -83,11 +85,12 @@ def simulate_partial(trace: Trace, policy: Policy, rule: PartialRule, *, ranks: 
                                      rec.truncated and s.n + int(n) >= rec.response_len))
         known = {s.key: s.n for _, s in live if s.n}
         totals["resumed"] += len(known)
+        told = known if tell_prefix else None
         if batch:
             plan = make_policy_plan(policy, batch, history, ranks=ranks, shape=shape, cost=cost,
-                                    known_prefix=known)
+                                    known_prefix=told)
             online = make_policy_rule(policy, plan, batch, history, shape=shape, cost=cost, config=config,
-                                      known_prefix=known)
+                                      known_prefix=told)
             result.plans.append(plan)
             result.rollouts.append(simulate_rollout(plan, batch, cost, shape, config, online))
         for (g, s), n in zip(live, run):
