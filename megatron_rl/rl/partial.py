@@ -69,6 +69,15 @@ class GroupsStop:
         return self.complete >= self.target
 
 
+def batch_stop(rule, keys: list[tuple[str, int]], engine) -> GroupsStop:
+    """`flexfloor rollout`'s end rule: its batch is one rollout's launched groups (the samples of
+    each prompt), so the target is the most groups for which `rule` launches no more than those."""
+    index = {pid: i for i, pid in enumerate(dict.fromkeys(pid for pid, _ in keys))}
+    groups = len(index)
+    target = max((t for t in range(1, groups + 1) if rule.launch_count(t) <= groups), default=groups)
+    return GroupsStop(engine, {k: index[k[0]] for k in keys}, groups, target)
+
+
 class PartialRollouts:
     """The trainer's side of partial rollouts; one per rank, driven identically on every rank."""
 

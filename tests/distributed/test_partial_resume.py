@@ -85,3 +85,26 @@ def test_carried_responses_resume_across_a_weight_update(tmp_path):
     # The update computes log-probs through one float32 log-softmax: agreement to float32 rounding.
     assert max(rep["new_close"]) < 1e-5, rep
     assert min(rep["old_differ"]) > 1e-2, rep
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_partial_rollout_shrinks_leases_and_restores_as_before():
+    """`flexfloor rollout` with partial on a planned floor-1 plan: ranks drain and leave, the end
+    rule stops the members with requests live, the world is restored and checked, the ledger sums,
+    and every response is either finished or reported as carried."""
+    from megatron_rl.config import load_dataclass
+    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.runner import run_rollouts
+
+    cfg = load_dataclass(RolloutConfig, None, {
+        "batch.prompts": 16, "batch.samples": 4, "ranks": 4, "policy": "planned", "floor": 1,
+        "tailguard": True, "timeout_s": 120.0, "leases.jobs": ["rewards"],
+        "partial.enabled": True, "partial.over_sample": 0.5})
+    ((report, responses),) = run_rollouts([cfg], quiet=True)
+    p = report["partial"]
+    assert report["final_stage"] > 0, "no shrink before the end rule: the test proves nothing"
+    assert p["carried"] > 0 and p["groups_complete"] >= p["target_groups"] == 10
+    assert len(responses) + p["carried"] == 64
+    assert len({(r["prompt_id"], r["sample"]) for r in responses}) == len(responses)
+    assert sum(report["rank_steps"].values()) == 4 * report["rollout_steps"]
