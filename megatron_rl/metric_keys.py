@@ -65,6 +65,7 @@ KEYS: dict[str, str] = {
     "max_memory_allocated_gb": "perf/max_memory_allocated_gb",
     "max_memory_reserved_gb": "perf/max_memory_reserved_gb",
     "lease": "lease",
+    "partial": "partial",  # partial rollouts (rl/partial.py)
     "pool": "lease/pool",  # the rollout report's per-rank lease pool reports
 }
 # verl's names of the trainer's phases (timing_s/gen is what a verl user looks for).

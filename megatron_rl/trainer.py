@@ -48,6 +48,7 @@ from megatron_rl.rl.grpo import group_advantages
 from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import build_model, check_init, export_hf
+from megatron_rl.rl.partial import PartialRollouts
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_pending, sft_stopped, sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
@@ -68,6 +69,8 @@ class Trainer:
         self.model = build_model(cfg, rank, world, ctx.device)
         self.iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
         self.history = Trace([], "length history")
+        # Partial rollouts (off by default): groups carried between steps (rl/partial.py).
+        self.partial = PartialRollouts(cfg, data, self.iterator, self.tok) if cfg.partial.enabled else None
         self.start_step = 0
         state = read_trainer_state(resume, cfg.model)[0] if resume is not None else None
         self.sft_stopped = None  # the warm-start step a stop signal saved, if one did
@@ -92,6 +95,8 @@ class Trainer:
             load_checkpoint(resume, self.model, self.optimizer, self.ref_model,
                             cfg.checkpoint.allow_unverified)
             self.iterator.load_state_dict(state["data"])
+            if self.partial is not None and "partial" in state:
+                self.partial.load_state_dict(state["partial"])
             self.start_step = state["step"]
         self.scorer = Scorer(cfg.reward)
         self.heldout = load_heldout(cfg) if cfg.eval.every else None
@@ -115,10 +120,14 @@ class Trainer:
         times: dict[str, float] = {}
         self.phase = "rollout"
         t = t_step = time.perf_counter()
-        batch = self.iterator.next_batch()
-        prompts = [self.data[i] for i in batch.indices]
-
-        rollout = self.rollout.run(step, prompts, self.history)
+        if self.partial is None:
+            batch = self.iterator.next_batch()
+            prompts = [self.data[i] for i in batch.indices]
+            rollout = self.rollout.run(step, prompts, self.history)
+            epoch, records, partial = batch.epoch, history_records(rollout, batch.epoch), {}
+        else:
+            prompts, rollout, records, partial = self.partial.step(step, self.rollout, self.history)
+            epoch = self.iterator.epoch
         self.timeline = rollout.timeline
         t = self._lap(times, "rollout", t)
 
@@ -136,12 +145,12 @@ class Trainer:
 
         if cfg.verify_replicas:
             check_replicas(self.model, self.world)
-        self.history = Trace(self.history.records + history_records(rollout, batch.epoch), "length history")
+        self.history = Trace(self.history.records + records, "length history")
         self._lap(times, "sync", t)
 
         lengths = [len(r.tokens) for r in rollout.responses]
         return {
-            "epoch": batch.epoch,
+            "epoch": epoch,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "reward_outcomes": counts,
@@ -153,6 +162,7 @@ class Trainer:
             "phase_s": times,
             "step_s": time.perf_counter() - t_step,
             "lease": rollout.lease,
+            **({"partial": partial} if partial else {}),
             "tokens_per_s": sum(lengths) / max(times["rollout"], 1e-9),
             "lr": self.optimizer.param_groups[0]["lr"],
             **stats,
@@ -199,8 +209,11 @@ class Trainer:
 
     # ---- the run --------------------------------------------------------------------------------
     def trainer_state(self) -> dict:
-        return {"data": self.iterator.state_dict(), "seed": self.cfg.seed,
-                "model": self.cfg.model.to_dict(), "ranks": self.world}
+        state = {"data": self.iterator.state_dict(), "seed": self.cfg.seed,
+                 "model": self.cfg.model.to_dict(), "ranks": self.world}
+        if self.partial is not None:  # the carried responses, so a resume continues them
+            state["partial"] = self.partial.state_dict()
+        return state
 
     def validate(self) -> dict:
         return evaluate(self.model, self.tok, self.heldout, self.cfg.reward, self.cfg.generation.max_response_len,

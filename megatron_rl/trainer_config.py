@@ -16,6 +16,7 @@ from megatron_rl.metrics import LoggingConfig
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice
 from megatron_rl.parallel.dims import parallel_dims
+from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rewards import RewardConfig
 from megatron_rl.rollout.lease_jobs import LeaseConfig
 
@@ -163,6 +164,9 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Partial rollouts (off by default): over-sample, end when the step's groups are complete, carry
+    # the rest over (rl/partial.py, docs/training.md).
+    partial: PartialConfig = field(default_factory=PartialConfig)
     steps: int = 20
     prompts_per_step: int = 8
     seed: int = 0
@@ -209,6 +213,10 @@ class TrainerConfig:
                 "follows a prompt of at least one token")
         require(self.logprob_chunk_tokens >= 0,
                 f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")
+        self.partial.require_groups("train")
+        require(not self.partial.enabled or self.grpo.tis_cap is not None,
+                "partial.enabled: carried responses mix tokens of older policies; set grpo.tis_cap "
+                "(truncated importance sampling from each token's behaviour log-prob)")
         if self.backend == "megatron":
             from megatron_rl.models.megatron_backend import MEGATRON_DTYPES
 

@@ -12,6 +12,7 @@ reusable rank-time). Rollout-time figures are therefore taken from plans made wi
 `rollout`, dummy-run and rank-time figures from plans made with `occupied` (the default); each
 table names the objective of every figure, and the goals table also gives the figure the other
 objective reaches, so no goal is judged only on the objective that suits it.
+The section on partial rollouts is `tools/bench_partial.py`'s, kept as it is in the file.
 Nothing here is tuned to the published numbers: the cost model is `CostModel()`'s cited defaults
 and the traces are the presets as the planner defines them.
 """
@@ -221,6 +222,15 @@ def cost_table(cost: CostModel) -> list[str]:
     return lines
 
 
+def _kept_partial_section(path: Path) -> list[str]:
+    from bench_partial import BEGIN, END
+
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if BEGIN not in text or END not in text:
+        return []
+    return text[text.index(BEGIN):text.index(END) + len(END)].split("\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="docs/reproduction.md")
@@ -326,7 +336,12 @@ def main(argv=None) -> int:
         "",
     ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    kept = _kept_partial_section(Path(args.out))
     Path(args.out).write_text("\n".join(doc), encoding="utf-8")
+    if kept:  # tools/bench_partial.py's section (about 8 minutes to regenerate), as it was
+        from bench_partial import write_section
+
+        write_section(Path(args.out), kept)
     print(f"[{time.time() - started:6.1f} s] wrote {args.out}")
     return 0
 

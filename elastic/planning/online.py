@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elastic.planning.partial import conditioned
 from elastic.planning.predict import LengthDist, Predictor, log_norm_sf, norm_ppf_array
 from elastic.trace import Trace
 
@@ -184,8 +185,16 @@ class OnlineModel:
 
 
 def online_model(batch: Sequence, history: Trace, cap: int | None,
-                 options: OnlineOptions = OnlineOptions()) -> OnlineModel:
-    """The online model of a batch (objects with `prompt_id`) from its history (earlier epochs only)."""
+                 options: OnlineOptions = OnlineOptions(),
+                 known_prefix: dict[tuple[str, int], int] | None = None) -> OnlineModel:
+    """The online model of a batch (objects with `prompt_id`) from its history (earlier epochs only).
+
+    `known_prefix`: tokens so far of responses resumed from an earlier rollout (partial rollouts);
+    their tokens in this rollout count from 0, so each is modelled by what is left of it
+    (`partial.conditioned`), and conditioning on this rollout's tokens then continues from there."""
     pred = Predictor(history, cap=cap)
     fit = SiblingFit.fit(history, cap=pred.cap) if not pred.empty else SiblingFit.neutral()
-    return OnlineModel(pred.predict_batch(batch), [b.prompt_id for b in batch], fit, options)
+    dists = pred.predict_batch(batch)
+    if known_prefix:
+        dists = [conditioned(d, known_prefix.get((b.prompt_id, b.sample), 0)) for d, b in zip(dists, batch)]
+    return OnlineModel(dists, [b.prompt_id for b in batch], fit, options)

@@ -34,6 +34,7 @@ import numpy as np
 from elastic.planning import layout as layouts
 from elastic.planning.guard import TailGuard
 from elastic.planning.kv import Demand, RankKV
+from elastic.planning.partial import conditioned
 from elastic.planning.plan import OWNERSHIPS, Assignment, Plan, PlanError
 from elastic.planning.predict import LengthDist, Predictor
 from elastic.planning.release import Timeline, rank_drain_steps
@@ -63,13 +64,16 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
               true_lengths: dict[tuple[str, int], int] | None = None,
               max_response_len: int | None = None, seed: int = 0,
               objective: str = "occupied", budget: MemoryBudget | None = None,
-              ownership: str = "balanced") -> Plan:
+              ownership: str = "balanced", known_prefix: dict[tuple[str, int], int] | None = None) -> Plan:
     """Plan one rollout of `batch` (data order) on `ranks` ranks; see the module docstring.
 
     Only `prompt_id`, `sample` and `prompt_len` of the batch are read. `max_response_len` is the
     generation cap; it is inferred from truncated history records when omitted, and is required
     when the history is empty (nothing else bounds a response's KV then). `budget`: the device
     memory every check prices weights, experts and KV against (default: `shape.budget`).
+    `known_prefix`: the tokens so far of responses carried over from an earlier rollout (partial
+    rollouts); their `prompt_len` counts those tokens (they are re-prefilled), and they are planned
+    by what is left of them (`partial.conditioned`: the length given it exceeds the tokens so far).
     """
     _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership)
     cost = cost or ShapeCost(shape)
@@ -103,6 +107,14 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
             guard = None
             reserve = np.array([d.quantile(1 - alpha) for d in dists])
             kv_dists, tail_floor = dists, 0.0
+        if known_prefix:
+            given = [known_prefix.get(k, 0) for k in keys]
+            dists = [conditioned(d, t) for d, t in zip(dists, given)]
+            kv_dists = [conditioned(d, t) for d, t in zip(kv_dists, given)]
+            work = np.array([d.median for d in dists])
+            capped = guard is not None and math.isinf(guard.margin)  # every bound is the cap
+            reserve = np.array([r if not t else float(kd.cap) if capped and kd.cap else kd.quantile(1 - alpha)
+                                for r, t, kd in zip(reserve, given, kv_dists)])
         weak = pred.empty or pred.icc < WEAK_ICC
         meta = {"predictor": {"icc": round(pred.icc, 4), "weak": weak, "cap": pred.cap,
                               "history_records": len(history)}}

@@ -152,7 +152,8 @@ class ElasticRuntime:
                  progress: Callable[[int, int, int, int], None] | None = None,
                  predicted_ticks: float | None = None,
                  after_step: Callable[[], None] | None = None,
-                 online: OnlineDriver | None = None):
+                 online: OnlineDriver | None = None,
+                 stop: Callable[[ElasticEngine, object], bool] | None = None):
         self.engine, self.plan, self.rank, self.store = engine, plan, rank, store
         self.restore_key = f"flexfloor/rollout{next(_rollout_ids)}/restore"
         self.k = status_interval
@@ -161,6 +162,11 @@ class ElasticRuntime:
         # With `online`, the online rule chooses the stage at each status check and may move live
         # requests first (elastic/runtime/online.py); without, `Plan.advance`.
         self.online = online
+        # With `stop` (partial rollouts' end rule), the members may end the decode loop with live
+        # requests left: at a status check, `stop(engine, group)` (one collective over the current
+        # group, so every member returns the same) says so; the restore then runs as after the last
+        # token, and the caller takes the unfinished requests from the engine.
+        self.stop = stop
         self.world = plan.ranks
         self.stage, self.phase = 0, "setup"
         self.ledger: RankLedger | None = None
@@ -243,7 +249,7 @@ class ElasticRuntime:
         while True:
             if self.tick % self.k == 0:
                 status, live = self._status()
-                if live == 0:
+                if live == 0 or (self.stop is not None and self.stop(self.engine, self._group(self.stage))):
                     return
                 nxt, decision = self._decide(status)
                 if nxt == self.stage and decision is not None and decision.moves:

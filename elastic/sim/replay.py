@@ -84,7 +84,10 @@ def rollout_epochs(trace: Trace) -> list[int]:
 
 
 def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *, ranks: int,
-                     shape: ModelShape, cost: CostModel) -> Plan:
+                     shape: ModelShape, cost: CostModel,
+                     known_prefix: dict[tuple[str, int], int] | None = None) -> Plan:
+    """`known_prefix`: tokens so far of responses resumed from an earlier rollout (partial rollouts;
+    their `prompt_len` counts them), planned by what is left of them."""
     keys = [r.key for r in batch]
     if policy.name == "vanilla":
         # One stage, nobody leaves; contiguous ownership also covers W > E (replicas).
@@ -96,19 +99,21 @@ def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *
     floor = ranks if policy.name == "lengthsort" else policy.floor
     plan = make_plan(batch, history, ranks=ranks, floor=floor, shape=shape, layout=_LAYOUT[policy.name],
                      tailguard=policy.tailguard, cost=cost, objective=policy.objective,
-                     ownership=policy.ownership,
+                     ownership=policy.ownership, known_prefix=known_prefix,
                      true_lengths={r.key: r.response_len for r in batch} if oracle else None)
     return ladder_plan(plan, floor) if policy.name == "adaptive" else plan
 
 
 def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], history: Trace, *,
-                     shape: ModelShape, cost: CostModel, config: SimConfig) -> OnlineRule | None:
+                     shape: ModelShape, cost: CostModel, config: SimConfig,
+                     known_prefix: dict[tuple[str, int], int] | None = None) -> OnlineRule | None:
     """The online rule of an `adaptive` plan (None for the other policies, which follow
     `Plan.advance`); `batch` in the order the simulator indexes responses."""
     if policy.name != "adaptive":
         return None
     predictor = plan.meta["predictor"]  # "oracle" when started from the true-length plan
-    model = online_model(batch, history, predictor["cap"] if isinstance(predictor, dict) else None, policy.online)
+    model = online_model(batch, history, predictor["cap"] if isinstance(predictor, dict) else None, policy.online,
+                         known_prefix)
     plan.meta["online"] = {"siblings": model.fit.to_dict(), "options": policy.online.suffix.strip() or "all"}
     return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, objective=policy.objective,
                       check_every=config.check_every)
@@ -120,6 +125,7 @@ class TraceResult:
     ranks: int
     rollouts: list[RolloutResult] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list)
+    partial: dict | None = None  # partial rollouts' figures (`elastic.sim.partial`)
 
     def ledger(self) -> Ledger:
         """The rollouts' ledgers end to end: one ledger over the summed wall time."""
@@ -143,6 +149,8 @@ class TraceResult:
         out["lower_bound_s"] = sum(r.lower_bound_s for r in self.rollouts)
         out["shrinks"] = sum(1 for r in self.rollouts for t in r.transitions if t[2] != 0)
         out["migrated_responses"] = sum(r.migrated for r in self.rollouts)
+        if self.partial is not None:
+            out["partial"] = dict(self.partial)
         out["per_rollout"] = [
             {"rollout_time_s": r.ledger.wall_s, "lower_bound_s": r.lower_bound_s,
              "rank_seconds": r.ledger.rank_seconds(), "transitions": [list(t) for t in r.transitions],

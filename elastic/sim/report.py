@@ -75,6 +75,13 @@ def compare_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _partial_line(p: dict) -> str:
+    figures = [f"{p['trained_groups']} groups trained", f"{p['carried']} responses carried over",
+               f"off-policy tokens {p['off_policy_share']:.2%} (largest version lag {p['max_version_lag']})",
+               f"{p['pending_groups_at_end']} groups pending after the last rollout", f"{p['dropped']} dropped"]
+    return f"partial rollouts ({p['rule']}): " + ", ".join(figures)
+
+
 def single_report(summary: dict) -> str:
     """`flexfloor simulate` without --json: the ledger table plus the distance to the bound."""
     lines = [f"policy {summary['label']} on {summary['ranks']} ranks, {summary['rollouts']} rollout(s), summed:",
@@ -82,6 +89,8 @@ def single_report(summary: dict) -> str:
              (f"lower bound {summary['lower_bound_s']:.2f} s "
              f"(rollout time is {summary['rollout_time_s'] / summary['lower_bound_s']:.2f}x it); "
              f"{summary['shrinks']} shrinks, {summary['detached_rank_s']:.1f} detached rank-s")]
+    if summary.get("partial"):
+        lines.append(_partial_line(summary["partial"]))
     mig = summary.get("migration")
     if mig:
         lines.append(f"KV migration (up to {mig['max_responses']} stragglers per shrink): {mig['migrated_responses']} "

@@ -97,6 +97,11 @@ def _rollout(args, cfg, out_dir) -> int:
               f"{report['final_stage']}; shrink latency per stage (s): {report['shrink_latency_s']}")
     if report.get("migrated"):
         print(f"{report['migrated']} live requests moved with their KV cache (online rule)")
+    if report.get("partial"):
+        p = report["partial"]
+        print(f"partial rollout ({p['rule']}): ended with {p['groups_complete']} of {p['groups']} groups "
+              f"complete (target {p['target_groups']}); {p['carried']} responses would carry over "
+              f"({p['carried_tokens']} tokens so far)")
     print(f"responses_sha256 {report['responses_sha256']} ({report['responses']} responses, "
           f"{time.perf_counter() - t0:.1f}s total)")
     if out_dir is not None:

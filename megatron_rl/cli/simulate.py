@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "with their KV, to resident ranks, and report what that saves (a what-if for "
                         "the fixed plans; --policy adaptive migrates by its online rule, as the runtime does)")
     p.add_argument("--epochs", default=None, help="comma-separated epochs to simulate (default: all but the first)")
+    p.add_argument("--partial", action="store_true", default=None,
+                   help="partial rollouts: over-sample groups, end when one epoch's groups are complete, "
+                        "carry the unfinished responses into the next rollout (partial.over_sample, "
+                        "partial.end=budget partial.token_budget=N for Kimi's budget rule)")
     p.add_argument("--compare", action="store_true",
                    help="every policy side by side (floors 2, 4, 8; with and without TailGuard), each "
                         "beside its oracle and the lower bound, with the dummy-run decomposition")
@@ -57,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 FLAGS = tuple((a, a) for a in ("trace", "policy", "floor", "tailguard", "objective", "backend", "ranks", "model",
-                               "check_every", "lease", "migrate"))
+                               "check_every", "lease", "migrate")) + (("partial", "partial.enabled"),)
 
 
 def resolve_simulate(args):
@@ -122,6 +126,9 @@ def _run(args) -> int:
     trace, epochs, shape, cost, config = _setup(c)
     if args.plot or args.wandb:  # the figures include each policy's per-rank timeline
         config = replace(config, timeline=True)
+    if c.partial.enabled and (args.compare or c.migrate):
+        raise FlexFloorError("--partial: one policy at a time, without --compare or --migrate "
+                             "(tools/bench_partial.py compares partial rollouts side by side)")
     if args.compare:
         rows = run_compare(trace, ranks=c.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
                            policies=compare_policies(objective=c.objective,
@@ -139,8 +146,14 @@ def _run(args) -> int:
     else:
         policy = Policy(c.policy, c.floor, c.tailguard, objective=c.objective,
                         ownership=BACKEND_OWNERSHIP[c.backend])
-        result = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape, config=config,
-                                epochs=epochs)
+        if c.partial.enabled:
+            from elastic.sim.partial import simulate_partial
+
+            result = simulate_partial(trace, policy, c.partial.rule(), ranks=c.ranks, cost=cost, shape=shape,
+                                      config=config, epochs=epochs)
+        else:
+            result = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape, config=config,
+                                    epochs=epochs)
         summary = result.summary()
         if c.migrate:
             moved = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape,

@@ -11,6 +11,7 @@ from elastic.planning.policies import SIM_POLICIES
 from elastic.planning.shape import SHAPES, ModelShape
 from elastic.sim.costmodel import CostModel
 from megatron_rl.config import require
+from megatron_rl.partial_config import PartialConfig
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SimulateConfig:
     lease: bool = False
     migrate: int = 0
     epochs: list[int] | None = None  # default: every epoch that has an earlier one
+    partial: PartialConfig = field(default_factory=PartialConfig)  # partial rollouts (elastic/sim/partial.py)
 
     def __post_init__(self):
         require(self.ranks >= 1, f"ranks must be >= 1, got {self.ranks}")

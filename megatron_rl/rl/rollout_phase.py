@@ -119,9 +119,9 @@ class RolloutPhase:
             budget = replace(budget, device_bytes=int(worst[0]), resident_bytes=-int(worst[1]))
         return budget
 
-    def plan(self, items: list[_Item], history: Trace):
+    def plan(self, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         cfg = self.cfg
-        plan = plan_rollout(items, history, policy=cfg.elastic.policy, ranks=self.world,
+        plan = plan_rollout(items, history, policy=cfg.elastic.policy, ranks=self.world, known_prefix=known_prefix,
                             floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
                             dtype_bytes=self._dtype_bytes(), budget=self.budget,
                             max_response_len=cfg.generation.max_response_len,
@@ -135,20 +135,38 @@ class RolloutPhase:
         return self.model.embedding.word_embeddings.weight.element_size()
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
-        cfg, G = self.cfg, self.cfg.grpo.group_size
+        """The step's `prompts x group_size` responses, every one finished, in canonical order."""
+        from megatron_rl.rl.partial import Work
+
+        G, max_new = self.cfg.grpo.group_size, self.cfg.generation.max_response_len
+        work = [Work(p.prompt_id, s, ids, max_new, 0) for p in prompts for ids in [self.tok.encode(p.text)]
+                for s in range(G)]
+        result, progress, outcomes = self.generate(step, work, history, prompts)
+        assert all(progress[w.key][2] for w in work), "a response was left unfinished"
+        result.responses = [Response(i, w.prompt_id, w.sample, w.prompt, *progress[w.key][:2],
+                                     progress[w.key][0][-1] != self.tok.eos_id) for i, w in enumerate(work)]
+        index = {w.key: i for i, w in enumerate(work)}
+        result.scored = {index[k]: o for k, o in outcomes.items()}
+        return result
+
+    def generate(self, step: int, work: list, history: Trace, prompts: list[Prompt], *,
+                 known_prefix: dict | None = None, stop=None) -> tuple[RolloutResult, dict, dict]:
+        """Carry out one rollout of `work` (`rl/partial.py:Work`: prompt ids, a resumed response's
+        tokens so far after them, and the tokens it may still generate). Returns the result without
+        responses, every request's (new tokens, their log-probs, finished) by key, and the outcomes
+        leases scored by key. `known_prefix` (tokens so far by key) goes to the planner and the
+        online rule; `stop(engine)` builds the runtime's end rule (partial rollouts)."""
+        cfg = self.cfg
         t0 = time.perf_counter()
-        encoded = [self.tok.encode(p.text) for p in prompts]
-        items = [_Item(p.prompt_id, s, len(ids)) for p, ids in zip(prompts, encoded) for s in range(G)]
-        plan = self.plan(items, history)
-        index = {(it.prompt_id, it.sample): i for i, it in enumerate(items)}
-        prompt_of = {p.prompt_id: ids for p, ids in zip(prompts, encoded)}
-        max_new = cfg.generation.max_response_len
-        mine = [Request(a.prompt_id, a.sample, prompt_of[a.prompt_id], max_new)
-                for a in plan.assignments if a.rank == self.rank]
+        items = [_Item(w.prompt_id, w.sample, w.prompt_len) for w in work]
+        plan = self.plan(items, history, known_prefix)
+        by_key = {w.key: w for w in work}
+        mine = [Request(a.prompt_id, a.sample, by_key[a.prompt_id, a.sample].prompt,
+                        by_key[a.prompt_id, a.sample].max_new) for a in plan.assignments if a.rank == self.rank]
         sampling = SamplingParams(temperature=cfg.generation.temperature, top_p=cfg.generation.top_p,
                                   greedy=False, seed=step_seed(cfg.seed, step))
         engine = RecordingEngine(self.model, sampling, cfg.generation.max_batch_per_rank,
-                                 max(map(len, encoded)) + max_new, self.tok.eos_id,
+                                 max(len(w.prompt) + w.max_new for w in work), self.tok.eos_id,
                                  temperature=cfg.generation.temperature)
         engine.add(mine)
         if cfg.backend == "megatron":
@@ -157,7 +175,8 @@ class RolloutPhase:
         else:
             originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
         spec = RankRollout(plan, self.rank, self.world, self.store, backend=cfg.backend,
-                           rule=self._online_rule(plan, items, history), status_interval=cfg.elastic.status_interval)
+                           rule=self._online_rule(plan, items, history, known_prefix),
+                           status_interval=cfg.elastic.status_interval, stop=stop)
         leases = self.leases
         pool = None if leases is None else (lambda hit: leases.pool(engine.finished, prompts, hit))
         stream = None
@@ -173,28 +192,26 @@ class RolloutPhase:
             self._reinstall_megatron(originals)
         else:
             self._reinstall(originals)
-        local = [Response(index[r.key], r.prompt_id, r.sample, r.prompt, r.tokens,
-                          engine.logprobs[r.key], r.tokens[-1] != self.tok.eos_id)
-                 for r in engine.finished]
-        scored = {} if leases is None else {index[k]: o for k, o in leases.outcomes().items()}
+        local = [(r.key, r.tokens, engine.logprobs.get(r.key, []), done)
+                 for done, rs in ((True, engine.finished), (False, engine.live + engine.pending)) for r in rs]
+        scored = {} if leases is None else leases.outcomes()
         step_report = {} if leases is None else leases.step_report()
         gathered = gather_rollout(spec, engine, outcome, (local, scored, step_report))
-        responses = sorted((r for g in gathered.payloads for r in g[0]), key=lambda r: r.index)
-        assert [r.index for r in responses] == list(range(len(items))), "a response was lost or duplicated"
+        progress = {key: (tokens, logprobs, done) for g in gathered.payloads for key, tokens, logprobs, done in g[0]}
+        assert len(progress) == len(work) == sum(len(g[0]) for g in gathered.payloads), \
+            "a request was lost or duplicated"
         summary = gathered.summary()
-        scored = {i: o for g in gathered.payloads for i, o in g[1].items()}
+        scored = {k: o for g in gathered.payloads for k, o in g[1].items()}
         lease = lease_metrics(summary, [o.pool_report for o in gathered.outcomes],
                               [g[2] for g in gathered.payloads], len(scored))
-        ranks = [0] * len(items)
-        for a in plan.assignments:
-            ranks[index[(a.prompt_id, a.sample)]] = a.rank
-        return RolloutResult(responses, summary, [list(s.members) for s in plan.stages],
-                             plan.meta.get("effective_layout", plan.layout),
-                             hashlib.sha256(json.dumps(ranks).encode()).hexdigest()[:16],
-                             time.perf_counter() - t0, scored, lease,
-                             Timeline.of_ledger(gathered.ledger, [o.pool_report for o in gathered.outcomes]))
+        ranks = {(a.prompt_id, a.sample): a.rank for a in plan.assignments}
+        placement = hashlib.sha256(json.dumps([ranks[w.key] for w in work]).encode()).hexdigest()[:16]
+        timeline = Timeline.of_ledger(gathered.ledger, [o.pool_report for o in gathered.outcomes])
+        return RolloutResult([], summary, [list(s.members) for s in plan.stages],
+                             plan.meta.get("effective_layout", plan.layout), placement,
+                             time.perf_counter() - t0, {}, lease, timeline), progress, scored
 
-    def _online_rule(self, plan, items: list[_Item], history: Trace):
+    def _online_rule(self, plan, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         """`adaptive` (torch backend): the online rule that re-plans, and migrates, as the rollout runs."""
         cfg = self.cfg
         if cfg.elastic.policy != "adaptive" or cfg.backend == "megatron":
@@ -202,7 +219,7 @@ class RolloutPhase:
         shape = model_shape(cfg.model, self._dtype_bytes(), self.budget, ranks_per_node=ranks_on_this_host(self.world))
         return online_rule(plan, items, history, shape=shape, status_interval=cfg.elastic.status_interval,
                            max_batch=cfg.generation.max_batch_per_rank,
-                           max_response_len=cfg.generation.max_response_len)
+                           max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix)
 
     def _reinstall(self, originals: list[dict]) -> None:
         """Put the pre-rollout expert modules back, holding the restored weights."""

@@ -12,6 +12,7 @@ from megatron_rl.config import require, require_seed, require_size, require_time
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
 from megatron_rl.parallel.dims import parallel_dims
+from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rollout.lease_jobs import LeaseConfig
 from megatron_rl.rollout.sampling import SamplingParams
 
@@ -70,6 +71,9 @@ class RolloutConfig:
     # the weights are loaded (nano-vllm's rule), up to max_batch_per_rank slots; on CPU it has
     # max_batch_per_rank slots.
     kv_memory_fraction: float = 0.9
+    # Partial rollouts (off by default): the batch is the launched groups, the rollout ends when
+    # batch.prompts / (1 + over_sample) of them are complete; the report counts what would carry.
+    partial: PartialConfig = field(default_factory=PartialConfig)
 
     def __post_init__(self):
         if self.checkpoint is None:  # else the checkpoint's config.json decides, checked when read
@@ -86,6 +90,7 @@ class RolloutConfig:
                 f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.floor is not None:
             require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")
+        self.partial.require_groups("rollout")
 
     @staticmethod
     def upgrade(data: dict) -> dict:

@@ -50,6 +50,8 @@ class RankRollout:
     status_interval: int = 1
     fault: str | None = None  # `fail-transfer`: the plan's fault rank fails its expert exports
     progress: Callable[[int, int, int, int], None] | None = None
+    # Partial rollouts' end rule: `stop(engine)` builds the runtime's `stop` (rl/partial.py:GroupsStop).
+    stop: Callable[[RolloutEngine], Any] | None = None
 
     @property
     def fault_here(self) -> bool:
@@ -139,7 +141,8 @@ def run_rank(spec: RankRollout, engine: RolloutEngine, *, pool: Callable[[bool],
     runtime = ElasticRuntime(elastic, spec.plan, spec.rank, spec.store, status_interval=spec.status_interval,
                              pool=None if pool is None else pool(spec.fault_here), progress=spec.progress,
                              after_step=None if stream is None else stream.flush,
-                             predicted_ticks=spec.predicted_ticks, online=online)
+                             predicted_ticks=spec.predicted_ticks, online=online,
+                             stop=None if spec.stop is None else spec.stop(engine))
     try:
         outcome = runtime.run()
     except BaseException:
@@ -175,7 +178,8 @@ def gather_rollout(spec: RankRollout, engine: RolloutEngine, outcome, payload: A
     only (the others get None)."""
     from elastic.runtime.runtime import ledger_of
 
-    mine = (outcome, sum(len(r.tokens) for r in engine.finished), payload)
+    # Every request's tokens: a partial rollout ends with some still live.
+    mine = (outcome, sum(len(r.tokens) for r in engine.finished + engine.live + engine.pending), payload)
     if to is None:
         gathered: list | None = [None] * spec.world
         dist.all_gather_object(gathered, mine)

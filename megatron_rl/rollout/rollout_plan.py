@@ -60,13 +60,15 @@ def rollout_budget(cfg: RolloutConfig, mcfg: MoEModelConfig) -> MemoryBudget:
 def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
                  mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
                  max_response_len: int | None = None, shrink_cost_s: float | None = None,
-                 ownership: str = "balanced", length_scale: float = 1.0, device: str = "cpu") -> Plan:
+                 ownership: str = "balanced", length_scale: float = 1.0, device: str = "cpu",
+                 known_prefix: dict | None = None) -> Plan:
     """The plan of one rollout under `policy`, its memory checks priced against `budget`
     (`rollout/memory.py`); `max_response_len` bounds KV when history is empty; `ownership` is the
     backend's (`elastic.planning.plan.BACKEND_OWNERSHIP`). On CPU, chains are priced on this CPU
     engine's measured step and shrink (`engine_cost`, the run decoding `length_scale` of each trace
     length); on GPU on the shape's cost model; `shrink_cost_s` instead prices a shrink at that fixed
-    cost on the shape's model. When a shrinking policy keeps every rank, stderr says why."""
+    cost on the shape's model. When a shrinking policy keeps every rank, stderr says why.
+    `known_prefix`: tokens so far of resumed responses (partial rollouts, `make_plan`'s)."""
     dims = parallel_dims(ranks, mcfg.num_moe_experts, source="the model's experts")
     W, E = dims.world, dims.experts
     keys = [(r.prompt_id, r.sample) for r in batch]
@@ -88,7 +90,7 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
         plan = make_plan(batch, history, ranks=W, floor=floor, shape=shape,
                          layout="planned" if policy == "adaptive" else policy,
                          tailguard=tailguard, max_response_len=max_response_len, cost=cost,
-                         budget=budget, ownership=ownership)
+                         budget=budget, ownership=ownership, known_prefix=known_prefix)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
     if policy == "adaptive":
@@ -105,7 +107,7 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
 
 def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interval: int,
                 max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
-                migrate: bool = True):
+                migrate: bool = True, known_prefix: dict | None = None):
     """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`); `batch` in
     `plan.assignments` order. It reasons in trace tokens: the driver divides the run's by
     `length_scale`. On this engine a step costs the same in any group, so a shrink can only
@@ -115,7 +117,7 @@ def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interva
     from elastic.planning.replan import OnlineRule
 
     cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
-    model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate))
+    model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate), known_prefix)
     plan.meta["online"] = {"siblings": model.fit.to_dict(), "migrate": migrate}
     return OnlineRule(plan, [r.prompt_len for r in batch], model, engine_cost(length_scale),
                       shape, check_every=max(1, round(status_interval / length_scale)),

@@ -82,6 +82,14 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=cfg.backend, transport=cfg.transport,
                        rule=rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
                        fault=cfg.fault, progress=None if quiet else _progress(time.perf_counter()))
+    stops = []
+    if cfg.partial.enabled:  # the end rule of a partial rollout (rl/partial.py)
+        from megatron_rl.rl.partial import batch_stop
+
+        def stop(e):
+            stops.append(batch_stop(cfg.partial.rule(), [(a.prompt_id, a.sample) for a in plan.assignments], e))
+            return stops[-1]
+        spec.stop = stop
 
     def pool(fault_here: bool) -> IdlePool:
         leases = cfg.leases
@@ -93,11 +101,12 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     stream = None if out_dir is None else ResponseStream(out_dir, rank, engine, _row)
     outcome = run_rank(spec, engine, pool=pool, stream=stream)
     responses = [_row(r) for r in engine.finished]
-    gathered = gather_rollout(spec, engine, outcome, responses, to=0)
+    unfinished = [len(r.tokens) for r in engine.live + engine.pending]
+    gathered = gather_rollout(spec, engine, outcome, (responses, unfinished), to=0)
     if gathered is None:
         return None
     outcomes = gathered.outcomes
-    all_responses = [r for rs in gathered.payloads for r in rs]
+    all_responses = [r for rs, _ in gathered.payloads for r in rs]
     report = gathered.summary()
     report.update(
         policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
@@ -111,6 +120,11 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
         hosts={str(o.ledger.rank): o.host for o in outcomes}, ranks_per_node=ranks_on_this_host(ctx.world),
     )
+    if stops:
+        left = [n for _, ns in gathered.payloads for n in ns]
+        report["partial"] = {"rule": cfg.partial.rule().describe, "target_groups": stops[0].target,
+                             "groups": stops[0].groups, "groups_complete": stops[0].complete,
+                             "carried": len(left), "carried_tokens": sum(left)}
     return report, all_responses
 
 

@@ -9,7 +9,7 @@ from megatron_rl.metric_keys import KEYS, PHASES, grouped, numeric
 def test_every_grouped_key_is_documented():
     documented = documented_keys()
     sample = {raw: ({"x": 1.0} if raw in ("reward_outcomes", "rank_seconds", "rank_steps", "shrink_latency_s",
-                                          "lease", "pool", "val") else 1.0) for raw in KEYS}
+                                          "lease", "pool", "val", "partial") else 1.0) for raw in KEYS}
     sample["phase_s"] = {p: 1.0 for p in PHASES}
     sample["stages"] = [[0, 1], [0]]
     sample["lease_jobs"] = 2
