@@ -23,32 +23,13 @@ a resumed run continues the carried responses instead of losing them.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from elastic.planning.partial import CarryPool, PendingGroup, Settled, groups_complete
 from elastic.trace import TraceRecord
-
-
-@dataclass(frozen=True)
-class Work:
-    """One request of a partial rollout: a fresh response, or a carried one resumed."""
-
-    prompt_id: str
-    sample: int  # the request's sample number in the batch (`Carried.rid`)
-    prompt: list[int]  # prompt ids, then the tokens so far (re-prefilled)
-    max_new: int  # tokens it may still generate
-    prefix: int  # tokens so far
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.prompt_id, self.sample)
-
-    @property
-    def prompt_len(self) -> int:  # what the planner reads: the re-prefill counts the tokens so far
-        return len(self.prompt)
+from megatron_rl.rl.rollout_phase import Response, Work
 
 
 class GroupsStop:
@@ -120,7 +101,6 @@ class PartialRollouts:
         """One partial rollout through the rollout phase (`RolloutPhase.generate`), then `settle`.
         Returns (prompts, `RolloutResult` of the groups that train, their history records, the
         `partial` metrics)."""
-        from megatron_rl.rl.rollout_phase import Response
 
         groups, work = self.launch()
         stops: list[GroupsStop] = []

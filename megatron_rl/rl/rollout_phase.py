@@ -50,6 +50,25 @@ class Response:
     truncated: bool  # hit max_response_len without EOS
 
 
+@dataclass(frozen=True)
+class Work:
+    """One request of a rollout phase: a fresh response, or (partial rollouts, rl/partial.py) a carried one resumed."""
+
+    prompt_id: str
+    sample: int  # the request's sample number in the batch (`Carried.rid`)
+    prompt: list[int]  # prompt ids, then the tokens so far (re-prefilled)
+    max_new: int  # tokens it may still generate
+    prefix: int  # tokens so far
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.prompt_id, self.sample)
+
+    @property
+    def prompt_len(self) -> int:  # what the planner reads: the re-prefill counts the tokens so far
+        return len(self.prompt)
+
+
 @dataclass
 class RolloutResult:
     responses: list[Response]
@@ -136,8 +155,6 @@ class RolloutPhase:
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
         """The step's `prompts x group_size` responses, every one finished, in canonical order."""
-        from megatron_rl.rl.partial import Work
-
         G, max_new = self.cfg.grpo.group_size, self.cfg.generation.max_response_len
         work = [Work(p.prompt_id, s, ids, max_new, 0) for p in prompts for ids in [self.tok.encode(p.text)]
                 for s in range(G)]
@@ -151,7 +168,7 @@ class RolloutPhase:
 
     def generate(self, step: int, work: list, history: Trace, prompts: list[Prompt], *,
                  known_prefix: dict | None = None, stop=None) -> tuple[RolloutResult, dict, dict]:
-        """Carry out one rollout of `work` (`rl/partial.py:Work`: prompt ids, a resumed response's
+        """Carry out one rollout of `work` (`Work`: prompt ids, a resumed response's
         tokens so far after them, and the tokens it may still generate). Returns the result without
         responses, every request's (new tokens, their log-probs, finished) by key, and the outcomes
         leases scored by key. `known_prefix` (tokens so far by key) goes to the planner and the
