@@ -134,7 +134,9 @@ def read_state_json(path: Path) -> dict:
         reason = "nested too deeply" if isinstance(e, RecursionError) else (getattr(e, "strerror", None)
                                                                              or str(e)[:200])
         raise CheckpointError(f"{f}: unreadable ({reason})") from None
-    types = {"step": int, "model": dict, "data": dict}
+    # A stopped SFT warm start (rl/sft.py) saves step 0 with its own position instead of the data's.
+    sft = isinstance(state, dict) and "sft_step" in state
+    types = {"step": int, "model": dict, **({"sft_step": int, "sft_data": dict} if sft else {"data": dict})}
     bad = [k for k, tp in types.items() if not isinstance(state, dict) or not isinstance(state.get(k), tp)
            or isinstance(state.get(k), bool)]
     if bad:
