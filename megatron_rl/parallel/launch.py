@@ -118,6 +118,12 @@ def _describe(errors: list[tuple[int, str, str]]) -> str:
     rank, kind, msg = first
     text = f"rank {rank} died ({msg})" if kind == "died" else f"rank {rank} failed: {msg.strip()}"
     context = [e for e in errors if e is not first and e[1] != "died"]
+    # Ranks that hit the same error (a shared checkpoint file, a config every rank reads) are
+    # named, not repeated: the message stays one short line.
+    alike = [e[0] for e in context if e[2].strip() == msg.strip()]
+    if alike:
+        text += f" (rank{'s' if len(alike) > 1 else ''} {', '.join(map(str, alike))} alike)"
+    context = [e for e in context if e[0] not in alike]
     if context:
         text += f"; rank {context[0][0]} reported: {context[0][2].strip().splitlines()[-1]}"
     return text
