@@ -398,8 +398,10 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
         state, _ = read_trainer_state(resume, cfg.model)
         vet_checkpoint(resume, cfg.checkpoint.allow_unverified)
         if state["step"] >= cfg.steps:
-            done = (f"{resume}: already at step {state['step']} of steps={cfg.steps} (a missing "
-                    f"{Path(out_dir) / 'hf'}: `flexfloor export --out {out_dir}` writes it)")
+            done = f"{resume}: already at step {state['step']} of steps={cfg.steps}"
+            hf = Path(out_dir) / "hf"
+            if cfg.checkpoint.export_hf and not hf.exists():  # an export that failed at the end
+                done += f" (a missing {hf}: `flexfloor export --out {out_dir}` writes it)"
             if int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
                 # A requeue that came after the last step was saved: the job is done, not failed.
                 print(f"[train] {done}; the requeued job has nothing left to train", file=sys.stderr)
