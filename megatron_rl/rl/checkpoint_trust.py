@@ -6,7 +6,7 @@ so nothing in it may run code on load:
     through `MetadataUnpickler`, which resolves only the classes DCP's metadata is made of (its
     dataclasses, `torch.Size`, dtypes, paths); any other global is refused in one line naming the
     file and the global, before anything is called.
-  - DCP loads non-tensor values (the optimizer's `param_groups`) with `torch.load(weights_only=False)`;
+  - DCP loads non-tensor values (the optimizer's `param_groups`) with torch's loader with weights_only=False;
     `SafeLoadPlanner` loads them with `weights_only=True`. Tensors already load that way.
   - `checksums.json` (rl/checkpoint.py) detects a changed or torn file; it is no defence against
     someone who can write the folder (they rewrite it too), which is why the loaders above hold
