@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -99,12 +100,15 @@ class RecordingEngine(RolloutEngine):
         self.temperature = temperature
         self.logprobs: dict[tuple[str, int], list[float]] = {}
 
-    def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
+    def _rides_with_tokens(self, logits_BV: torch.Tensor, toks_B: torch.Tensor) -> torch.Tensor:
+        # On the device, as float64 bits: the host reads them with the tokens, not once per row.
         logp_BV = torch.log_softmax(logits_BV.double() / self.temperature, dim=-1)
-        n = super()._emit(batch, logits_BV)
-        for b, r in enumerate(batch):
-            self.logprobs.setdefault(r.key, []).append(float(logp_BV[b, r.tokens[-1]]))
-        return n
+        return logp_BV.gather(1, toks_B[:, None])[:, 0].contiguous().view(torch.long)
+
+    def _record(self, batch: list[Request], values: list[int]) -> None:
+        logp_B = struct.unpack(f"<{len(values)}d", struct.pack(f"<{len(values)}q", *values))  # exact bits
+        for r, lp in zip(batch, logp_B):
+            self.logprobs.setdefault(r.key, []).append(lp)
 
 
 def step_seed(seed: int, step: int) -> int:

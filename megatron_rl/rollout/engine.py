@@ -152,7 +152,8 @@ class RolloutEngine:
         if self.device.type == "cpu":
             return t.tolist()
         if getattr(self, "_host_out", None) is None or self._host_out.numel() < t.numel():
-            self._host_out = torch.empty(self.max_batch + 1, dtype=t.dtype, pin_memory=True)
+            # A step's tokens, as many values riding with them, and the misrouted count.
+            self._host_out = torch.empty(2 * self.max_batch + 1, dtype=t.dtype, pin_memory=True)
             self._copied = torch.cuda.Event()
         out = self._host_out[: t.numel()]
         out.copy_(t, non_blocking=True)
@@ -209,10 +210,14 @@ class RolloutEngine:
     def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
         slot_B, ntok_B = self._rows
         toks_B = choose_tokens(logits_BV, self.sampling, None if self._draws is None else self._draws[slot_B, ntok_B])
-        # The step's one read of device data: the tokens, and the misrouted count in the same copy.
-        *toks, misrouted = self._read_back(torch.cat([toks_B, self._misrouted]))
+        rides_R = self._rides_with_tokens(logits_BV, toks_B)
+        # The step's one read of device data: the tokens, what a subclass records of them, and the
+        # misrouted count, in one copy.
+        *values, misrouted = self._read_back(torch.cat([toks_B, rides_R, self._misrouted]))
         if misrouted:
             next(m for m in self.model.moe_layers if isinstance(m, MoELayer)).experts.check_routing()
+        toks = values[: len(batch)]
+        self._record(batch, values[len(batch):])
         for r, t in zip(batch, toks):
             r.tokens.append(t)
         still = []
@@ -224,3 +229,11 @@ class RolloutEngine:
                 still.append(r)
         self.live = still
         return len(batch)
+
+    def _rides_with_tokens(self, logits_BV: torch.Tensor, toks_B: torch.Tensor) -> torch.Tensor:
+        """int64 values a subclass computes on the device from the step's logits and chosen tokens;
+        they come back in the tokens' copy and reach `_record`, so recording adds no host read."""
+        return toks_B[:0]
+
+    def _record(self, batch: list[Request], values: list[int]) -> None:
+        """The host values of `_rides_with_tokens`, before `batch` gets its new tokens."""

@@ -85,6 +85,30 @@ def test_decode_step_reads_the_device_once(sampling):
     assert seen == ["tolist"], f"a decode step read the device {len(seen)} times: {seen}"
 
 
+def test_recording_log_probs_rides_in_the_tokens_copy():
+    """Training's engine records each sampled token's log-prob: still one read per decode step, and
+    the recorded values are the float64 log-softmax at the chosen token, bit for bit."""
+    from megatron_rl.rl.rollout_phase import RecordingEngine
+
+    m = model(torch.float64, layers=2)
+    sampling = SamplingParams(greedy=False, top_p=0.9, seed=3)
+    eng = RecordingEngine(m, sampling, 8, 32, temperature=0.7)
+    eng.add(requests(8))
+    eng.step()
+    with host_reads() as seen:
+        eng.step()
+    assert seen == ["tolist"] * 3, seen  # the copy, and float64's per-expert loop's counts per layer
+    while eng.has_work():
+        eng.step()
+    for r in eng.finished:
+        ids = torch.tensor([r.prompt + r.tokens])
+        with torch.no_grad():
+            logits = m(ids)[0, len(r.prompt) - 1:-1]
+        want = torch.log_softmax(logits.double() / 0.7, -1).gather(1, torch.tensor(r.tokens)[:, None])[:, 0]
+        assert eng.logprobs[r.key] == pytest.approx(want.tolist(), abs=1e-9)
+        assert len(eng.logprobs[r.key]) == len(r.tokens)
+
+
 def test_float64_per_expert_loop_reads_its_counts_once_per_layer():
     """No grouped GEMM in float64: the per-expert loop reads its split sizes, one copy per layer."""
     eng = RolloutEngine(model(torch.float64), SamplingParams(), 16, 32)
