@@ -371,7 +371,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     """
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.parallel.device import resolve_device
-    from megatron_rl.parallel.launch import run_ranks
+    from megatron_rl.parallel.launch import driver_process, run_ranks
     from megatron_rl.rl.checkpoint import latest_checkpoint
     from megatron_rl.rollout.preflight import preflight
 
@@ -409,7 +409,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
             raise CheckpointError(f"{done}; raise `steps` to train further")
         print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+    if driver_process():
         write_config(cfg, out_dir)
     return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
                      stop_grace_s=cfg.checkpoint.stop_grace_s, device=device)

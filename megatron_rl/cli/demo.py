@@ -7,7 +7,6 @@ identical responses; `--plot DIR` draws both rollouts' per-rank timelines.
 """
 from __future__ import annotations
 
-import os
 import time
 
 
@@ -16,6 +15,7 @@ def run(args) -> int:
     from megatron_rl.cli.outputs import check_plot_dir
     from megatron_rl.cli.rollout import resolve_rollout
     from megatron_rl.config import config_yaml
+    from megatron_rl.parallel.launch import driver_process
     from megatron_rl.rollout.runner import run_rollouts
 
     elastic = {"policy": "planned", "floor": args.floor or 1, "tailguard": True}
@@ -25,7 +25,7 @@ def run(args) -> int:
         print("\n---\n".join(config_yaml(c) for c in cfgs), end="")
         return 0
     check_plot_dir(args.plot)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, once, not once per rank
+    if driver_process():
         print(f"FlexFloor demo: a {cfgs[0].model.num_layers}-layer, {cfgs[0].model.num_moe_experts}-expert "
               f"Qwen3-MoE on {cfgs[0].ranks} gloo ranks replays a length-tailed batch twice: vanilla, then "
               f"planned residency (floor {elastic['floor']}, TailGuard).", flush=True)

@@ -39,7 +39,9 @@ def _holder(fh) -> str:
 @contextlib.contextmanager
 def hold_out_dir(path: str | Path | None, command: str, flag: str = "--out"):
     """Hold `path`'s lock while the body runs; a second holder is refused at once, in one line."""
-    if path is None or os.environ.get("RANK", "0") != "0":  # torchrun: the world's rank 0 holds it
+    from megatron_rl.parallel.launch import driver_process
+
+    if path is None or not driver_process():  # torchrun: the world's rank 0 holds it
         yield
         return
     lock = Path(path) / LOCK_NAME

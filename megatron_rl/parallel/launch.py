@@ -133,6 +133,12 @@ def _describe(errors: list[tuple[int, str, str]]) -> str:
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
+def driver_process() -> bool:
+    """True in the process that speaks for the run: the launcher of flexfloor's own ranks, or
+    torchrun's world rank 0 (every torchrun rank runs the driver's code; one of them says it)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def under_torchrun() -> bool:
     """True when this process is one rank of a torchrun world. Some of its variables without the
     others (left over in a shell, half exported by a script) would join a world nobody else joins,

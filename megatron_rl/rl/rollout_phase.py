@@ -35,7 +35,7 @@ from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.memory import memory_budget, model_shape
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
-from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout
+from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout, say_plan_notes
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -152,6 +152,8 @@ class RolloutPhase:
                             device=self.model.embedding.word_embeddings.weight.device.type)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
         assert dict(plan.stages[0].owners) == block_owners(cfg.model.num_moe_experts, range(self.world))
+        if self.rank == 0:
+            say_plan_notes(plan)
         return plan
 
     def _dtype_bytes(self) -> int:

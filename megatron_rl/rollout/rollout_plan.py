@@ -17,6 +17,7 @@ from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import resolve_device
 from megatron_rl.parallel.dims import parallel_dims, ranks_on_this_host
+from megatron_rl.parallel.launch import driver_process
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.memory import memory_budget, model_shape
@@ -45,9 +46,17 @@ def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history, budget:
                         # A replayed response has its traced length: with no earlier epoch to
                         # learn a cap from, that is the bound on its KV (a one-epoch trace).
                         max_response_len=None if len(history) else max(r.response_len for r in batch))
-    if "floor_raised" in plan.meta:
-        print(f"[rollout] planner: {plan.meta['floor_raised']}", file=sys.stderr)
+    if driver_process():
+        say_plan_notes(plan)
     return plan
+
+
+def say_plan_notes(plan: Plan) -> None:
+    """What the planner decided that a user would not guess, on stderr; the caller says it once
+    per run, not once per rank: a raised floor, and why a shrinking policy keeps every rank."""
+    for key in ("floor_raised", "every_rank_stays"):
+        if key in plan.meta:
+            print(f"[plan] {plan.meta[key]}", file=sys.stderr, flush=True)
 
 
 def rollout_budget(cfg: RolloutConfig, mcfg: MoEModelConfig) -> MemoryBudget:
@@ -97,11 +106,11 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
         return ladder_plan(plan, floor)
     if len(plan.stages) == 1 and floor < W:
         m = plan.meta
-        print(f"[plan] {policy} floor {floor}: every rank stays: of {m['chains_priced']} chains priced "
-              f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
-              f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
-              f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)",
-              file=sys.stderr, flush=True)
+        m["every_rank_stays"] = (
+            f"{policy} floor {floor}: every rank stays: of {m['chains_priced']} chains priced "
+            f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
+            f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
+            f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)")
     return plan
 
 
