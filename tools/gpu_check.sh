@@ -23,6 +23,8 @@
 #     TransformerEngine that does not import fails the run (tools/te_image_guard.sh);
 # (s) the sglang sidecar lease on this GPU (tests/gpu/test_sglang_lease_gpu.py; skipped where sglang
 #     is not installed).
+# Stages run in that order of priority ((c), (m), training, (a, b), (s)) within one time budget,
+# FF_GPU_BUDGET_S (default 285 s): a stage that would start with under 20 s left is a failed row.
 # Installs nothing but a carried megatron-core wheel (above); needs torch with CUDA, transformers, pytest and pytest-timeout (`pip install -e '.[dev]'`).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -42,12 +44,23 @@ record() {  # record CHECK STATUS DETAIL SECONDS
     python tools/gpu_summary.py "$FF_GPU_RESULTS" --record "$@"
 }
 
+# The whole script's time budget: a lent GPU's minutes are few, so every stage's limit is cut to
+# what is left of it, and a stage with under 20 s left is not started (a failed row naming the
+# budget). Stages run in priority order: the decode engine and megatron rows first.
+BUDGET_S=${FF_GPU_BUDGET_S:-285}
+
 # stage NAME LIMIT_S COMMAND...: run COMMAND under a time limit; a failing stage is a row of the table
 # (its own checks, if any, have recorded theirs already).
 stage() {
-    local name=$1 limit=$2 start=$SECONDS rc
+    local name=$1 limit=$2 start=$SECONDS rc left=$((BUDGET_S - SECONDS))
     shift 2
-    echo "== $name"
+    if [[ $left -lt 20 ]]; then
+        echo "== $name: not run, ${left}s of the ${BUDGET_S}s budget left"
+        record "$name" fail "not run: ${left}s of the ${BUDGET_S}s budget (FF_GPU_BUDGET_S) left" 0
+        return 1
+    fi
+    ((limit > left)) && limit=$left
+    echo "== $name (limit ${limit}s)"
     timeout "$limit" "$@"
     rc=$?
     if [[ $rc -ne 0 ]]; then
@@ -57,18 +70,14 @@ stage() {
 }
 
 stage "te: image guard" 120 bash tools/te_image_guard.sh
-stage "tests/gpu (a, b)" 300 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_gpu_path.py
 stage "tests/gpu (b bf16, c engine)" 180 python -m pytest -q -rs -p no:cacheprovider -m gpu \
     tests/gpu/test_decode_engine_gpu.py
-stage "c: tools/bench_gpu.py" 200 python tools/bench_gpu.py --table gpu_step_times.json
+stage "c: tools/bench_gpu.py" 150 python tools/bench_gpu.py --batches 1 16 64 --table gpu_step_times.json
 expected=("a: greedy bf16 vs fp64 CPU" "a: 5 GRPO steps bf16" "b: 2-rank elastic, one GPU"
           "c: decode tokens/s, batch 1" "c: decode tokens/s, batch 64"
           "b: bf16 responses per policy vs vanilla" "c: decode step, sync debug mode error"
           "c: graph replay = eager tokens (bf16)" "c: 30B-A3B slice step vs roofline, batch 64"
           "c: graphed tokens = eager tokens")
-# issue 21: bf16 vs fp32 GRPO updates on the same rollouts (per-update table), offloaded optimizer step
-stage "tests/gpu (training)" 300 python -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu/test_training_gpu.py
-expected+=("a: bf16 GRPO per-update table")
 
 # (m) the megatron backend (issue 20), ~90 s. A machine without megatron-core (the lent H200) gets
 # it from a carried wheel: $FF_MEGATRON_WHEELS names a folder holding megatron_core-0.16.1-*.whl
@@ -100,6 +109,10 @@ else
     record "m: megatron backend" skip "megatron-core is not importable here (set FF_MEGATRON_WHEELS: docs/gpu.md)" 0
 fi
 
+# issue 21: bf16 vs fp32 GRPO updates on the same rollouts (per-update table), offloaded optimizer step
+stage "tests/gpu (training)" 300 python -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu/test_training_gpu.py
+expected+=("a: bf16 GRPO per-update table")
+stage "tests/gpu (a, b)" 300 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_gpu_path.py
 stage "s: sglang lease" 300 python -m pytest -q -s -rs -p no:cacheprovider tests/gpu/test_sglang_lease_gpu.py
 
 echo
