@@ -32,6 +32,22 @@ def _processes():
         yield int(stat.parent.name), state, int(ppid), int(pgrp)
 
 
+def _cmd(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The ranks a flexfloor launcher started, in start order: children of its fork server
+    (megatron_rl/parallel/rank_start.py), or its own children when it spawned them."""
+    procs = list(_processes())
+    servers = {pid for pid, _, ppid, _ in procs if ppid == launcher and b"multiprocessing.forkserver" in _cmd(pid)}
+    return sorted(pid for pid, state, ppid, _ in procs if state != "Z" and (
+        ppid in servers or (ppid == launcher and b"spawn_main" in _cmd(pid))))
+
+
 def live_members(pgid: int) -> list[int]:
     """Processes of group `pgid` that still run (zombies, already dead, do not count)."""
     return [pid for pid, state, _, pgrp in _processes() if state != "Z" and pgrp == pgid]
@@ -77,11 +93,15 @@ def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, str, flo
 
 
 def live_children(pid: int | None = None) -> list[int]:
-    """Running (non-zombie) child processes of `pid` (default: this process), less multiprocessing's
-    resource tracker: one per interpreter, it outlives every run by design."""
+    """Running (non-zombie) processes `pid` (default: this process) started, its fork server's
+    children (the ranks, megatron_rl/parallel/rank_start.py) included, less multiprocessing's
+    resource tracker and the fork server: one each per interpreter, they outlive every run by design."""
     pid = os.getpid() if pid is None else pid
-    return [p for p, state, ppid, _ in _processes()
-            if state != "Z" and ppid == pid and "resource_tracker" not in _cmdline(p)]
+    procs = list(_processes())
+    helpers = {p for p, _, ppid, _ in procs if ppid == pid and (
+        b"resource_tracker" in _cmd(p) or b"multiprocessing.forkserver" in _cmd(p))}
+    return [p for p, state, ppid, _ in procs if state != "Z" and p not in helpers and (
+        ppid == pid or ppid in helpers)]
 
 
 def one_line_exit_2(capsys, argv, *fragments) -> str:

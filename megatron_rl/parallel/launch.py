@@ -2,7 +2,8 @@
 
 `run_ranks(fn, world, *args)` calls `fn(ctx, *args)` on every rank and returns rank 0's return
 value. Started under torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set), the current process
-is one rank of that world and non-zero ranks return None. Otherwise W processes are spawned; a rank
+is one rank of that world and non-zero ranks return None. Otherwise W processes are started (forked
+from a fork server that imported torch once, parallel/rank_start.py); a rank
 that raises or dies ends the whole job with an error naming the rank, after at most `timeout_s`.
 `device` ('cpu' or 'cuda', see parallel/device.py) picks the world's backend: gloo or NCCL.
 """
@@ -19,11 +20,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_rl.errors import FlexFloorError, Interrupted
 from megatron_rl.parallel.device import dist_backend, nccl_environment, rank_device
 from megatron_rl.parallel.groups import ProcessGroups
+from megatron_rl.parallel.rank_start import rank_context, worker_environment
 from megatron_rl.parallel.signals import GRACE_S, Supervisor, default_signals, rank_signals
 
 
@@ -85,7 +86,8 @@ def user_error(e: BaseException) -> FlexFloorError | None:
     return None
 
 
-def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid, device="cpu", transport="direct"):
+def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid, env, device="cpu", transport="direct"):
+    worker_environment(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rank_signals(launcher_pid)
     try:
@@ -204,11 +206,12 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
             default_signals()
             dist.destroy_process_group()
         return out if rank == 0 else None
-    ctx = mp.get_context("spawn")
+    ctx = rank_context(getattr(fn, "__module__", None))
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker,
-                         args=(r, world, port, timeout_s, fn, args, queue, os.getpid(), device, transport),
+                         args=(r, world, port, timeout_s, fn, args, queue, os.getpid(), dict(os.environ), device,
+                               transport),
                          daemon=False)
              for r in range(world)]
     with Supervisor(procs, stop_grace_s) as sup:

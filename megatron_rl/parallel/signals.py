@@ -5,7 +5,8 @@ Three pieces, one per side of the launcher:
     `finally` blocks flush what is finished. A spawned rank ignores SIGINT, because its launcher
     turns a Ctrl+C into one SIGTERM for every rank; under torchrun, which forwards the SIGINT
     itself, SIGINT counts as a stop signal too. A spawned rank also dies with its launcher
-    (PR_SET_PDEATHSIG), so a SIGKILLed launcher leaves no orphan computing into `--out`.
+    (PR_SET_PDEATHSIG on its parent, the launcher or its fork server, which ends with it), so a
+    SIGKILLed launcher leaves no orphan computing into `--out`.
   - `StopOnSignal` (the trainer's loop): Megatron's DistributedSignalHandler. The handler only sets a
     flag; after every step all ranks all-reduce it, so all of them save the same step and leave together.
   - `Supervisor` (the spawning launcher): forwards SIGTERM/SIGINT/SIGHUP/SIGUSR1 to its ranks, gives them
@@ -44,12 +45,25 @@ def rank_signals(launcher_pid: int | None = None) -> None:
         signal.signal(sig, _raise_interrupted)
     if launcher_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # The parent is the launcher's fork server (parallel/rank_start.py), which ends with the
+        # launcher, or the launcher itself (spawned ranks).
+        parent = os.getppid()
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):  # not Linux: the Supervisor still ends the ranks it can see
             pass
-        if os.getppid() != launcher_pid:  # the launcher died before the prctl took effect
+        if os.getppid() != parent or not _alive(launcher_pid):  # it died before the prctl took effect
             os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def default_signals() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_rl.cli.out_lock import LOCK_NAME, OutDirInUse, hold_out_dir
 from megatron_rl.parallel.signals import GRACE_S
-from tests.process_tree import _processes, assert_group_gone, finish, flexfloor, wait_for
+from tests.process_tree import assert_group_gone, finish, flexfloor, rank_pids, wait_for
 from tests.tiny_train import tiny_train_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -70,8 +70,7 @@ def test_a_frozen_rank_in_training_is_one_line_naming_rank_step_and_phase(tmp_pa
     out = tmp_path / "out"
     proc = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
     wait_for(lambda: len(_lines(out / "metrics.jsonl")) >= 1, 120, "the first step", proc)
-    ranks = [pid for pid, _, ppid, _ in _processes() if ppid == proc.pid
-             and b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    ranks = rank_pids(proc.pid)
     assert len(ranks) == 2, ranks
     os.kill(max(ranks), signal.SIGSTOP)
     rc, _, err, waited = finish(proc, 120)

@@ -1,6 +1,7 @@
 """SIGTERM to `flexfloor train` saves and exits 0, and the same command resumes; SIGTERM to
 `flexfloor rollout` ends every rank and keeps the finished responses (issue 11 item 5, 15 item 4.3)."""
 import json
+import os
 import signal
 
 import pytest
@@ -21,7 +22,9 @@ def test_sigterm_to_train_saves_exits_0_and_the_same_command_resumes(tmp_path):
     out = tmp_path / "out"
     proc = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
     wait_for(lambda: len(_lines(out / "metrics.jsonl")) >= 1, 120, "the first step", proc)
-    proc.send_signal(signal.SIGTERM)
+    # To every process of the run, as Slurm's pre-emption and a closed terminal signal: the
+    # launcher's fork server must outlive it, or its ranks die with it, unsaved (parallel/rank_start.py).
+    os.killpg(proc.pid, signal.SIGTERM)
     rc, stdout, err, _ = finish(proc, 120)
     assert rc == 0, err[-3000:]
     done = len(_lines(out / "metrics.jsonl"))
