@@ -12,6 +12,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.moe import LocalDispatcher
@@ -23,39 +24,33 @@ READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "
          "nonzero", "__array__")
 
 
+class _HostReads(TorchFunctionMode):
+    """Sees every torch call made from Python while active (methods, dunders, functions)."""
+
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS or name == "bincount":
+            self.seen.append(name)
+        elif name in ("__getitem__", "__setitem__") and len(args) > 1:
+            parts = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+                self.seen.append(f"{name}[bool mask]")
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def host_reads():
-    """Counts host reads of tensor data while active: yields a list that collects their names."""
-    seen, saved = [], {}
-
-    def wrap(owner, name):
-        fn = getattr(owner, name)
-        saved[(owner, name)] = fn
-
-        def counted(*a, **k):
-            seen.append(name)
-            return fn(*a, **k)
-        setattr(owner, name, counted)
-
-    for name in READS:
-        wrap(torch.Tensor, name)
-    wrap(torch, "bincount")
-    wrap(torch, "nonzero")
-    for name in ("__getitem__", "__setitem__"):
-        fn = getattr(torch.Tensor, name)
-        saved[(torch.Tensor, name)] = fn
-
-        def indexed(self, idx, *rest, _fn=fn, _name=name):
-            parts = idx if isinstance(idx, tuple) else (idx,)
-            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-                seen.append(f"{_name}[bool mask]")
-            return _fn(self, idx, *rest)
-        setattr(torch.Tensor, name, indexed)
-    try:
+    """Counts host reads of tensor data while active: yields a list that collects their names.
+    A torch function mode, not patched methods: patching torch.Tensor.__getitem__ cannot be
+    undone (CPython keeps the Python-level sequence slot), and torch.tensor() would then take 0-d
+    tensors for sequences in every later test of the process."""
+    seen: list = []
+    with _HostReads(seen):
         yield seen
-    finally:
-        for (owner, name), fn in saved.items():
-            setattr(owner, name, fn)
 
 
 def model(dtype, layers=4):
