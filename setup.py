@@ -36,6 +36,7 @@ setup(
         "dev": [
             "pytest",
             "pytest-timeout",
+            "pytest-xdist",  # the README's test command runs two test files at a time
             "hypothesis",
             "ruff",
             "matplotlib",
