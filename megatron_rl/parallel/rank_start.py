@@ -26,6 +26,7 @@ from __future__ import annotations
 import multiprocessing.forkserver as forkserver
 import os
 import signal
+import threading
 
 import torch.multiprocessing as mp
 
@@ -45,17 +46,21 @@ def rank_context(rank_module: str | None):
     start-time environment is no longer the server's."""
     global _server_env
     if _server_env is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", *([rank_module] if rank_module else [])])
-        saved = {s: signal.signal(s, signal.SIG_IGN) for s in LAUNCHER_SIGNALS}
-        try:  # the server inherits the ignored dispositions across its exec
-            forkserver.ensure_running()
-        finally:
-            for s, handler in saved.items():
-                signal.signal(s, handler)
+        mp.get_context("forkserver").set_forkserver_preload(
+            ["torch", "torch.distributed", *([rank_module] if rank_module else [])])
         _server_env = _start_env()
-        return ctx
-    return mp.get_context("forkserver" if _start_env() == _server_env else "spawn")
+    elif _start_env() != _server_env:
+        return mp.get_context("spawn")
+    # Every launch: multiprocessing restarts a server that died (killed by hand, say), and the new
+    # one must ignore the stop signals too.
+    main = threading.current_thread() is threading.main_thread()  # signal.signal's only thread
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in LAUNCHER_SIGNALS} if main else {}
+    try:  # the server inherits the ignored dispositions across its exec
+        forkserver.ensure_running()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+    return mp.get_context("forkserver")
 
 
 def worker_environment(env: dict) -> None:
