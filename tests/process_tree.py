@@ -21,6 +21,18 @@ def flexfloor(*args: str, **kw) -> subprocess.Popen:
     return start([sys.executable, "-m", "megatron_rl.cli", *args], **kw)
 
 
+def lines(path: Path) -> list[str]:
+    """The lines of a file a run is still writing ([] before it exists)."""
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def training_started(cfg: Path, out: Path) -> subprocess.Popen:
+    """`flexfloor train --config CFG --out OUT` (W&B off), returned once its first step is logged."""
+    proc = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
+    wait_for(lambda: len(lines(out / "metrics.jsonl")) >= 1, 120, "the first step", proc)
+    return proc
+
+
 def _processes():
     """(pid, state, ppid, pgrp) of every process, from /proc."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -63,10 +75,8 @@ def assert_group_gone(pgid: int, within_s: float = 15.0) -> None:
 
 
 def _cmdline(pid: int) -> str:
-    try:
-        return f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-    except OSError:
-        return str(pid)
+    """`pid` and the start of its command line, for a failure message."""
+    return f"{pid}: " + _cmd(pid).replace(b"\0", b" ").decode(errors="replace")[:120]
 
 
 def wait_for(pred, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:

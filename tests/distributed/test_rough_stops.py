@@ -12,33 +12,28 @@ import pytest
 
 from megatron_rl.cli.out_lock import LOCK_NAME, OutDirInUse, hold_out_dir
 from megatron_rl.parallel.signals import GRACE_S
-from tests.process_tree import assert_group_gone, finish, flexfloor, rank_pids, wait_for
+from tests.process_tree import assert_group_gone, finish, flexfloor, lines, rank_pids, training_started
 from tests.tiny_train import tiny_train_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _lines(path):
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def test_a_second_run_on_the_same_out_is_refused_and_sighup_saves_and_exits_0(tmp_path):
     cfg = tiny_train_config(tmp_path, steps=500)
     out = tmp_path / "out"
-    first = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
-    wait_for(lambda: len(_lines(out / "metrics.jsonl")) >= 1, 120, "the first step", first)
+    first = training_started(cfg, out)
     config = (out / "config.yaml").read_text()
     second = flexfloor("train", "--config", str(cfg), "--out", str(out), "seed=1", env={"WANDB_MODE": "disabled"})
     rc, _, err, _ = finish(second, 120)
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1, err[-2000:]
-    assert f"--out {out}: in use by pid {first.pid} (`flexfloor train`, started " in lines[0], lines
+    said = err.strip().splitlines()
+    assert rc == 2 and len(said) == 1, err[-2000:]
+    assert f"--out {out}: in use by pid {first.pid} (`flexfloor train`, started " in said[0], said
     assert (out / "config.yaml").read_text() == config  # nothing of the first run was touched
     assert_group_gone(second.pid)
     first.send_signal(signal.SIGHUP)
     rc, stdout, err, _ = finish(first, 120)
     assert rc == 0, err[-3000:]
-    done = len(_lines(out / "metrics.jsonl"))
+    done = len(lines(out / "metrics.jsonl"))
     assert f"stopped by SIGHUP after step {done} (checkpoint saved)" in stdout, stdout
     assert f"-> step {done} " in stdout, stdout  # not "-> step 500"
     assert (out / "checkpoints" / "latest").read_text() == f"step_{done:06d}"
@@ -68,8 +63,7 @@ def test_the_lock_of_a_killed_holder_is_reclaimed(tmp_path):
 def test_a_frozen_rank_in_training_is_one_line_naming_rank_step_and_phase(tmp_path):
     cfg = tiny_train_config(tmp_path, steps=500, timeout_s=2.0)
     out = tmp_path / "out"
-    proc = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
-    wait_for(lambda: len(_lines(out / "metrics.jsonl")) >= 1, 120, "the first step", proc)
+    proc = training_started(cfg, out)
     ranks = rank_pids(proc.pid)
     assert len(ranks) == 2, ranks
     os.kill(max(ranks), signal.SIGSTOP)

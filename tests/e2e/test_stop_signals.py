@@ -6,28 +6,22 @@ import signal
 
 import pytest
 
-from tests.process_tree import assert_group_gone, finish, flexfloor, wait_for
+from tests.process_tree import assert_group_gone, finish, flexfloor, lines, training_started, wait_for
 from tests.tiny_train import tiny_train_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-
-def _lines(path):
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def test_sigterm_to_train_saves_exits_0_and_the_same_command_resumes(tmp_path):
     cfg = tiny_train_config(tmp_path, steps=500)
     out = tmp_path / "out"
-    proc = flexfloor("train", "--config", str(cfg), "--out", str(out), env={"WANDB_MODE": "disabled"})
-    wait_for(lambda: len(_lines(out / "metrics.jsonl")) >= 1, 120, "the first step", proc)
+    proc = training_started(cfg, out)
     # To every process of the run, as Slurm's pre-emption and a closed terminal signal: the
     # launcher's fork server must outlive it, or its ranks die with it, unsaved (parallel/rank_start.py).
     os.killpg(proc.pid, signal.SIGTERM)
     rc, stdout, err, _ = finish(proc, 120)
     assert rc == 0, err[-3000:]
-    done = len(_lines(out / "metrics.jsonl"))
+    done = len(lines(out / "metrics.jsonl"))
     assert f"stopped by SIGTERM after step {done} (checkpoint saved)" in stdout, stdout
     assert (out / "checkpoints" / "latest").read_text() == f"step_{done:06d}"
     assert not (out / "hf").exists()  # the export waits for the real last step
@@ -38,7 +32,7 @@ def test_sigterm_to_train_saves_exits_0_and_the_same_command_resumes(tmp_path):
     rc, _, err, _ = finish(again, 120)
     assert rc == 0, err[-3000:]
     assert f"resuming from {out / 'checkpoints' / f'step_{done:06d}'} (step {done})" in err, err
-    assert [json.loads(m)["step"] for m in _lines(out / "metrics.jsonl")] == list(range(1, done + 2))
+    assert [json.loads(m)["step"] for m in lines(out / "metrics.jsonl")] == list(range(1, done + 2))
     assert_group_gone(again.pid)
 
 
@@ -48,13 +42,13 @@ def test_sigterm_to_rollout_ends_every_rank_and_keeps_finished_responses(tailed_
     proc = flexfloor("rollout", "--trace", str(tailed_trace), "--ranks", "2", "--length-scale", "1.0",
                      "--out", str(out), "--quiet", "model.max_position_embeddings=16500")
     streamed = [out / "responses.rank0.jsonl", out / "responses.rank1.jsonl"]
-    wait_for(lambda: any(_lines(p) for p in streamed), 180, "a finished response", proc)
+    wait_for(lambda: any(lines(p) for p in streamed), 180, "a finished response", proc)
     proc.send_signal(signal.SIGTERM)
     rc, _, err, waited = finish(proc, 60)
     assert rc == 128 + signal.SIGTERM, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("flexfloor rollout: interrupted by SIGTERM"), err[-3000:]
     assert waited < 20, waited
-    kept = [json.loads(line) for p in streamed for line in _lines(p)]
+    kept = [json.loads(line) for p in streamed for line in lines(p)]
     assert kept and all(len(r["tokens"]) > 0 for r in kept)
     assert not (out / "report.json").exists()
     assert_group_gone(proc.pid)
