@@ -36,6 +36,7 @@ from megatron_rl.errors import FlexFloorError
 from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats, require_matplotlib
 from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.signals import StopOnSignal
+from megatron_rl.provenance import provenance
 from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
@@ -111,7 +112,8 @@ class Trainer:
         self.logger = None
         if rank == 0:
             self.logger = MetricsLogger(self.out_dir, cfg.logging,
-                                        run_config={**asdict(cfg), "moe": backend_report(cfg.backend)},
+                                        run_config={**asdict(cfg), "moe": backend_report(cfg.backend),
+                                                    "provenance": provenance()},
                                         resume_step=self.start_step if resume is not None else None,
                                         tags=policy_tags(cfg.elastic.policy, cfg.elastic.floor))
 
@@ -212,7 +214,7 @@ class Trainer:
     # ---- the run --------------------------------------------------------------------------------
     def trainer_state(self) -> dict:
         state = {"data": self.iterator.state_dict(), "seed": self.cfg.seed,
-                 "model": self.cfg.model.to_dict(), "ranks": self.world}
+                 "model": self.cfg.model.to_dict(), "ranks": self.world, "provenance": provenance()}
         if self.partial is not None:  # the carried responses, so a resume continues them
             state["partial"] = self.partial.state_dict()
         return state

@@ -70,12 +70,12 @@ def _python_env(tmp_path: Path) -> dict[str, str]:
     return dict(_job_env(tmp_path, f"{py} -m megatron_rl.cli"), FF_TORCHRUN=f"{py} -m torch.distributed.run")
 
 
-def _cpu_train_sbatch(tmp_path: Path, lead_s: int | None = None) -> Path:
+def _cpu_train_sbatch(tmp_path: Path, signal: bool = True) -> Path:
     """train.sbatch less its `--gpus-per-node` line (this cluster has no GPUs; FF_DEVICE=cpu runs it),
-    and with another signal lead where given, as a user would edit it."""
+    and, with `signal=False`, without its USR1 before the time limit, as a user could edit it."""
     text = (SLURM_DIR / "train.sbatch").read_text().replace("#SBATCH --gpus-per-node=8\n", "")
-    if lead_s is not None:
-        text = text.replace("USR1@300", f"USR1@{lead_s}").replace("FF_SIGNAL_LEAD_S=300", f"FF_SIGNAL_LEAD_S={lead_s}")
+    if not signal:
+        text = text.replace("#SBATCH --signal=B:USR1@300\n", "").replace("FF_SIGNAL_LEAD_S=300", "FF_SIGNAL_LEAD_S=0")
     script = tmp_path / "train.sbatch"
     script.write_text(text)
     return script
@@ -125,11 +125,12 @@ def test_train_sbatch_requeues_on_usr1_and_the_real_trainer_resumes_from_its_che
 def test_a_job_whose_time_limit_falls_mid_run_saves_requeues_and_resumes_losing_nothing(slurm, tmp_path):
     from tests.tiny_train import tiny_train_config
 
-    # A 2-minute limit and a 10 s signal lead: the trainer must save and stop by itself before
-    # then (rl/deadline.py), or Slurm ends the job as TIMEOUT, which it never requeues.
+    # A 2-minute limit and no signal before it (Slurm may send one up to a minute early, which
+    # would race the deadline stop): the trainer must save and stop by itself before the limit
+    # (rl/deadline.py), or Slurm ends the job as TIMEOUT, which it never requeues.
     cfg = tiny_train_config(tmp_path, steps=100000)
     run, out = tmp_path / "run", tmp_path / "job.out"
-    rc, job = slurm.sbatch(_cpu_train_sbatch(tmp_path, lead_s=10), str(cfg), wait=False,
+    rc, job = slurm.sbatch(_cpu_train_sbatch(tmp_path, signal=False), str(cfg), wait=False,
                            options=(f"--output={out}", "--time=2"), cwd=REPO, env=_train_env(tmp_path))
     assert rc == 0 and job, slurm.logs()
     resumed = re.compile(r"resuming from \S+step_(\d+) \(step (\d+)\)")
@@ -139,7 +140,8 @@ def test_a_job_whose_time_limit_falls_mid_run_saves_requeues_and_resumes_losing_
     slurm.run(["scancel", job])
     log = _read(out)
     stopped = [int(n) for n in re.findall(r"stopped before the deadline \(.*\) after step (\d+)", log)]
-    assert len(stopped) == 1 and "requeueing job" in log and "[train] deadline " in log, log
+    assert len(stopped) == 1 and "[train] deadline " in log and "got USR1" not in log, log
+    assert re.search(r"stopped before the time limit \(step \d+: .*\), requeueing job", log), log
     assert int(resumed.search(log).group(1)) == stopped[0], log
     steps = _steps(run / "metrics.jsonl")
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > stopped[0], log  # nothing lost, nothing twice
@@ -154,7 +156,7 @@ def test_a_resubmitted_job_resumes_its_run_folder_from_the_job_name(slurm, tmp_p
     for n, steps in enumerate(("1", "2")):  # a second sbatch: a new job id, the same --job-name
         out = tmp_path / f"job{n}.out"
         rc, job = slurm.sbatch(script, str(cfg), "--steps", steps, cwd=tmp_path, env=env, timeout_s=300,
-                               options=(f"--output={out}", "--job-name=ff-resubmit"))
+                               options=(f"--output={out}", "--job-name=ff-resubmit", "--time=10"))
         assert rc == 0, _read(out) + slurm.logs()
         jobs.append(job)
     run = tmp_path / "runs" / "ff-resubmit"
@@ -167,6 +169,6 @@ def test_a_job_without_gpus_stops_naming_gpus_per_node(slurm, tmp_path):
     out = tmp_path / "job.out"
     env = {k: v for k, v in _train_env(tmp_path).items() if k != "FF_DEVICE"}
     rc, job = slurm.sbatch(_cpu_train_sbatch(tmp_path), "cfg.yaml", cwd=REPO, env=env, timeout_s=120,
-                           options=(f"--output={out}",))
+                           options=(f"--output={out}", "--time=10"))
     log = _read(out)
     assert rc != 0 and f"job {job} has no GPUs: submit with --gpus-per-node=N" in log and "torchrun" not in log, log
