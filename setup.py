@@ -59,7 +59,7 @@ setup(
             # deepspeed (its CPU Adam, `optim.offload: cpu`) is in the dev and offload extras (docs/cluster.md).
             "transformer-engine[pytorch]==2.9.0",
             "megatron-core==0.16.1",
-            "sglang==0.5.9",
+            "sglang==0.5.10.post1",
         ],
     },
     entry_points={"console_scripts": ["flexfloor=megatron_rl.cli:main"]},

@@ -232,5 +232,8 @@ def config_yaml(cfg) -> str:
 
 
 def write_config(cfg, out_dir: str | Path) -> None:
-    """Record the resolved config as `out_dir/config.yaml` (a rerun can pass it as --config)."""
-    (Path(out_dir) / "config.yaml").write_text(config_yaml(cfg), encoding="utf-8")
+    """Record the resolved config as `out_dir/config.yaml` (a rerun can pass it as --config), after
+    a comment line with the run's provenance (git sha, versions, image)."""
+    from megatron_rl.provenance import provenance_comment
+
+    (Path(out_dir) / "config.yaml").write_text(provenance_comment() + config_yaml(cfg), encoding="utf-8")

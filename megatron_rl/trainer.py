@@ -36,6 +36,7 @@ from megatron_rl.errors import FlexFloorError
 from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats, require_matplotlib
 from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.signals import StopOnSignal
+from megatron_rl.provenance import provenance
 from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
@@ -44,6 +45,7 @@ from megatron_rl.rl.checkpoint import (
     save_checkpoint,
     vet_checkpoint,
 )
+from megatron_rl.rl.deadline import run_deadline, stopped_summary
 from megatron_rl.rl.grpo import group_advantages
 from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
@@ -106,10 +108,12 @@ class Trainer:
                                     leases=TrainingLeases(cfg, self.tok, rank, world), out_dir=self.out_dir)
         self.update = PolicyUpdate(cfg, self.model, self.optimizer, self.ref_model, self.tok.pad_id,
                                    rank, world)
+        self.deadline = run_deadline(cfg.end_by, rank)  # the job's end: stop and save before it
         self.logger = None
         if rank == 0:
             self.logger = MetricsLogger(self.out_dir, cfg.logging,
-                                        run_config={**asdict(cfg), "moe": backend_report(cfg.backend)},
+                                        run_config={**asdict(cfg), "moe": backend_report(cfg.backend),
+                                                    "provenance": provenance()},
                                         resume_step=self.start_step if resume is not None else None,
                                         tags=policy_tags(cfg.elastic.policy, cfg.elastic.floor))
 
@@ -210,7 +214,7 @@ class Trainer:
     # ---- the run --------------------------------------------------------------------------------
     def trainer_state(self) -> dict:
         state = {"data": self.iterator.state_dict(), "seed": self.cfg.seed,
-                 "model": self.cfg.model.to_dict(), "ranks": self.world}
+                 "model": self.cfg.model.to_dict(), "ranks": self.world, "provenance": provenance()}
         if self.partial is not None:  # the carried responses, so a resume continues them
             state["partial"] = self.partial.state_dict()
         return state
@@ -242,6 +246,7 @@ class Trainer:
         try:
             with StopOnSignal(next(self.model.parameters()).device) as stop:
                 for step in range(self.start_step + 1, cfg.steps + 1):
+                    t_step = time.perf_counter()
                     with step_faults(self, step):
                         metrics = self.step(step)
                     check_finite(step, metrics, self.out_dir)
@@ -259,11 +264,17 @@ class Trainer:
                             self._log_validation(step, metrics["val"], t0)
                     # The last step needs no early stop: it is saved and exported anyway.
                     with step_faults(self, step, "stop-check"):
-                        stopped = step if stop.requested() and step < cfg.steps else None
+                        if self.deadline is not None:
+                            self.deadline.after_step(time.perf_counter() - t_step)
+                        late = self.deadline is not None and self.deadline.must_stop()
+                        stopped = step if stop.requested(late) and step < cfg.steps else None
                     if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                         with step_faults(self, step, "checkpoint"):
+                            t_save = time.perf_counter()
                             save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
                                             self.trainer_state(), self.history, self.rank)
+                            if self.deadline is not None:
+                                self.deadline.after_save(time.perf_counter() - t_save)
                     if stopped:
                         break
             if cfg.checkpoint.export_hf and not stopped:
@@ -275,8 +286,8 @@ class Trainer:
                    "wall_s": time.perf_counter() - t0}
         if val_curve:
             summary["val_pass@1"] = val_curve
-        if stopped:  # a requeue or pre-emption: the next run with this --out resumes here
-            summary["stopped"] = {"step": stopped, "signal": signal.Signals(stop.signum).name}
+        if stopped:  # a requeue, pre-emption or the job's end: the next run with this --out resumes here
+            summary["stopped"] = stopped_summary(stopped, stop, self.deadline, self.out_dir, self.rank)
         return summary
 
 

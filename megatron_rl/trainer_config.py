@@ -185,6 +185,9 @@ class TrainerConfig:
     # once), so a long response never materialises [tokens, vocab] fp32 logits.
     recompute_activations: bool = False
     logprob_chunk_tokens: int = 1024
+    # Save and stop before this time (ISO 8601, or Unix seconds; `--deadline`); under Slurm the
+    # job's end less FF_SIGNAL_LEAD_S by default. megatron_rl/rl/deadline.py.
+    end_by: str | None = None
 
     def __post_init__(self):
         W, E = self.ranks, self.model.num_moe_experts
@@ -211,6 +214,10 @@ class TrainerConfig:
                 f"generation.max_response_len ({self.generation.max_response_len}) must be below "
                 f"model.max_position_embeddings ({self.model.max_position_embeddings}): a response "
                 "follows a prompt of at least one token")
+        if self.end_by is not None:
+            from megatron_rl.rl.deadline import parse_time
+
+            parse_time(self.end_by, "end_by")
         require(self.logprob_chunk_tokens >= 0,
                 f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")
         self.partial.require_groups("train")

@@ -5,21 +5,30 @@ folder holds a mix). The lock is an `flock` on `DIR/.flexfloor.lock`, held for t
 launching process (under torchrun, by global rank 0 alone): the kernel drops it when that process
 ends in any way, SIGKILL included, so a dead holder's lock is reclaimed by the next run with nothing
 to clean up. The file records the holder (PID, command, start time) for the refusal's one line.
-flock is local to one host (and to NFS clients that support it): two hosts sharing a folder over a
-file system without flock are not protected.
+flock is local to one host (and to NFS clients that support it). On a file system without flock
+(Lustre or NFS mounted without locks) the lock falls back, saying so in one line, to an atomic lock
+file `DIR/.flexfloor.lock.excl` created with O_EXCL and holding the PID and host; the run removes it
+when it ends, and a later run on the same host that finds its PID dead takes it over (one left
+by another host names that host, for a person to judge).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import socket
+import sys
 import time
 from pathlib import Path
 
 from megatron_rl.errors import FlexFloorError
 
 LOCK_NAME = ".flexfloor.lock"
+EXCL_NAME = ".flexfloor.lock.excl"
+# What flock raises where the file system does not support it.
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 class OutDirInUse(FlexFloorError):
@@ -55,6 +64,14 @@ def hold_out_dir(path: str | Path | None, command: str, flag: str = "--out"):
         except BlockingIOError:
             raise OutDirInUse(f"{flag} {path}: in use by {_holder(fh)}; wait for it to end, or "
                               f"choose another {flag}") from None
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                raise
+            print(f"[{command}] {flag} {path}: the file system has no flock ({e.strerror}); locking with "
+                  f"{EXCL_NAME} (O_EXCL, PID and host) instead", file=sys.stderr, flush=True)
+            with _excl_lock(Path(path), command, flag):
+                yield
+            return
         fh.seek(0)
         fh.truncate()
         fh.write(json.dumps({"pid": os.getpid(), "command": command, "started": time.time()}))
@@ -63,3 +80,36 @@ def hold_out_dir(path: str | Path | None, command: str, flag: str = "--out"):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _excl_lock(path: Path, command: str, flag: str):
+    """The lock without flock: a file only one process can create; a dead holder's on this host is stale."""
+    from megatron_rl.parallel.signals import _alive
+
+    lock, host = path / EXCL_NAME, socket.gethostname()
+    me = json.dumps({"pid": os.getpid(), "host": host, "command": command, "started": time.time()})
+    for _attempt in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            try:
+                info = json.loads(lock.read_text(encoding="utf-8") or "{}")
+                pid, holder = int(info["pid"]), str(info["host"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, holder = None, "?"
+            if holder == host and pid is not None and not _alive(pid):  # stale: its run is gone
+                lock.unlink(missing_ok=True)
+                continue
+            raise OutDirInUse(f"{flag} {path}: in use by pid {pid} on {holder} ({lock}); wait for it to end, "
+                              f"delete {lock} if that run is gone, or choose another {flag}") from None
+    else:
+        raise OutDirInUse(f"{flag} {path}: {lock} was taken again while its stale holder was removed")
+    try:
+        os.write(fd, me.encode())
+        os.close(fd)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+

@@ -32,7 +32,7 @@ def run(args) -> int:
 
     flags = (("policy", "elastic.policy"), ("floor", "elastic.floor"), ("steps", "steps"),
              ("ranks", "ranks"), ("seed", "seed"), ("device", "device"),
-             ("allow_unverified_checkpoint", "checkpoint.allow_unverified"))
+             ("allow_unverified_checkpoint", "checkpoint.allow_unverified"), ("deadline", "end_by"))
     cfg = resolve(TrainerConfig, args.config, args, flags, world_size_key="ranks")
     cfg.logging.experiment = cfg.logging.experiment or Path(args.config).stem  # the W&B group
     if args.print_config:
@@ -57,8 +57,8 @@ def run(args) -> int:
     if "stopped" in summary:
         st = summary["stopped"]
         where = f"warm-start step {st['sft_step']}" if "sft_step" in st else f"step {st['step']}"
-        print(f"stopped by {st['signal']} after {where} (checkpoint saved); the same command "
-              "resumes from it", flush=True)
+        why = f"by {st['signal']}" if "signal" in st else f"before the deadline ({st['deadline']})"
+        print(f"stopped {why} after {where} (checkpoint saved); the same command resumes from it", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(summary, fh, indent=2)
@@ -84,6 +84,10 @@ def register(sub) -> None:
     p.add_argument("--allow-unverified-checkpoint", action="store_true", default=None,
                    help="resume from a checkpoint that has no checksums.json (only one you trust: "
                         "see docs/training.md)")
+    p.add_argument("--deadline", metavar="TIME",
+                   help="save and stop before TIME (ISO 8601 or Unix seconds; end_by): a step starts only "
+                        "if it and its save fit, from the slowest measured (default under Slurm: the "
+                        "job's end less FF_SIGNAL_LEAD_S)")
     p.add_argument("--json", metavar="OUT", help="write the run summary (reward curve, wall time) here")
     from megatron_rl.cli.overrides import add_override_args
 

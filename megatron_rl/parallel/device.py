@@ -20,7 +20,14 @@ TransportChoice = Literal["direct", "host"]
 
 
 def resolve_device(choice: str, where: str = "device") -> str:
-    """'cpu' or 'cuda' for a config's `device` value; `where` names the field in the error."""
+    """'cpu' or 'cuda' for a config's `device` value; `where` names the field in the error.
+
+    In a Slurm job `auto` and `cuda` without a visible GPU stop (a job that asked for no GPUs
+    would otherwise run a GPU-sized config on gloo ranks); only `cpu` runs there on CPU."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if choice in ("auto", "cuda") and job and not torch.cuda.is_available():
+        raise FlexFloorError(f"{where}: {choice!r} but Slurm job {job} shows no GPU: submit with "
+                             "--gpus-per-node=N, or set device: cpu (FF_DEVICE=cpu) for a CPU run")
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():

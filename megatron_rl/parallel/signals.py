@@ -83,6 +83,7 @@ class StopOnSignal:
     def __init__(self, device=None):
         self.device = device
         self.signum: int | None = None
+        self.deadline = False
         self._old: dict = {}
 
     def _flag(self, signum, _frame):
@@ -97,17 +98,20 @@ class StopOnSignal:
         for s, old in self._old.items():
             signal.signal(s, old)
 
-    def requested(self) -> bool:
-        """True on every rank when any rank got a stop signal (one small all-reduce)."""
+    def requested(self, deadline: bool = False) -> bool:
+        """True on every rank when any rank got a stop signal, or (`deadline`) judged that the next
+        step no longer fits before the job's end (one small all-reduce); `self.deadline` then says
+        it was the deadline on some rank."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if self.signum is None else self.signum], device=self.device)
+        flag = torch.tensor([0 if self.signum is None else self.signum, int(deadline)], device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.signum is None:
-            self.signum = int(flag.item())
-        return bool(flag.item())
+        signum, self.deadline = int(flag[0].item()), bool(flag[1].item())
+        if signum and self.signum is None:
+            self.signum = signum
+        return bool(signum) or self.deadline
 
 
 class Supervisor:

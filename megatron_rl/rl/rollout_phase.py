@@ -31,6 +31,7 @@ from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.parallel.dims import ranks_on_this_host
+from megatron_rl.progress import Progress
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.memory import memory_budget, model_shape
@@ -99,6 +100,8 @@ class RecordingEngine(RolloutEngine):
         super().__init__(*args, **kwargs)
         self.temperature = temperature
         self.logprobs: dict[tuple[str, int], list[float]] = {}
+        self.progress: Progress | None = None  # the phase's progress line (rank 0)
+        self.tokens_done = 0
 
     def _rides_with_tokens(self, logits_BV: torch.Tensor, toks_B: torch.Tensor) -> torch.Tensor:
         # On the device, as float64 bits: the host reads them with the tokens, not once per row.
@@ -109,6 +112,9 @@ class RecordingEngine(RolloutEngine):
         logp_B = struct.unpack(f"<{len(values)}d", struct.pack(f"<{len(values)}q", *values))  # exact bits
         for r, lp in zip(batch, logp_B):
             self.logprobs.setdefault(r.key, []).append(lp)
+        self.tokens_done += len(batch)
+        if self.progress is not None:
+            self.progress.update(self.tokens_done)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -192,6 +198,8 @@ class RolloutPhase:
                                  max(len(w.prompt) + w.max_new for w in work), self.tok.eos_id,
                                  temperature=cfg.generation.temperature)
         engine.add(mine)
+        engine.progress = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine),
+                                   "tokens", enabled=self.rank == 0)
         if cfg.backend == "megatron":
             # A shrink rebuilds megatron-core's layers; the optimizer holds the originals' parameters.
             originals = [layer.mlp for layer in self.model.decoder.layers]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_rl.progress import Progress
 from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, kl_k3, policy_loss
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.rl.train_step import (
@@ -78,10 +79,14 @@ class PolicyUpdate:
         # ppo_kl, rollout_gap token sums; rollout_gap_max (rl/update_stats.py)
         diag = torch.zeros(3, dtype=torch.float64, device=dev)
         sizes = []
+        progress, done = Progress("update", sum(len(micro) for micro, _ in batches), "micro-batches",
+                                  enabled=self.rank == 0), 0
         for micro, tokens in batches:
             self.optimizer.zero_grad(set_to_none=True)
             delta = WeightDelta(self.model)
             for mb in micro:
+                done += 1
+                progress.update(done)
                 logp, entropy = sequence_logprobs(self.model, mb.packed, T, self.cfg.logprob_chunk_tokens,
                                                   entropy=True)
                 # The policy's entropy on the response tokens, from the forward the update makes anyway.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import documented_keys, wandb_history
+from conftest import documented_keys, wandb_history, wandb_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,6 +157,23 @@ def test_metrics_jsonl_and_offline_wandb(straight):
     documented = documented_keys()
     undocumented = [k for k in rows[0] if k != "step" and not any(fnmatch(k, d) for d in documented)]
     assert not undocumented, f"keys missing from docs/training.md's table: {undocumented}"
+
+
+def test_the_run_records_its_provenance_in_config_checkpoint_and_wandb(straight):
+    from megatron_rl.config import load_dataclass
+    from megatron_rl.provenance import provenance
+    from megatron_rl.trainer_config import TrainerConfig
+
+    _, out = straight
+    first = (out / "config.yaml").read_text().splitlines()[0]
+    assert first.startswith("# provenance: ") and json.loads(first[len("# provenance: "):]) == provenance()
+    assert load_dataclass(TrainerConfig, out / "config.yaml").steps == 3  # still a --config
+    assert provenance()["git_sha"] and provenance()["torch"] and provenance()["flexfloor"]
+    state = json.loads((out / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    assert state["provenance"] == provenance()
+    run_file = next((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    config = {i.key: i.value_json for r in wandb_records(run_file, "run") for i in r.config.update}
+    assert json.loads(config["provenance"]) == provenance()
 
 
 @pytest.mark.parametrize("policy", ["planned", "adaptive"])

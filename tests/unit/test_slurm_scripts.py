@@ -6,6 +6,7 @@ FLEXFLOOR_DRY_RUN=1 and a stand-in `scontrol`, and lints them with shellcheck.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -176,7 +177,7 @@ def test_16xh100_dry_run_starts_8_nccl_ranks_per_node_one_gpu_each(tmp_path):
 
 @pytest.mark.parametrize("env, nproc, device", [
     ({"SLURM_GPUS_PER_NODE": "", "SLURM_GPUS_ON_NODE": "4"}, 4, "cuda (NCCL)"),  # --gres=gpu:4
-    ({"SLURM_GPUS_PER_NODE": "", "SLURM_GPUS_ON_NODE": ""}, 1, "cpu (gloo)"),
+    ({"SLURM_GPUS_PER_NODE": "", "SLURM_GPUS_ON_NODE": "", "FF_DEVICE": "cpu"}, 1, "cpu (gloo)"),
     ({"SLURM_GPUS_PER_NODE": "gpu:h100:8", "SLURM_GPUS_ON_NODE": "2"}, 8, "cuda (NCCL)"),
     ({"FF_DEVICE": "cpu", "NPROC_PER_NODE": "3"}, 3, "cpu (gloo)"),
 ])
@@ -185,6 +186,38 @@ def test_ranks_per_node_and_device_from_the_allocation(tmp_path, env, nproc, dev
     assert f"x {nproc} rank(s) per node, device {device}" in out
     assert f"--nproc-per-node={nproc} " in _launch_line(out)
     assert f"rollout --device {device.split()[0]} --config cfg.yaml" in _launch_line(out)
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "rollout.sbatch"])
+def test_an_allocation_without_gpus_stops_naming_gpus_per_node_unless_cpu_is_asked_for(tmp_path, script):
+    out = _dry_run(tmp_path, script, "cfg.yaml", SLURM_GPUS_PER_NODE="", expect=2)
+    assert "job 4242 has no GPUs: submit with --gpus-per-node=N" in out and "torchrun" not in out
+    assert "device cpu (gloo)" in _dry_run(tmp_path, script, "cfg.yaml", SLURM_GPUS_PER_NODE="", FF_DEVICE="cpu")
+
+
+def test_gpu_scripts_name_their_gpus_and_their_signal_lead():
+    for name in ("train.sbatch", "rollout.sbatch", "qwen3_30b_a3b_16xh100.sbatch"):
+        text = (SLURM_DIR / name).read_text()
+        assert "\n#SBATCH --gpus-per-node=8\n" in text, name
+        signal = re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", text, re.M)
+        if name != "rollout.sbatch":  # the trainer plans its last save before that lead
+            assert signal and f"\nexport FF_SIGNAL_LEAD_S={signal.group(1)}\n" in text, name
+
+
+def test_the_run_folder_is_the_job_name_so_a_resubmitted_job_resumes_it(tmp_path):
+    lines = [_launch_line(_dry_run(tmp_path, "train.sbatch", "cfg.yaml", FF_RUN_DIR="", SLURM_JOB_ID=job))
+             for job in ("4242", "4243")]
+    assert lines[0].endswith("--out runs/job") and lines[1].endswith("--out runs/job")
+
+
+def test_the_stop_grace_comes_from_the_signal_lead_and_reaches_the_container(tmp_path):
+    out = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch", FF_CONTAINER_RUNTIME="docker",
+                   FF_CONTAINER_IMAGE="flexfloor:h100")
+    assert "stop grace 540 s after SIGTERM (signal lead 600 s)" in out
+    env = _launch_line(out).split(" flexfloor:h100 ")[0] + " "
+    for var in ("FF_STOP_GRACE_S", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "FF_SIGNAL_LEAD_S", "FF_RUN_DIR"):
+        assert f"--env {var} " in env, var
+    assert "--log-dir=" in _launch_line(out) and "--tee=3" in _launch_line(out)  # per-rank log files
 
 
 def test_tiny_cpu_example_stays_on_gloo_on_a_gpu_node(tmp_path):
@@ -199,9 +232,10 @@ def test_outside_slurm_the_scripts_say_how_to_submit(tmp_path):
 
 
 def _shell_scripts() -> list[Path]:
-    """Every shell script of the checkout (git's files, tracked or not, less the ignored ones):
-    *.sh, *.sbatch and files starting with a sh/bash shebang."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+    """Every shell script git tracks: *.sh, *.sbatch and files starting with a sh/bash shebang.
+    Tracked files only, so a virtual environment or other untracked files in the checkout (a
+    `.venv/bin/ds_ssh`) are not linted as ours; a new script is checked once it is `git add`ed."""
+    listed = subprocess.run(["git", "ls-files", "--cached"], cwd=REPO,
                             capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
     found = set()
     for path in (REPO / name for name in listed):
