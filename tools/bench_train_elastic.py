@@ -1,6 +1,8 @@
 """`flexfloor train` under every elastic policy, side by side, on the length-tailed counting task.
 
     python tools/bench_train_elastic.py [--steps 24] [--init DIR] [--write docs/reproduction.md]
+    python tools/bench_train_elastic.py --config examples/tiny_cpu_grpo.yaml --policies adaptive \
+        --sft-steps 0 --steps 12 --from-step 1      # where there is no tail: adaptive costs nothing
 
 Every run starts from one warm start (`examples/tiny_cpu_tailed.yaml`'s SFT steps, made once here, or
 `--init`), trains `--steps` GRPO steps on 4 CPU ranks in float64 with the same seeds, and differs
@@ -21,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -54,14 +58,18 @@ def _run(*args, log: Path | None = None) -> None:
         raise SystemExit(f"bench_train_elastic: {' '.join(args[:3])} failed (exit {proc.returncode}); see {log}")
 
 
-def train(tmp: Path, label: str, policy: str, partial: bool, init: Path, steps: int) -> list[dict]:
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg.update(init=str(init), steps=steps)
+def train(tmp: Path, config: Path, label: str, policy: str, partial: bool, init: Path | None,
+          steps: int, eval_every: int | None) -> list[dict]:
+    cfg = yaml.safe_load(config.read_text())
+    cfg.update(init=None if init is None else str(init), steps=steps)
+    if eval_every is not None and cfg.get("eval"):
+        cfg["eval"]["every"] = eval_every
     cfg["warmstart"]["sft_steps"] = 0
     cfg["checkpoint"] = {"every": 0, "export_hf": True}
     cfg["partial"] = {"enabled": partial}
     for key in ("data", "eval"):
-        cfg[key]["path"] = str(ROOT / cfg[key]["path"])
+        if cfg.get(key, {}).get("path"):
+            cfg[key]["path"] = str(ROOT / cfg[key]["path"])
     name = label.replace(" + ", "_")
     path, out = tmp / f"{name}.yaml", tmp / name
     path.write_text(yaml.safe_dump(cfg))
@@ -94,6 +102,8 @@ def figures(rows: list[dict], first: int) -> dict:
         out[f"{s}_steps"] = sum(m[f"elastic/rank_steps/{s}"] for m in steps) / n
     out["occupied_steps"] = sum(out[f"{s}_steps"] for s in OCCUPIED)
     out["rollout_s"] = sum(m["elastic/rollout_time_s"] for m in steps) / n
+    out["rollout_s_median"] = statistics.median(m["elastic/rollout_time_s"] for m in steps)
+    out["gen_s_median"] = statistics.median(m["timing_s/gen"] for m in steps)
     out["gen_s"] = sum(m["timing_s/gen"] for m in steps) / n
     out["step_s"] = sum(m["timing_s/step"] for m in steps) / n
     out["tokens"] = sum(m["perf/response_tokens"] for m in steps) / n
@@ -103,16 +113,21 @@ def figures(rows: list[dict], first: int) -> dict:
     return out
 
 
+def _cut(x: float, base: float) -> str:
+    return f"{1 - x / base:.1%}" if base else "-"
+
+
 def table(fig: dict[str, dict]) -> list[str]:
     van = fig["vanilla"]
-    out = ["| policy | busy | dummy | transition | leased | idle | rollout rank-s | rollout s | gen s | step s "
-           "| tok/occupied rank-s | dummy cut | rollout rank-s cut | tok/occ vs vanilla |",
+    out = ["| policy | busy | dummy | transition | leased | idle | rollout rank-s | rollout s (median) | gen s "
+           "(median) | step s | tok/occupied rank-s | dummy cut | rollout rank-s cut | tok/occ vs vanilla |",
            "|---|" + "---|" * 13]
     for label, f in fig.items():
         out.append(f"| {label} | " + " | ".join(f"{f[s]:.2f}" for s in STATES)
-                   + f" | {f['occupied']:.2f} | {f['rollout_s']:.2f} | {f['gen_s']:.2f} | {f['step_s']:.2f} "
-                   f"| {f['tok_per_occ']:.1f} | {1 - f['dummy'] / van['dummy']:.1%} "
-                   f"| {1 - f['occupied'] / van['occupied']:.1%} | {f['tok_per_occ'] / van['tok_per_occ']:.2f}x |")
+                   + f" | {f['occupied']:.2f} | {f['rollout_s']:.3f} ({f['rollout_s_median']:.3f}) "
+                   f"| {f['gen_s']:.3f} ({f['gen_s_median']:.3f}) | {f['step_s']:.2f} "
+                   f"| {f['tok_per_occ']:.1f} | {_cut(f['dummy'], van['dummy'])} "
+                   f"| {_cut(f['occupied'], van['occupied'])} | {f['tok_per_occ'] / van['tok_per_occ']:.2f}x |")
     return out
 
 
@@ -124,8 +139,8 @@ def step_table(fig: dict[str, dict]) -> list[str]:
     for label, f in fig.items():
         out.append(f"| {label} | " + " | ".join(f"{f[s + '_steps']:.0f}" for s in STATES)
                    + f" | {f['occupied_steps']:.0f} | {f['tok_per_occ_step']:.2f} "
-                   f"| {1 - f['dummy_steps'] / van['dummy_steps']:.1%} "
-                   f"| {1 - f['occupied_steps'] / van['occupied_steps']:.1%} "
+                   f"| {_cut(f['dummy_steps'], van['dummy_steps'])} "
+                   f"| {_cut(f['occupied_steps'], van['occupied_steps'])} "
                    f"| {f['tok_per_occ_step'] / van['tok_per_occ_step']:.2f}x |")
     return out
 
@@ -143,10 +158,10 @@ def curves(runs: dict[str, list[dict]]) -> list[str]:
     return out
 
 
-def section(fig, runs, steps: int, first: int, identical: bool, machine: str) -> list[str]:
+def section(fig, runs, steps: int, first: int, identical: bool, machine: str, command: str) -> list[str]:
     return [BEGIN, "## Training on a length-tailed task: every policy", "",
-            (f"Generated by `python tools/bench_train_elastic.py --steps {steps} --write docs/reproduction.md` "
-             f"on {machine}: `examples/tiny_cpu_tailed.yaml` (count from a to b; responses of 4 to 192 tokens), "
+            (f"Generated by `{command}` on {machine}: `examples/tiny_cpu_tailed.yaml` (count from a to b; "
+             "responses of 4 to 192 tokens), "
              f"4 CPU ranks, float64, the same seeds and warm start for every run. Per-step means over steps "
              f"{first}..{steps} (after the first epoch); rank-seconds from the rollout ledger (the primary figure), "
              "`rollout rank-s` = busy + dummy + transition. The ranks are processes sharing the machine's "
@@ -164,35 +179,47 @@ def section(fig, runs, steps: int, first: int, identical: bool, machine: str) ->
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=EXAMPLE, help="the training config every run starts from")
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--from-step", type=int, help="first step the figures count (default: the first after epoch 1)")
+    ap.add_argument("--sft-steps", type=int, help="warm start steps (default: the config's; 0: a random init)")
     ap.add_argument("--init", type=Path, help="a warm start to reuse (tools/sft_warmstart.py's output)")
     ap.add_argument("--policies", default=",".join(lb for lb, _, _ in POLICIES),
                     help="comma-separated labels (vanilla is always run)")
     ap.add_argument("--write", type=Path, help="replace this file's section (docs/reproduction.md)")
     ap.add_argument("--json", type=Path, help="write every run's metrics here")
     ap.add_argument("--machine", default="a 2-core machine shared with other work")
+    ap.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (default: the config's)")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="runs at once (they then share the cores: the wall columns compare runs under one load)")
     args = ap.parse_args(argv)
     chosen = {"vanilla", *args.policies.split(",")}
     unknown = chosen - {lb for lb, _, _ in POLICIES}
     if unknown:
         ap.error(f"unknown policy {sorted(unknown)[0]!r}; policies are {', '.join(lb for lb, _, _ in POLICIES)}")
-    cfg = yaml.safe_load(EXAMPLE.read_text())
+    cfg = yaml.safe_load(args.config.read_text())
     epoch = -(-sum(1 for line in (ROOT / cfg["data"]["path"]).open() if line.strip()) // cfg["prompts_per_step"])
-    if args.steps <= epoch:
-        ap.error(f"--steps {args.steps}: the figures are over the steps after the first epoch ({epoch} steps)")
+    first = args.from_step or epoch + 1
+    if args.steps < first:
+        ap.error(f"--steps {args.steps}: the figures count steps {first}.. (after the first epoch: --from-step)")
     tmp = Path(tempfile.mkdtemp(prefix="bench_train_elastic."))
     init = args.init
-    if init is None:
+    if init is None and args.sft_steps != 0:
         print(f"bench_train_elastic: warm start in {tmp}/sft ...", file=sys.stderr, flush=True)
         init = tmp / "sft"
-        _run("tools/sft_warmstart.py", "--config", str(EXAMPLE), "--out", str(init), log=tmp / "sft.log")
+        _run("tools/sft_warmstart.py", "--config", str(args.config), "--out", str(init),
+             *(["--steps", str(args.sft_steps)] if args.sft_steps else []), log=tmp / "sft.log")
     print(f"bench_train_elastic: {len(chosen)} runs of {args.steps} steps in {tmp}", file=sys.stderr, flush=True)
-    runs = {lb: train(tmp, lb, pol, part, init.resolve(), args.steps) for lb, pol, part in POLICIES if lb in chosen}
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        started = {lb: pool.submit(train, tmp, args.config, lb, pol, part, init and init.resolve(), args.steps,
+                                   args.eval_every) for lb, pol, part in POLICIES if lb in chosen}
+    runs = {lb: f.result() for lb, f in started.items()}
     same = [lb for lb in SAME_TRAINING if lb in runs]
     identical = all(learning(runs[lb]) == learning(runs["vanilla"]) and same_weights(tmp, "vanilla", lb)
                     for lb in same)
-    fig = {lb: figures(rows, epoch + 1) for lb, rows in runs.items()}
-    lines = section(fig, runs, args.steps, epoch + 1, identical, args.machine)
+    fig = {lb: figures(rows, first) for lb, rows in runs.items()}
+    command = " ".join(["python tools/bench_train_elastic.py", *(sys.argv[1:] if argv is None else argv)])
+    lines = section(fig, runs, args.steps, first, identical, args.machine, command)
     print("\n".join(lines[3:-1]))
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))

@@ -1,10 +1,15 @@
 """Write the length-tailed counting task ("17,23=" -> "17 18 19 20 21 22 23") as JSONL.
 
     python tools/make_count.py --out examples/data/count_train.jsonl --n 64 --seed 0
-    python tools/make_count.py --out examples/data/count_heldout.jsonl --n 32 --seed 1 --heldout-of examples/data/count_train.jsonl
+    python tools/make_count.py --out examples/data/count_heldout.jsonl --n 32 --seed 1 \
+        --exclude examples/data/count_train.jsonl --id-prefix heldout
+    python tools/make_count.py --out examples/data/count_sft.jsonl --n 600 --seed 2 \
+        --exclude examples/data/count_heldout.jsonl --id-prefix sft
 
-One {prompt_id, prompt, answer} per line (`megatron_rl/data/count.py`); `--heldout-of` draws
-problems that file lacks. `examples/tiny_cpu_tailed.yaml` trains on it.
+One {prompt_id, prompt, answer} per line (`megatron_rl/data/count.py`); `--exclude` draws only
+problems those files lack. `examples/tiny_cpu_tailed.yaml` trains on the first (RL: 64 problems that
+recur every 4 steps), evaluates on the second and warm-starts on the third (SFT: many problems, so
+the model learns to count, not the RL set by heart).
 """
 from __future__ import annotations
 
@@ -27,13 +32,13 @@ def main() -> None:
     p.add_argument("--max-value", type=int, default=99, help="numbers are 0..MAX")
     p.add_argument("--max-span", type=int, default=60, help="the longest count, b - a")
     p.add_argument("--long-share", type=float, default=0.2, help="share of problems with a span of 5 or more")
-    p.add_argument("--heldout-of", help="draw only problems this JSONL file lacks (ids heldout-...)")
+    p.add_argument("--exclude", action="append", default=[], help="draw only problems this JSONL file lacks")
+    p.add_argument("--id-prefix", default="count", help="prompt ids are PREFIX-00000, ...")
     args = p.parse_args()
-    exclude, prefix = set(), "count"
-    if args.heldout_of:
-        exclude = {json.loads(line)["prompt"] for line in Path(args.heldout_of).read_text().splitlines() if line.strip()}
-        prefix = "heldout"
-    rows = make_count_problems(args.n, args.seed, args.max_value, args.max_span, args.long_share, exclude, prefix)
+    exclude = {json.loads(line)["prompt"] for f in args.exclude for line in Path(f).read_text().splitlines()
+               if line.strip()}
+    rows = make_count_problems(args.n, args.seed, args.max_value, args.max_span, args.long_share, exclude,
+                               args.id_prefix)
     write_jsonl(rows, args.out)
     lengths = sorted(len(r["answer"]) + 1 for r in rows)  # + EOS
     print(f"wrote {len(rows)} problems to {args.out}; response tokens {lengths[0]}..{lengths[-1]}, "
