@@ -145,6 +145,21 @@ def step_table(fig: dict[str, dict]) -> list[str]:
     return out
 
 
+def verdict(fig: dict[str, dict]) -> list[str]:
+    """adaptive against vanilla beside the issue's goals (arXiv 2611.06984 reports 96%, 24%, +65%)."""
+    if "adaptive" not in fig:
+        return []
+    a, v = fig["adaptive"], fig["vanilla"]
+    goals = [("dummy cut", _cut(a["dummy"], v["dummy"]), _cut(a["dummy_steps"], v["dummy_steps"]),
+              ">= 80%"),
+             ("rollout (busy + dummy + transition) cut", _cut(a["occupied"], v["occupied"]),
+              _cut(a["occupied_steps"], v["occupied_steps"]), ">= 20%"),
+             ("tokens per occupied rank", f"{a['tok_per_occ'] / v['tok_per_occ']:.2f}x",
+              f"{a['tok_per_occ_step'] / v['tok_per_occ_step']:.2f}x", ">= 1.5x")]
+    return ["| adaptive against vanilla | rank-seconds | rank-steps | goal |", "|---|---|---|---|",
+            *(f"| {name} | {sec} | {st} | {goal} |" for name, sec, st, goal in goals)]
+
+
 def curves(runs: dict[str, list[dict]]) -> list[str]:
     """Held-out greedy reward (and the training reward) at each evaluated step, per policy."""
     labels = [lb for lb in runs if lb not in SAME_TRAINING[1:]]
@@ -173,8 +188,9 @@ def section(fig, runs, steps: int, first: int, identical: bool, machine: str, co
             "", *table(fig), "",
             ("The same rollouts in rank-steps (one decode step, shrink or restore of a rank is one step): "
              "a count free of the cores' contention, where a rank-second on a busy core stretches."), "",
-            *step_table(fig), "", "Held-out greedy reward (`val/reward_mean`, 32 problems the training set lacks):",
-            "", *curves(runs), "", END]
+            *step_table(fig), "", *verdict(fig), "",
+            "Held-out greedy reward (`val/reward_mean`, 32 problems the training set lacks):", "",
+            *curves(runs), "", END]
 
 
 def main(argv=None) -> int:
@@ -227,7 +243,8 @@ def main(argv=None) -> int:
                     for lb in same)
     fig = {lb: figures(rows, first) for lb, rows in runs.items()}
     command = " ".join(["python tools/bench_train_elastic.py", *(sys.argv[1:] if argv is None else argv)])
-    lines = section(fig, runs, args.steps, first, identical, args.machine, command)
+    machine = args.machine + (f", the {len(runs)} runs at once (one load for all)" if args.parallel > 1 else "")
+    lines = section(fig, runs, args.steps, first, identical, machine, command)
     print("\n".join(lines[3:-1]))
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
