@@ -109,6 +109,9 @@ class WarmStartConfig:
     sft_steps: int = 0
     lr: float = 3e-3
     prompts_per_step: int = 32
+    # Prompts to learn from, read like data.path (same fields); None: data.path's. A task whose RL
+    # set is small (so prompts recur) learns the skill here, not the RL set by heart.
+    path: str | None = None
 
     def __post_init__(self):
         require(self.sft_steps >= 0 and self.prompts_per_step > 0 and self.lr > 0,

@@ -1,4 +1,5 @@
-"""The smallest `flexfloor train` setup that still learns: a config file and its arithmetic data."""
+"""The smallest `flexfloor train` setup that still learns (a config file and its arithmetic data), and
+the plan hook tests of the online rule use."""
 from pathlib import Path
 
 import yaml
@@ -20,3 +21,15 @@ def tiny_train_config(folder: Path, **top) -> Path:
     cfg = folder / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({**TINY_TRAIN, "data": {"path": str(folder / "data.jsonl")}, **top}))
     return cfg
+
+
+def laddered(plan_fn):
+    """`RolloutPhase.plan` with the ladder of stages down to one rank even where the offline plan
+    keeps every rank (`adaptive` then takes the vanilla path, with no online rule): for tests of
+    what the online rule does (moves, shrinks), not of when it pays."""
+    from elastic.planning.replan import ladder_plan
+
+    def plan(*args, **kwargs):
+        p = plan_fn(*args, **kwargs)
+        return p if len(p.stages) > 1 else ladder_plan(p, 1)
+    return plan

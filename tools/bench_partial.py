@@ -134,10 +134,12 @@ def section(results: dict[str, list[dict]], rollouts: int, seed: int) -> list[st
 
 
 def write_section(path: Path, lines: list[str]) -> None:
+    """Replace the section `lines` opens and closes (its first and last line are its markers; also
+    tools/bench_train_elastic.py's), or insert it before the trace parameters."""
     text = path.read_text(encoding="utf-8")
-    block = "\n".join(lines)
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    block, begin, end = "\n".join(lines), lines[0], lines[-1]
+    if begin in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:  # before the trace parameters, after the per-trace tables
         anchor = "## Trace parameters"
         text = text.replace(anchor, block + "\n\n" + anchor, 1) if anchor in text else text + "\n" + block + "\n"

@@ -12,7 +12,8 @@ reusable rank-time). Rollout-time figures are therefore taken from plans made wi
 `rollout`, dummy-run and rank-time figures from plans made with `occupied` (the default); each
 table names the objective of every figure, and the goals table also gives the figure the other
 objective reaches, so no goal is judged only on the objective that suits it.
-The section on partial rollouts is `tools/bench_partial.py`'s, kept as it is in the file.
+The sections on partial rollouts (`tools/bench_partial.py`'s) and on training with every policy
+(`tools/bench_train_elastic.py`'s) are kept as they are in the file.
 Nothing here is tuned to the published numbers: the cost model is `CostModel()`'s cited defaults
 and the traces are the presets as the planner defines them.
 """
@@ -222,13 +223,15 @@ def cost_table(cost: CostModel) -> list[str]:
     return lines
 
 
-def _kept_partial_section(path: Path) -> list[str]:
-    from bench_partial import BEGIN, END
+def _kept_sections(path: Path) -> list[list[str]]:
+    """The benches' own sections of the file, as they are: tools/bench_partial.py's and
+    tools/bench_train_elastic.py's."""
+    import bench_partial
+    import bench_train_elastic
 
     text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if BEGIN not in text or END not in text:
-        return []
-    return text[text.index(BEGIN):text.index(END) + len(END)].split("\n")
+    return [text[text.index(b):text.index(e) + len(e)].split("\n")
+            for b, e in ((m.BEGIN, m.END) for m in (bench_partial, bench_train_elastic)) if b in text and e in text]
 
 
 def main(argv=None) -> int:
@@ -336,12 +339,14 @@ def main(argv=None) -> int:
         "",
     ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    kept = _kept_partial_section(Path(args.out))
+    kept = _kept_sections(Path(args.out))
     Path(args.out).write_text("\n".join(doc), encoding="utf-8")
-    if kept:  # tools/bench_partial.py's section (about 8 minutes to regenerate), as it was
-        from bench_partial import write_section
+    # The benches' sections (minutes to regenerate: bench_partial about 8, bench_train_elastic
+    # about an hour on 2 cores), as they were.
+    from bench_partial import write_section
 
-        write_section(Path(args.out), kept)
+    for lines in kept:
+        write_section(Path(args.out), lines)
     print(f"[{time.time() - started:6.1f} s] wrote {args.out}")
     return 0
 

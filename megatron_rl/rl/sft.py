@@ -36,6 +36,12 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
     from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
 
     ws = cfg.warmstart
+    if ws.path is not None:
+        from dataclasses import replace
+
+        from megatron_rl.data.prompts import load_prompts
+
+        data = load_prompts(replace(cfg.data, path=ws.path))
     usable = [p for p in data.prompts if p.answer is not None]
     if not usable:
         return []

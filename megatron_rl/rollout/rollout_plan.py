@@ -102,12 +102,15 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
                          budget=budget, ownership=ownership, known_prefix=known_prefix)
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
-    if policy == "adaptive":
+    if policy == "adaptive" and len(plan.stages) > 1:
         return ladder_plan(plan, floor)
+    # A plan that keeps every rank predicts no gain: `adaptive` then takes the vanilla path too (one
+    # stage, no online rule: no per-response status collective, no re-planning, no ladder's groups).
     if len(plan.stages) == 1 and floor < W:
         m = plan.meta
         m["every_rank_stays"] = (
-            f"{policy} floor {floor}: every rank stays: of {m['chains_priced']} chains priced "
+            f"{policy} floor {floor}: every rank stays{' (the vanilla path)' if policy == 'adaptive' else ''}: "
+            f"of {m['chains_priced']} chains priced "
             f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
             f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
             f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)")
@@ -117,7 +120,8 @@ def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, 
 def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interval: int,
                 max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
                 migrate: bool = True, known_prefix: dict | None = None):
-    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`); `batch` in
+    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`), or None for a
+    plan that keeps every rank (`plan_rollout`: the vanilla path); `batch` in
     `plan.assignments` order. It reasons in trace tokens: the driver divides the run's by
     `length_scale`. On this engine a step costs the same in any group, so a shrink can only
     lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
@@ -125,6 +129,8 @@ def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interva
     from elastic.planning.online import OnlineOptions, online_model
     from elastic.planning.replan import OnlineRule
 
+    if len(plan.stages) == 1:
+        return None
     cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
     model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate), known_prefix)
     plan.meta["online"] = {"siblings": model.fit.to_dict(), "migrate": migrate}

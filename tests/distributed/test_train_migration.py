@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from tiny_train import laddered
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -74,6 +75,7 @@ def _train(ctx, data: str, out: str):
         trainer = Trainer(cfg, load_prompts(DataConfig(data)), ctx, os.path.join(out, policy), None)
         rules: list[_Moving] = []
         if policy == "adaptive":
+            trainer.rollout.plan = laddered(trainer.rollout.plan)
             trainer.rollout._online_rule = _moving(trainer.rollout._online_rule, rules)
         steps = []
         for step in (1,):
