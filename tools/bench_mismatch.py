@@ -2,8 +2,8 @@
 
     python tools/bench_mismatch.py [--device cpu|cuda] [--dtype bfloat16] [--steps 20]
 
-One trainer (one rank, the tiny CPU model of examples/tiny_cpu_grpo.yaml unless `--model small`)
-runs GRPO steps. Every step's rollout is measured twice under the training numerics: the
+One trainer (one rank; `--model`: tiny, wide (default) or small, see MODELS) runs GRPO steps on
+the arithmetic task. Every step's rollout is measured twice under the training numerics: the
 old-log-prob forward with the training router's own top-k (replay off) and with the rollout's
 recorded routes (replay on). Per step and side by side: router agreement (share of token-layer
 top-k sets equal to the rollout's), tokens with at least one flipped layer, and the mean and max
@@ -24,6 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_rl.models.config import MoEModelConfig  # noqa: E402
 from tools import gpu_checks  # noqa: E402
 
 
@@ -64,10 +65,16 @@ def _bench_rank(ctx, cfg, steps: int, train_replay: bool, out_dir: str) -> dict:
     return {"rows": rows}
 
 
-MODELS = {"tiny": None, "small": gpu_checks.SMALL_QWEN3_MOE}
+# tiny: examples/tiny_cpu_grpo.yaml's model (8 experts, top-2: its routes rarely flip); wide: as
+# small as a CPU run of 20 steps allows with bf16 near-ties (32 experts, top-4); small: the GPU
+# checks' model (64 experts, top-8).
+MODELS = {"tiny": None, "small": gpu_checks.SMALL_QWEN3_MOE,
+          "wide": MoEModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                 kv_channels=16, num_moe_experts=32, moe_router_topk=4, moe_ffn_hidden_size=32,
+                                 vocab_size=20, init_method_std=0.05)}
 
 
-def bench(*, device: str = "cpu", dtype: str = "bfloat16", steps: int = 20, model: str = "tiny",
+def bench(*, device: str = "cpu", dtype: str = "bfloat16", steps: int = 20, model: str = "wide",
           train_replay: bool = True, lr: float = 1e-3, **shape) -> list[dict]:
     """`shape`: grpo_config's prompts_per_step, group_size, max_response_len."""
     from megatron_rl.parallel.launch import run_ranks
@@ -103,7 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--model", choices=sorted(MODELS), default="wide")
     ap.add_argument("--no-train-replay", action="store_true", help="update without replay")
     args = ap.parse_args(argv)
     print(table(bench(device=args.device, dtype=args.dtype, steps=args.steps, model=args.model,

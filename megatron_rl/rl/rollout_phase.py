@@ -109,8 +109,12 @@ class RecordingEngine(RolloutEngine):
         self.recorder = RouteRecorder(self.model, self.cache)
 
     def step(self) -> int:
+        # Only the engine's own forwards write routes (the sink's rows are its KV cache's).
         self.recorder.attach()
-        return super().step()
+        try:
+            return super().step()
+        finally:
+            self.recorder.detach()
 
     def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
         n = super()._emit(batch, logits_BV)
@@ -231,10 +235,7 @@ class RolloutPhase:
                 "prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens,
                 "logprobs": engine.logprobs[r.key]}, kept=lease_rewards)
         # The recorded log-probs and routes travel with a migrated request.
-        try:
-            outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=CarriedValues(engine))
-        finally:
-            engine.recorder.detach()
+        outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=CarriedValues(engine))
         if cfg.backend == "megatron":
             self._reinstall_megatron(originals)
         else:

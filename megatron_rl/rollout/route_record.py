@@ -37,7 +37,8 @@ class RouteRecorder:
         self.prefix, self.kept = dict(prefix), {}
 
     def attach(self) -> None:
-        """Every MoE layer writes into the sink (again after a shrink rebuilt megatron-core's layers)."""
+        """Every MoE layer writes into the sink, for one engine step (a shrink may rebuild
+        megatron-core's layers between steps; `detach` after the step)."""
         install_sink(self.model, self.sink)
 
     def detach(self) -> None:

@@ -36,15 +36,14 @@ def _generate(model, greedy=True, engine_wrap=None):
     e.recorder.start({})
     while e.has_work():
         e.step()
-    e.recorder.detach()
     return e, e.recorder.routes([])
 
 
 def _training_forward(model, engine, routes, replay: bool):
     """Log-probs of every finished response under the training forward, and its RouteReplay."""
+    from megatron_rl.rl.rollout_phase import Response
     from megatron_rl.rl.train_step import pack, sequence_logprobs
     from megatron_rl.rl.update import routes_of
-    from megatron_rl.rl.rollout_phase import Response
 
     rs = [Response(i, r.prompt_id, r.sample, r.prompt, r.tokens, engine.logprobs[r.key], False, routes[r.key])
           for i, r in enumerate(sorted(engine.finished, key=lambda r: r.key))]

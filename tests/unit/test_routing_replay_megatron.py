@@ -2,7 +2,6 @@
 `RouteTap`), on one CPU rank under the test harness (tests/megatron_harness.py): the engine records
 the same routes as the torch backend's, and replaying given routes gives the torch backend's
 logits and router gradients."""
-import pytest
 import torch
 
 from megatron_rl.models.config import MoEModelConfig
