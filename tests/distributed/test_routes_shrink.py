@@ -1,0 +1,70 @@
+"""Routes recorded through an EP shrink equal a vanilla run's: `train` with the megatron backend (the
+megatron-core CPU harness) on 2 gloo ranks, `natural` floor 1 (rank 1 leaves, its experts move to
+rank 0, megatron-core's layers are rebuilt on the smaller group and get new router hooks) against
+`vanilla`, float32, routing replay on: the same routes for every response, and the same step
+(the natural run's plan is forced to shrink: `_shrinking`)."""
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def _shrinking(real):
+    """The real plan with rank 1 given two responses and rank 0 the rest (in waves of
+    `max_batch_per_rank`), and a stage where rank 1, drained, has left: the shrink always happens."""
+    from dataclasses import replace
+
+    from elastic.planning.plan import Stage, block_owners
+
+    def plan(items, *args, **kwargs):
+        p = real(items, *args, **kwargs)
+        E = p.num_experts
+        assignments = [replace(a, rank=int(i < 2)) for i, a in enumerate(p.assignments)]
+        stages = [Stage(members=(0, 1), drained=(), owners=block_owners(E, [0, 1])),
+                  Stage(members=(0,), drained=(1,), owners=block_owners(E, [0]))]
+        return replace(p, assignments=assignments, stages=stages)
+    return plan
+
+
+def _train(ctx, data: str, out: str):
+    from dataclasses import replace
+
+    from test_train_migration import _capture, _cfg
+
+    from megatron_rl.data.prompts import DataConfig, load_prompts
+    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer_config import ElasticConfig
+
+    results = {}
+    for policy in ("vanilla", "natural"):
+        cfg = replace(_cfg("vanilla", data), backend="megatron", dtype="float32",
+                      elastic=ElasticConfig(policy=policy, floor=1))
+        cfg.generation.max_batch_per_rank = 4
+        trainer = Trainer(cfg, load_prompts(DataConfig(data)), ctx, os.path.join(out, policy), None)
+        if policy == "natural":
+            trainer.rollout.plan = _shrinking(trainer.rollout.plan)
+        rollouts = _capture(trainer.rollout)
+        m = trainer.step(1)
+        results[policy] = {"routes": [r.routes.tolist() for r in rollouts[0].responses],
+                           "final_stage": m["final_stage"], "loss": m["loss"],
+                           "agreement": m["mismatch"]["router_agreement"]}
+    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def test_routes_through_a_megatron_shrink_equal_vanilla(megatron_harness, tmp_path):
+    from megatron_rl.data.arith import make_problems, write_jsonl
+    from megatron_rl.parallel.launch import run_ranks
+
+    data = tmp_path / "arith.jsonl"
+    write_jsonl(make_problems(8, seed=0, max_operand=4, ops="+"), data)
+    run_ranks(_train, 2, str(data), str(tmp_path), timeout_s=300.0)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["natural"]["final_stage"] == 1 and r["vanilla"]["final_stage"] == 0, "no shrink: proves nothing"
+        assert r["natural"]["routes"] == r["vanilla"]["routes"]
+        assert r["natural"]["loss"] == r["vanilla"]["loss"]
+        assert torch.tensor(r["vanilla"]["routes"][0]).max() < 8
