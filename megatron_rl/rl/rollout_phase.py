@@ -116,6 +116,14 @@ class RecordingEngine(RolloutEngine):
         finally:
             self.recorder.detach()
 
+    def capture_graphs(self) -> None:
+        # A captured decode graph replays the route writes it was captured with.
+        self.recorder.attach()
+        try:
+            super().capture_graphs()
+        finally:
+            self.recorder.detach()
+
     def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
         n = super()._emit(batch, logits_BV)
         for r in batch:
