@@ -57,8 +57,18 @@ class RouteSink:
 
     def __init__(self, cache, layers: int, topk: int, num_experts: int):
         self.cache, self.max_len = cache, cache.max_len
-        self.buf_RLK = torch.zeros((cache.slots + 1) * cache.max_len, layers, topk, dtype=route_dtype(num_experts),
-                                   device=cache.device)
+        self.shape = ((cache.slots + 1) * cache.max_len, layers, topk)
+        self.dtype = route_dtype(num_experts)
+        self.reclaim_memory()
+
+    def release_memory(self) -> int:
+        """Free the buffer with the KV cache (a detached rank holds no live request); the bytes freed."""
+        freed = self.buf_RLK.numel() * self.buf_RLK.element_size()
+        self.buf_RLK = self.buf_RLK.new_zeros(0, *self.shape[1:])
+        return freed
+
+    def reclaim_memory(self) -> None:
+        self.buf_RLK = torch.zeros(self.shape, dtype=self.dtype, device=self.cache.device)
 
     def write(self, layer: int, expert_TK: torch.Tensor) -> None:
         T = expert_TK.shape[0]

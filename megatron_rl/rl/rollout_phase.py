@@ -116,6 +116,13 @@ class RecordingEngine(RolloutEngine):
         finally:
             self.recorder.detach()
 
+    def release_memory(self) -> int:
+        return super().release_memory() + self.recorder.sink.release_memory()
+
+    def reclaim_memory(self) -> None:
+        super().reclaim_memory()  # a new KV generation: decode graphs are captured again, with the new buffer
+        self.recorder.sink.reclaim_memory()
+
     def capture_graphs(self) -> None:
         # A captured decode graph replays the route writes it was captured with.
         self.recorder.attach()

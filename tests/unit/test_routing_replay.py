@@ -81,6 +81,10 @@ def test_engine_records_every_position_and_float64_replay_changes_nothing():
     assert float(rep.pairs[1]) == float(rep.pairs[0]) > 0  # float64: the same choices everywhere
     on, _, _ = _training_forward(model, engine, routes, replay=True)
     assert torch.equal(on, off)  # bit for bit where no route ties
+    kv = engine.cache.nbytes  # a detached rank's lease gets the route buffer with the KV cache
+    assert engine.release_memory() == kv + (3 + 1) * 40 * 2 * 2
+    engine.reclaim_memory()
+    assert engine.recorder.sink.buf_RLK.shape == ((3 + 1) * 40, 2, 2)
 
 
 def test_bf16_replay_uses_the_recorded_routes_and_narrows_the_gap(monkeypatch):
