@@ -87,17 +87,15 @@ class RouteReplay:
 
     def __init__(self, routes_TLK: torch.Tensor, has_T: torch.Tensor, mask_T: torch.Tensor | None,
                  replay: bool, observe: bool):
-        self.routes_TLK, self.has_T, self.mask_T = routes_TLK.long(), has_T, mask_T
+        self.routes_TLK, self.has_T, self.mask_T = routes_TLK, has_T, mask_T
         self.replay, self.observe = replay, observe
-        L = routes_TLK.shape[1]
         # token-layer pairs compared, pairs whose top-k sets agree; per row: any layer differs
         self.pairs = torch.zeros(2, dtype=torch.float64, device=routes_TLK.device)
         self.flip_T = torch.zeros(routes_TLK.shape[0], dtype=torch.bool, device=routes_TLK.device)
-        self.layers = L
 
     def route(self, layer: int, own_TK: torch.Tensor) -> torch.Tensor:
         T = own_TK.shape[0]
-        target_TK = _rows_for(self.routes_TLK[:, layer], T, self.mask_T)
+        target_TK = _rows_for(self.routes_TLK[:, layer], T, self.mask_T).long()  # kept in the route dtype
         has_T = _rows_for(self.has_T, T, self.mask_T)
         if self.observe and T:
             same_T = (own_TK.sort(-1).values == target_TK.sort(-1).values).all(-1)

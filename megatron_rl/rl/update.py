@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.models.routes import RouteReplay, replaying
+from megatron_rl.models.routes import RouteReplay, replaying, route_dtype
 from megatron_rl.rl.grpo import STAT_KEYS, finalize_stats, kl_k3, mis_keep, policy_loss
 from megatron_rl.rl.mismatch import MismatchTally
 from megatron_rl.rl.rollout_phase import Response
@@ -48,7 +48,7 @@ def routes_of(responses: list[Response], rows: list[int], S: int, mcfg) -> tuple
     """The rows' recorded routes in a packed micro-batch's layout: [B x S, L, K] (position t of
     row b at b x S + t), the positions that have them, and the count of rows without any."""
     L, K = mcfg.num_layers, mcfg.moe_router_topk
-    routes = torch.zeros(len(rows), S, L, K, dtype=torch.long)
+    routes = torch.zeros(len(rows), S, L, K, dtype=route_dtype(mcfg.num_moe_experts))
     has = torch.zeros(len(rows), S, dtype=torch.bool)
     missing = 0
     for b, i in enumerate(rows):
@@ -58,7 +58,7 @@ def routes_of(responses: list[Response], rows: list[int], S: int, mcfg) -> tuple
             continue
         n = len(responses[i].prompt) + len(responses[i].tokens) - 1
         assert r.shape == (n, L, K), f"response {i}: routes of shape {tuple(r.shape)}, expected {(n, L, K)}"
-        routes[b, :n] = r.long()
+        routes[b, :n] = r
         has[b, :n] = True
     return routes.view(-1, L, K), has.view(-1), missing
 

@@ -97,7 +97,7 @@ def test_bf16_replay_uses_the_recorded_routes_and_narrows_the_gap(monkeypatch):
 
     def spy(self, layer, own_TK):
         out = real(self, layer, own_TK)
-        used.append((out, self.routes_TLK[:, layer], self.has_T))
+        used.append((out, self.routes_TLK[:, layer].long(), self.has_T))
         return out
 
     monkeypatch.setattr(RouteReplay, "route", spy)
