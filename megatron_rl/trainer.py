@@ -98,7 +98,7 @@ class Trainer:
                             cfg.checkpoint.allow_unverified)
             self.iterator.load_state_dict(state["data"])
             if self.partial is not None and "partial" in state:
-                self.partial.load_state_dict(state["partial"])
+                self.partial.load_state_dict(state["partial"], source=str(resume / "trainer_state.json"))
             self.start_step = state["step"]
         self.scorer = Scorer(cfg.reward)
         self.heldout = load_heldout(cfg) if cfg.eval.every else None

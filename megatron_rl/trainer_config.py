@@ -31,6 +31,13 @@ class GRPOConfig:
     std_normalize: bool = True  # false: Dr. GRPO (advantages centred, not scaled)
     minibatches: int = 1  # optimizer steps per rollout; each on 1/minibatches of every rank's rows
     micro_batch: int = 16  # rows per forward pass (gradient accumulation inside a minibatch)
+    # Rollout routing replay (R3, models/routes.py): every training forward routes each token
+    # through the experts the rollout chose for it; the gates are the current router's.
+    routing_replay: bool = False
+    # Masked importance sampling: drop tokens (mis_level token) or whole responses (sequence)
+    # whose rollout/train probability ratio lies outside [lo, hi]; beside or instead of tis_cap.
+    mis_bounds: tuple[float, float] | None = None
+    mis_level: Literal["token", "sequence"] = "token"
 
     def __post_init__(self):
         require(self.group_size >= 2, f"grpo.group_size: expected >= 2, got {self.group_size}")
@@ -40,6 +47,16 @@ class GRPOConfig:
         require(self.kl_coef >= 0, f"grpo.kl_coef: expected >= 0, got {self.kl_coef}")
         require(self.tis_cap is None or self.tis_cap > 0, f"grpo.tis_cap: expected > 0, got {self.tis_cap}")
         require(self.minibatches >= 1 and self.micro_batch >= 1, "grpo.minibatches/micro_batch: expected >= 1")
+        require(isinstance(self.routing_replay, bool),
+                f"grpo.routing_replay: expected true or false, got {self.routing_replay!r}")
+        if self.mis_bounds is not None:
+            b = self.mis_bounds
+            require(isinstance(b, (list, tuple)) and len(b) == 2
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b) and 0 < b[0] < 1 < b[1],
+                    f"grpo.mis_bounds: expected [lo, hi] with 0 < lo < 1 < hi, got {b!r}")
+            self.mis_bounds = (float(b[0]), float(b[1]))
+        require(self.mis_level in ("token", "sequence"),
+                f"grpo.mis_level: expected token or sequence, got {self.mis_level!r}")
 
 
 @dataclass

@@ -35,6 +35,9 @@ class MemoryBudget:
     # take the rest (0.9: the vLLM/SGLang `gpu_memory_utilization` neighbourhood).
     utilization: float = 0.9
     source: str = ""  # where device_bytes came from, for messages
+    # Of kv_bytes_per_token, what a training rollout's recorded routes take (layers x top-k x id
+    # bytes, megatron_rl/models/routes.py): the route buffer has a row per KV position. 0: none.
+    route_bytes_per_token: int = 0
 
     def __post_init__(self):
         for name in ("device_bytes", "expert_bytes", "kv_bytes_per_token"):
@@ -57,6 +60,9 @@ class MemoryBudget:
     def describe(self, experts_held: int) -> str:
         """Where a rank holding `experts_held` experts spends its memory, for messages."""
         resident = f" + {self.resident_bytes / 1e9:.2f} GB resident state" if self.resident_bytes else ""
+        if self.route_bytes_per_token:
+            resident += (f"; KV {self.kv_bytes_per_token} B/token, of which {self.route_bytes_per_token} B "
+                         "recorded routes")
         return (f"{experts_held} experts ({experts_held * self.expert_bytes / 1e9:.2f} GB) + "
                 f"{self.dense_bytes / 1e9:.2f} GB dense weights{resident} of "
                 f"{self.usable_bytes / 1e9:.2f} GB usable ({self.utilization:.0%} of "

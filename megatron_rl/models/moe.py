@@ -241,6 +241,7 @@ class Router(nn.Module):
         self.topk = config.moe_router_topk
         self.pre_softmax = config.moe_router_pre_softmax
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size, dtype=dtype))
+        self.tap = None  # a `models.routes.RouteTap` once a rollout records or training replays
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The gating product itself in fp32 (inputs and weight upcast), as megatron-core's router
@@ -252,11 +253,11 @@ class Router(nn.Module):
             logits_TE = F.linear(x_TD.float(), self.weight_fp32())
         else:
             logits_TE = F.linear(x_TD, self.weight)
-        if self.pre_softmax:
-            probs_TK, expert_TK = torch.topk(torch.softmax(logits_TE, dim=-1), self.topk, dim=-1)
-        else:
-            top_TK, expert_TK = torch.topk(logits_TE, self.topk, dim=-1)
-            probs_TK = torch.softmax(top_TK, dim=-1)
+        scores_TE = torch.softmax(logits_TE, dim=-1) if self.pre_softmax else logits_TE
+        top_TK, expert_TK = torch.topk(scores_TE, self.topk, dim=-1)
+        if self.tap is not None:  # routing replay (models/routes.py): record, compare or replay
+            top_TK, expert_TK = self.tap.route(scores_TE, top_TK, expert_TK)
+        probs_TK = top_TK if self.pre_softmax else torch.softmax(top_TK, dim=-1)
         return (probs_TK.to(x_TD.dtype) if widens(x_TD.dtype) else probs_TK), expert_TK
 
     def weight_fp32(self) -> torch.Tensor:

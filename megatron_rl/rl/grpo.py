@@ -17,10 +17,26 @@ gradient (a per-rank mean would weight ranks with short responses more).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 STAT_KEYS = ("tokens", "clipped", "ratio", "kl", "tis_weight")
+
+
+def mis_keep(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+             bounds: tuple[float, float], level: str) -> torch.Tensor:
+    """Masked importance sampling (verl's `rollout_is` mask modes): 1 where a response token
+    trains, 0 where its rollout/train ratio exp(old_logp - rollout_logp) falls outside `bounds`
+    (`level` "token"), or where its sequence's ratio, the product over its tokens, does
+    ("sequence": the whole response is dropped). Padding stays 1 (the loss mask drops it)."""
+    lo, hi = bounds
+    log_ratio = (old_logp.double() - rollout_logp.double()) * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    inside = (log_ratio >= math.log(lo)) & (log_ratio <= math.log(hi))
+    return (inside | (mask == 0)).to(old_logp.dtype)
 
 
 def group_advantages(
@@ -87,8 +103,10 @@ def policy_loss(
     rollout_logp: torch.Tensor | None = None,
     tis_cap: float | None = None,
     normalizer: float | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped policy-gradient loss (+ kl_coef x k3 KL), summed over tokens / `normalizer`.
+    """Clipped policy-gradient loss (+ kl_coef x k3 KL), summed over tokens / `normalizer`;
+    `keep` (`mis_keep`) zeroes the tokens masked importance sampling drops.
 
     Returns the loss and detached token *sums* of the statistics in STAT_KEYS (all-reduce them
     across ranks, then divide by the summed `tokens`).
@@ -117,6 +135,8 @@ def policy_loss(
             per_token = per_token + kl_coef * kl
     else:
         stats["kl"] = torch.zeros((), dtype=logp.dtype)
+    if keep is not None:
+        per_token = per_token * keep
     denom = normalizer if normalizer is not None else stats["tokens"].clamp(min=1.0)
     return (per_token * mask).sum() / denom, stats
 

@@ -29,7 +29,9 @@ import torch
 
 from elastic.planning.partial import CarryPool, PendingGroup, Settled, groups_complete
 from elastic.trace import TraceRecord
+from megatron_rl.models.routes import encode as routes_encode
 from megatron_rl.rl.rollout_phase import Response, Work
+from megatron_rl.rl.route_state import load_routes
 
 
 class GroupsStop:
@@ -69,6 +71,9 @@ class PartialRollouts:
         self.queue: deque = deque()  # (data index, epoch) of the iterator's batch not launched yet
         self._ids: dict[int, list[int]] = {}
         self.last_trained: list[PendingGroup] = []  # the groups the last step trained
+        # Each pending response's routes so far (models/routes.py), None where a resumed checkpoint
+        # had none for it (it then trains without routing replay: `routes_missing`).
+        self.routes: dict[tuple[str, int], torch.Tensor | None] = {}
 
     def ids(self, index: int) -> list[int]:
         if index not in self._ids:
@@ -88,8 +93,8 @@ class PartialRollouts:
         """The step's groups and one request per unfinished response, in canonical order."""
         groups = self.pool.launch(self._fresh())
         max_new = self.cfg.generation.max_response_len
-        work = [Work(g.prompt_id, s.rid, self.ids(g.payload["index"]) + s.tokens, max_new - s.n, s.n)
-                for g in groups for s in g.live()]
+        work = [Work(g.prompt_id, s.rid, self.ids(g.payload["index"]) + s.tokens, max_new - s.n, s.n,
+                     self.routes.get(s.key)) for g in groups for s in g.live()]
         return groups, work
 
     def stop(self, groups: list[PendingGroup], engine) -> GroupsStop:
@@ -116,7 +121,7 @@ class PartialRollouts:
         settled = self.settle(groups, progress, step)
         eos, G = self.tok.eos_id, self.G
         result.responses = [Response(i * G + s.sample, g.prompt_id, s.sample, self.ids(g.payload["index"]),
-                                     s.tokens, s.logprobs, s.tokens[-1] != eos)
+                                     s.tokens, s.logprobs, s.tokens[-1] != eos, self.routes.pop(s.key, None))
                             for i, g in enumerate(settled.trained) for s in g.samples]
         # A lease scored a response from this rollout's tokens: right for a fresh one only.
         result.scored = {i * G + s.sample: outcomes[s.key] for i, g in enumerate(settled.trained)
@@ -126,10 +131,12 @@ class PartialRollouts:
 
     def settle(self, groups: list[PendingGroup], progress: dict, version: int) -> Settled:
         """Book `progress` (request key -> (new tokens, their log-probs, finished), every request
-        of the rollout) at policy `version`; hand out the complete groups that train."""
+        of the rollout) at policy `version`; hand out the complete groups that train. A carried
+        response without routes keeps none: routes of its new tokens alone would not cover it."""
         for g in groups:
             for s in g.live():
-                tokens, logprobs, done = progress[s.key]
+                tokens, logprobs, done, routes = progress[s.key]
+                self.routes[s.key] = routes if s.n == 0 or self.routes.get(s.key) is not None else None
                 s.extend(len(tokens), version, done, tokens, logprobs)
         settled = self.pool.settle(version)
         self.pool.check()
@@ -160,8 +167,13 @@ class PartialRollouts:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"pool": self.pool.state_dict(), "queue": [list(q) for q in self.queue]}
+        """`routes`: [prompt_id, request sample, base64 routes] of every pending response that has
+        them (`models.routes.encode`; checked on load)."""
+        return {"pool": self.pool.state_dict(), "queue": [list(q) for q in self.queue],
+                "routes": [[pid, rid, routes_encode(r)] for (pid, rid), r in self.routes.items() if r is not None]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, source: str = "trainer_state.json") -> None:
+        """`source`: the file `state` came from, named by a bad field's message."""
         self.pool.load_state_dict(state["pool"])
         self.queue = deque((int(i), int(e)) for i, e in state["queue"])
+        self.routes = load_routes(state.get("routes", []), self.pool, self.cfg.model, source)

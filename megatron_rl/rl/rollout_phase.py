@@ -37,6 +37,7 @@ from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.memory import memory_budget, model_shape
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
 from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout, say_plan_notes
+from megatron_rl.rollout.route_record import CarriedValues, RouteRecorder
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -50,6 +51,10 @@ class Response:
     tokens: list[int]
     logprobs: list[float]  # sampling log-probs the engine reported (temperature applied)
     truncated: bool  # hit max_response_len without EOS
+    # [len(prompt) + len(tokens) - 1, L, K] expert ids the rollout routed every position it read
+    # through (models/routes.py); None where none were recorded (a carried response of a checkpoint
+    # written without them)
+    routes: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class Work:
     prompt: list[int]  # prompt ids, then the tokens so far (re-prefilled)
     max_new: int  # tokens it may still generate
     prefix: int  # tokens so far
+    routes: torch.Tensor | None = None  # a carried response's routes so far (rollout/route_record.py)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -94,7 +100,8 @@ class _Item:
 
 
 class RecordingEngine(RolloutEngine):
-    """The rollout engine, also recording each sampled token's log-prob under the sampling temperature."""
+    """The rollout engine, also recording each sampled token's log-prob under the sampling
+    temperature, and every position's routes (`recorder`, rollout/route_record.py)."""
 
     def __init__(self, *args, temperature: float, **kwargs):
         super().__init__(*args, **kwargs)
@@ -102,6 +109,37 @@ class RecordingEngine(RolloutEngine):
         self.logprobs: dict[tuple[str, int], list[float]] = {}
         self.progress: Progress | None = None  # the phase's progress line (rank 0)
         self.tokens_done = 0
+        self.recorder = RouteRecorder(self.model, self.cache)
+
+    def step(self) -> int:
+        # Only the engine's own forwards write routes (the sink's rows are its KV cache's).
+        self.recorder.attach()
+        try:
+            return super().step()
+        finally:
+            self.recorder.detach()
+
+    def release_memory(self) -> int:
+        return super().release_memory() + self.recorder.sink.release_memory()
+
+    def reclaim_memory(self) -> None:
+        super().reclaim_memory()  # a new KV generation: decode graphs are captured again, with the new buffer
+        self.recorder.sink.reclaim_memory()
+
+    def capture_graphs(self) -> None:
+        # A captured decode graph replays the route writes it was captured with.
+        self.recorder.attach()
+        try:
+            super().capture_graphs()
+        finally:
+            self.recorder.detach()
+
+    def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
+        n = super()._emit(batch, logits_BV)
+        for r in batch:
+            if r.done(self.eos_id):
+                self.recorder.keep(r)
+        return n
 
     def _rides_with_tokens(self, logits_BV: torch.Tensor, toks_B: torch.Tensor) -> torch.Tensor:
         # On the device, as float64 bits: the host reads them with the tokens, not once per row.
@@ -140,7 +178,7 @@ class RolloutPhase:
         case: the least device memory and the most resident state of any rank."""
         weight = self.model.embedding.word_embeddings.weight
         budget = memory_budget(self.cfg.model, weight.element_size(), weight.device,
-                               ranks_on_this_host(self.world), resident_bytes)
+                               ranks_on_this_host(self.world), resident_bytes, record_routes=True)
         if self.world > 1:
             worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64,
                                  device=weight.device)
@@ -173,7 +211,8 @@ class RolloutPhase:
         result, progress, outcomes = self.generate(step, work, history, prompts)
         assert all(progress[w.key][2] for w in work), "a response was left unfinished"
         result.responses = [Response(i, w.prompt_id, w.sample, w.prompt, *progress[w.key][:2],
-                                     progress[w.key][0][-1] != self.tok.eos_id) for i, w in enumerate(work)]
+                                     progress[w.key][0][-1] != self.tok.eos_id, progress[w.key][3])
+                            for i, w in enumerate(work)]
         index = {w.key: i for i, w in enumerate(work)}
         result.scored = {index[k]: o for k, o in outcomes.items()}
         return result
@@ -182,7 +221,7 @@ class RolloutPhase:
                  known_prefix: dict | None = None, stop=None) -> tuple[RolloutResult, dict, dict]:
         """Carry out one rollout of `work` (`Work`: prompt ids, a resumed response's
         tokens so far after them, and the tokens it may still generate). Returns the result without
-        responses, every request's (new tokens, their log-probs, finished) by key, and the outcomes
+        responses, every request's (new tokens, their log-probs, finished, routes so far) by key, and the outcomes
         leases scored by key. `known_prefix` (tokens so far by key) goes to the planner and the
         online rule; `stop(engine)` builds the runtime's end rule (partial rollouts)."""
         cfg = self.cfg
@@ -200,6 +239,7 @@ class RolloutPhase:
         engine.add(mine)
         engine.progress = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine),
                                    "tokens", enabled=self.rank == 0)
+        engine.recorder.start({w.key: w.routes for w in work if w.routes is not None})
         if cfg.backend == "megatron":
             # A shrink rebuilds megatron-core's layers; the optimizer holds the originals' parameters.
             originals = [layer.mlp for layer in self.model.decoder.layers]
@@ -217,18 +257,20 @@ class RolloutPhase:
             stream = ResponseStream(self.sink_dir, self.rank, engine, lambda r: {
                 "prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens,
                 "logprobs": engine.logprobs[r.key]}, kept=lease_rewards)
-        # The recorded log-probs travel with a migrated request.
-        outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=engine.logprobs)
+        # The recorded log-probs and routes travel with a migrated request.
+        outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=CarriedValues(engine))
         if cfg.backend == "megatron":
             self._reinstall_megatron(originals)
         else:
             self._reinstall(originals)
-        local = [(r.key, r.tokens, engine.logprobs.get(r.key, []), done)
+        routes = engine.recorder.routes(engine.live + engine.pending)
+        local = [(r.key, r.tokens, engine.logprobs.get(r.key, []), done, routes.get(r.key))
                  for done, rs in ((True, engine.finished), (False, engine.live + engine.pending)) for r in rs]
         scored = {} if leases is None else leases.outcomes()
         step_report = {} if leases is None else leases.step_report()
         gathered = gather_rollout(spec, engine, outcome, (local, scored, step_report))
-        progress = {key: (tokens, logprobs, done) for g in gathered.payloads for key, tokens, logprobs, done in g[0]}
+        progress = {key: (tokens, logprobs, done, routes)
+                    for g in gathered.payloads for key, tokens, logprobs, done, routes in g[0]}
         assert len(progress) == len(work) == sum(len(g[0]) for g in gathered.payloads), \
             "a request was lost or duplicated"
         summary = gathered.summary()

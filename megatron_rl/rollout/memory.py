@@ -5,7 +5,8 @@ fills one in from what the runtime knows:
 - weights: the model configuration's exact parameter counts (dense: embeddings, attention, norms,
   router, output layer; one expert: gate, up and down projections over all layers) times the
   bytes of the dtype the rollout runs in;
-- KV: layers x (K, V) x KV heads x head dim x dtype bytes per token;
+- KV: layers x (K, V) x KV heads x head dim x dtype bytes per token; in a training rollout plus
+  the token's recorded routes, layers x top-k x expert-id bytes (models/routes.py);
 - the device: a GPU's total memory (`torch.cuda.get_device_properties`), or the host's RAM
   divided over the ranks that share it;
 - resident state: what else stays on the device through the rollout (the trainer's fp32 masters,
@@ -19,6 +20,7 @@ import torch
 
 from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.routes import route_bytes_per_token
 from megatron_rl.rollout.kv_cache import kv_numel
 
 
@@ -47,19 +49,22 @@ def device_memory_bytes(device: torch.device, ranks_on_host: int) -> tuple[int, 
 
 
 def memory_budget(mcfg: MoEModelConfig, dtype_bytes: int, device: torch.device, ranks_on_host: int,
-                  resident_bytes: int = 0, device_bytes: int | None = None) -> MemoryBudget:
+                  resident_bytes: int = 0, device_bytes: int | None = None,
+                  record_routes: bool = False) -> MemoryBudget:
     """The budget of one rank running `mcfg` in a `dtype_bytes` dtype on `device`.
 
     `device_bytes` replaces the measured device memory (planning for a machine other than this one,
-    e.g. an 80 GB GPU from a laptop)."""
+    e.g. an 80 GB GPU from a laptop). `record_routes` (a training rollout): every KV position also
+    holds its routes (`route_bytes_per_token`), priced with the KV."""
     dense, expert = weight_bytes(mcfg, dtype_bytes)
     if device_bytes is None:
         device_bytes, source = device_memory_bytes(device, ranks_on_host)
     else:
         source = "given"
+    routes = route_bytes_per_token(mcfg.num_layers, mcfg.moe_router_topk, mcfg.num_moe_experts) if record_routes else 0
     return MemoryBudget(device_bytes=device_bytes, dense_bytes=dense, expert_bytes=expert,
-                        kv_bytes_per_token=kv_bytes_per_token(mcfg, dtype_bytes),
-                        resident_bytes=resident_bytes, source=source)
+                        kv_bytes_per_token=kv_bytes_per_token(mcfg, dtype_bytes) + routes,
+                        resident_bytes=resident_bytes, source=source, route_bytes_per_token=routes)
 
 
 def model_shape(mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget, ranks_per_node: int) -> ModelShape:

@@ -1,6 +1,6 @@
 """`train` with `adaptive` migrates live requests, and training stays bit-identical in float64: a
-migrated response's recorded sampling log-probs (which the truncated importance weights read)
-travel with it, so the steps equal vanilla's."""
+migrated response's recorded sampling log-probs (which the truncated importance weights read) and
+its routes (which routing replay reads) travel with it, so the routes and the steps equal vanilla's."""
 import json
 import os
 
@@ -27,7 +27,7 @@ def _cfg(policy: str, data: str):
         model=MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                              kv_channels=8, num_moe_experts=8, moe_router_topk=2,
                              moe_ffn_hidden_size=16, vocab_size=20),
-        data=DataConfig(data), grpo=GRPOConfig(group_size=4, micro_batch=8, tis_cap=2.0),
+        data=DataConfig(data), grpo=GRPOConfig(group_size=4, micro_batch=8, tis_cap=2.0, routing_replay=True),
         generation=GenerationConfig(max_response_len=6), elastic=ElasticConfig(policy=policy),
         checkpoint=CheckpointConfig(every=0, export_hf=False), logging=LoggingConfig(wandb_mode="disabled"),
         steps=1, prompts_per_step=4, ranks=2, dtype="float64", seed=3)
@@ -65,6 +65,13 @@ def _moving(real, rules: list):
     return make
 
 
+def _capture(phase) -> list:
+    """The rollout results `phase.run` returns, from now on."""
+    results, run = [], phase.run
+    phase.run = lambda *a: results.append(run(*a)) or results[-1]
+    return results
+
+
 def _train(ctx, data: str, out: str):
     from megatron_rl.data.prompts import DataConfig, load_prompts
     from megatron_rl.trainer import Trainer
@@ -74,6 +81,7 @@ def _train(ctx, data: str, out: str):
         cfg = _cfg(policy, data)
         trainer = Trainer(cfg, load_prompts(DataConfig(data)), ctx, os.path.join(out, policy), None)
         rules: list[_Moving] = []
+        routes = _capture(trainer.rollout)
         if policy == "adaptive":
             trainer.rollout.plan = laddered(trainer.rollout.plan)
             trainer.rollout._online_rule = _moving(trainer.rollout._online_rule, rules)
@@ -82,7 +90,9 @@ def _train(ctx, data: str, out: str):
             m = trainer.step(step)
             steps.append({k: m[k] for k in ("reward_mean", "loss", "grad_norm", "response_len_mean")})
         digest = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
-        results[policy] = {"steps": steps, "weights": digest.tolist(), "moves": sum(r.moves for r in rules)}
+        results[policy] = {"steps": steps, "weights": digest.tolist(), "moves": sum(r.moves for r in rules),
+                           "routes": [r.routes.tolist() for r in routes[0].responses],
+                           "agreement": m["mismatch"]["router_agreement"]}
     with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -99,3 +109,5 @@ def test_adaptive_training_migrates_and_equals_vanilla(tmp_path):
         assert r["adaptive"]["moves"] >= 1, "no request moved: the test proves nothing"
         assert r["adaptive"]["steps"] == r["vanilla"]["steps"]
         assert r["adaptive"]["weights"] == r["vanilla"]["weights"]  # float64, bitwise
+        assert r["adaptive"]["routes"] == r["vanilla"]["routes"]
+        assert r["adaptive"]["agreement"] == r["vanilla"]["agreement"] == 1.0

@@ -1,5 +1,6 @@
 """`flexfloor train` with `partial:` as a user runs it: responses are carried over and resumed,
-none is dropped, and a resume from a checkpoint continues the carried ones exactly."""
+none is dropped, and a resume from a checkpoint continues the carried ones exactly, their recorded
+routes included (routing replay on); a tampered carried route is refused naming file and field."""
 import json
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ import yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
-LEARNING = ("reward/", "response_length/", "actor/", "partial/")
+LEARNING = ("reward/", "response_length/", "actor/", "partial/", "mismatch/")
 
 # A short warm start gives a policy that sometimes ends at EOS and sometimes runs on: response
 # lengths vary, so some groups complete before others and the end rule leaves responses unfinished.
@@ -19,7 +20,7 @@ CONFIG = {
     "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
               "kv_channels": 8, "num_moe_experts": 8, "moe_router_topk": 2,
               "moe_ffn_hidden_size": 16, "vocab_size": 20},
-    "grpo": {"group_size": 4, "micro_batch": 8, "tis_cap": 2.0},
+    "grpo": {"group_size": 4, "micro_batch": 8, "tis_cap": 2.0, "routing_replay": True},
     "optim": {"lr": 0.003},
     "generation": {"max_response_len": 8},
     "warmstart": {"sft_steps": 30, "prompts_per_step": 16},
@@ -30,10 +31,10 @@ CONFIG = {
 }
 
 
-def _train(config: Path, out: Path):
+def _train(config: Path, out: Path, ok: bool = True):
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(config),
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, check=False, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
     return proc
 
 
@@ -60,6 +61,8 @@ def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     state = json.loads((full / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     carried = [s for g in state["partial"]["pool"]["pending"] for s in g["samples"] if not s["done"] and s["n"]]
     assert carried, "step 1's checkpoint holds no partly generated response"
+    assert {(p, r) for p, r, _ in state["partial"]["routes"]} >= {(s["prompt_id"], s["rid"]) for s in carried}
+    assert all(m["mismatch/rows_without_routes"] == 0 for m in steps)
 
     # Resume from step 1 (as after a crash before step 2's save): the carried responses continue.
     part = tmp_path / "part"
@@ -71,3 +74,16 @@ def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     a, b = _metrics(full)[1], _metrics(part)[1]
     assert {k: v for k, v in a.items() if k.startswith(LEARNING)} == \
         {k: v for k, v in b.items() if k.startswith(LEARNING)}
+
+    # A carried route naming an expert the model does not have: refused, naming file and field.
+    from megatron_rl.models.routes import decode, encode
+
+    shutil.rmtree(part / "checkpoints" / "step_000002")
+    (part / "checkpoints" / "latest").write_text("step_000001")
+    f = part / "checkpoints" / "step_000001" / "trainer_state.json"
+    bad = decode(state["partial"]["routes"][0][2], 2, 2, 8, "test")
+    bad[0, 0, 0] = 8
+    state["partial"]["routes"][0][2] = encode(bad)
+    f.write_text(json.dumps(state))
+    proc = _train(config, part, ok=False)
+    assert f"{f}: field partial.routes[0]: expert id 8 outside 0..7" in proc.stderr, proc.stderr[-2000:]

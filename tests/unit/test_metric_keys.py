@@ -14,6 +14,9 @@ def test_every_grouped_key_is_documented():
     sample["stages"] = [[0, 1], [0]]
     sample["lease_jobs"] = 2
     sample["val"] = {"pass@1": 0.5, "reward_mean": 0.5, "response_len_mean": 2.0, "prompts": 41}
+    from megatron_rl.rl.mismatch import MismatchTally  # what PolicyUpdate.update reports
+
+    sample["mismatch"] = {**MismatchTally("cpu").finish(1), "logp_abs_diff_mean": 0.0, "logp_abs_diff_max": 0.0}
     names = set(grouped(sample))
     missing = sorted(n for n in names if not any(fnmatch(n, d) for d in documented))
     assert not missing, f"docs/training.md's metrics table lacks {missing}"

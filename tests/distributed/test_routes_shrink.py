@@ -1,0 +1,73 @@
+"""Routes recorded through an EP shrink equal a vanilla run's: `train` with the megatron backend (the
+megatron-core CPU harness) on 2 gloo ranks and the torch backend on 4, `natural` floor 1 (the other
+ranks leave, their experts move to rank 0; megatron-core's layers are rebuilt on the smaller group
+and get new router hooks) against `vanilla`, float32, routing replay on: the same routes for every
+response, and the same step (the natural run's plan is forced to shrink: `_shrinking`)."""
+import json
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def _shrinking(real):
+    """The real plan with every other rank given one response and rank 0 the rest (in waves of
+    `max_batch_per_rank`), and a stage where the others, drained, have left: the shrink happens."""
+    from dataclasses import replace
+
+    from elastic.planning.plan import Stage, block_owners
+
+    def plan(items, *args, **kwargs):
+        p = real(items, *args, **kwargs)
+        E, W = p.num_experts, p.ranks
+        assignments = [replace(a, rank=i + 1 if i < W - 1 else 0) for i, a in enumerate(p.assignments)]
+        stages = [Stage(members=tuple(range(W)), drained=(), owners=block_owners(E, range(W))),
+                  Stage(members=(0,), drained=tuple(range(1, W)), owners=block_owners(E, [0]))]
+        return replace(p, assignments=assignments, stages=stages)
+    return plan
+
+
+def _train(ctx, backend: str, data: str, out: str):
+    from dataclasses import replace
+
+    from test_train_migration import _capture, _cfg
+
+    from megatron_rl.data.prompts import DataConfig, load_prompts
+    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer_config import ElasticConfig
+
+    results = {}
+    for policy in ("vanilla", "natural"):
+        cfg = replace(_cfg("vanilla", data), backend=backend, dtype="float32", ranks=ctx.world,
+                      elastic=ElasticConfig(policy=policy, floor=1))
+        cfg.generation.max_batch_per_rank = 4
+        trainer = Trainer(cfg, load_prompts(DataConfig(data)), ctx, os.path.join(out, policy), None)
+        if policy == "natural":
+            trainer.rollout.plan = _shrinking(trainer.rollout.plan)
+        rollouts = _capture(trainer.rollout)
+        m = trainer.step(1)
+        results[policy] = {"routes": [r.routes.tolist() for r in rollouts[0].responses],
+                           "final_stage": m["final_stage"], "loss": m["loss"],
+                           "agreement": m["mismatch"]["router_agreement"]}
+    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+@pytest.mark.parametrize("backend,world", [("megatron", 2), ("torch", 4)])
+def test_routes_through_a_shrink_equal_vanilla(request, backend, world, tmp_path):
+    from megatron_rl.data.arith import make_problems, write_jsonl
+    from megatron_rl.parallel.launch import run_ranks
+
+    if backend == "megatron":
+        request.getfixturevalue("megatron_harness")
+    data = tmp_path / "arith.jsonl"
+    write_jsonl(make_problems(8, seed=0, max_operand=4, ops="+"), data)
+    run_ranks(_train, world, backend, str(data), str(tmp_path), timeout_s=300.0)
+    for rank in range(world):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["natural"]["final_stage"] == 1 and r["vanilla"]["final_stage"] == 0, "no shrink: proves nothing"
+        assert r["natural"]["routes"] == r["vanilla"]["routes"]
+        assert r["natural"]["loss"] == r["vanilla"]["loss"]
+        assert torch.tensor(r["vanilla"]["routes"][0]).max() < 8
