@@ -190,7 +190,8 @@ class RolloutPhase:
                                   greedy=False, seed=step_seed(cfg.seed, step))
         engine = RecordingEngine(self.model, sampling, cfg.generation.max_batch_per_rank,
                                  max(len(w.prompt) + w.max_new for w in work), self.tok.eos_id,
-                                 temperature=cfg.generation.temperature)
+                                 temperature=cfg.generation.temperature, kv=cfg.generation.kv,
+                                 page_size=cfg.generation.kv_page_size, kv_reserve=cfg.generation.kv_reserve)
         engine.add(mine)
         if cfg.backend == "megatron":
             # A shrink rebuilds megatron-core's layers; the optimizer holds the originals' parameters.

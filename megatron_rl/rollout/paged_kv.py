@@ -25,10 +25,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.config import require, require_size
 from megatron_rl.rollout.kv_cache import SlotKVCache
 from megatron_rl.rollout.pages import PageAllocator
 
 KV_KINDS = ("slots", "paged")
+
+
+def require_kv(kind: str, page_size: int, reserve: float, where: str) -> None:
+    """The KV fields of a config (`where`: their prefix, e.g. `generation.`)."""
+    require(kind in KV_KINDS, f"{where}kv: expected one of {', '.join(KV_KINDS)}, got {kind!r}")
+    require_size(page_size, f"{where}kv_page_size")
+    require(0 <= reserve < 1, f"{where}kv_reserve: expected in [0, 1), got {reserve}")
 
 
 def build_kv_cache(kind: str, mcfg, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,

@@ -123,3 +123,19 @@ def test_a_migrated_request_with_shared_pages_continues_identically(model, kinds
             e.step()
     got = {r.key: r.tokens for e in (src, dst) for r in e.engine.finished}
     assert got == want
+
+
+def test_carried_over_responses_reprefill_beside_their_fresh_siblings(model):
+    """Partial carry-over: a resumed response comes back as prompt + its tokens so far (as
+    rl/rollout_phase.py builds it); it prefills on its own, its fresh siblings share their prompt."""
+    def batch():
+        reqs = group_requests()
+        for r in reqs[1::2]:
+            r.prompt = r.prompt + [7 + r.sample, 11]  # two tokens carried over from the last step
+        return reqs
+
+    want = run(RolloutEngine(model, SAMPLING, 9, 32), batch())
+    paged = RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4)
+    assert run(paged, batch()) == want
+    report = paged.kv_report()
+    assert report["prefill_tokens_computed"] < report["prefill_tokens_requested"] and report["pages_shared"] > 0
