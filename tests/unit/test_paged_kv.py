@@ -139,3 +139,21 @@ def test_carried_over_responses_reprefill_beside_their_fresh_siblings(model):
     assert run(paged, batch()) == want
     report = paged.kv_report()
     assert report["prefill_tokens_computed"] < report["prefill_tokens_requested"] and report["pages_shared"] > 0
+
+
+def test_a_detached_rank_frees_the_pool_and_reclaims_it_zeroed():
+    from megatron_rl.rollout.paged_kv import PagedKVCache
+
+    cache = PagedKVCache(2, 4, 6, 4, 2, 16, 8, torch.float64)  # 6 pages and the scratch page
+    per = 2 * 2 * 7 * 2 * 4 * 8 * 8
+    assert cache.nbytes == per
+    s = cache.alloc()
+    cache.prefill([s], [5])
+    cache.commit()
+    assert cache.pool.used == 2
+    with pytest.raises(RuntimeError, match="1 live sequences"):
+        cache.release_memory()
+    cache.release(s)
+    assert cache.pool.used == 0 and cache.release_memory() == per and cache.nbytes == 0
+    cache.reclaim_memory()
+    assert cache.nbytes == per and all(int(t.count_nonzero()) == 0 for t in cache.k)
