@@ -77,9 +77,11 @@ def run(engine, reqs):
     return {r.key: r.tokens for r in engine.finished}
 
 
-def test_paged_tokens_equal_slots_and_the_group_prefills_once(model):
+@pytest.mark.parametrize("pad", [False, True])
+def test_paged_tokens_equal_slots_and_the_group_prefills_once(model, pad):
     want = run(RolloutEngine(model, SAMPLING, 9, 32), group_requests())
-    paged = RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4)
+    # `pad`: decode buckets' padding rows write the scratch page, as CUDA graphs would.
+    paged = RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4, pad_to_buckets=pad)
     assert run(paged, group_requests()) == want
     report = paged.kv_report()
     assert report["prefill_tokens_requested"] == 3 * (3 + 6 + 9)
