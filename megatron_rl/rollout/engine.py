@@ -193,8 +193,9 @@ class RolloutEngine:
 
     def _admissible(self) -> int:
         """How many pending requests the cache admits now (a free slot each; paged: their predicted pages)."""
-        return self.cache.admissible([len(r.prompt) + len(r.tokens) for r in self.pending],
-                                     [r.predicted_positions() for r in self.pending], len(self.live))
+        head = self.pending[: len(self.cache.free)]  # one free sequence (slot) each at most
+        return self.cache.admissible([len(r.prompt) + len(r.tokens) for r in head],
+                                     [r.predicted_positions() for r in head], len(self.live))
 
     def _prefill(self, n: int) -> int:
         admit = self.pending[:n]

@@ -114,8 +114,9 @@ class SlotKVCache:
         self.generation += 1
 
     def admissible(self, now: list[int], total: list[int], live: int) -> int:
-        """How many waiting requests to admit: one per free slot (lengths do not matter here)."""
-        return min(len(now), len(self.free))
+        """How many of the waiting requests (at most one per free slot) to admit: all of them
+        (lengths do not matter here)."""
+        return len(now)
 
     def grow(self, slots: list[int]) -> bool:
         return True  # a slot holds max_len positions from the start

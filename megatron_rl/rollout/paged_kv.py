@@ -104,15 +104,16 @@ class PagedKVCache:
     # -- sequences and pages ------------------------------------------------------------------
 
     def admissible(self, now: list[int], total: list[int], live: int) -> int:
-        """How many of the waiting requests (in order; `now` positions to prefill, `total`
-        predicted positions at the end) to admit, with `live` sequences running."""
+        """How many of the waiting requests (in order, at most one per free sequence; `now`
+        positions to prefill, `total` predicted positions at the end) to admit, with `live`
+        sequences running."""
         promised = sum(max(0, self.pages_for(self.predicted[s]) - len(self.tables[s]))
                        for s in range(self.slots) if self.tables[s])
         avail = len(self.pool.free) - promised - self.reserve_pages
         free_now, n = len(self.pool.free), 0
         for pos, want in zip(now, total):
             need, hold = self.pages_for(max(pos, want)), self.pages_for(pos)
-            if n >= len(self.free) or hold > free_now or (need > avail and (n or live)):
+            if hold > free_now or (need > avail and (n or live)):
                 break
             avail, free_now, n = avail - need, free_now - hold, n + 1
         return n
