@@ -194,8 +194,14 @@ class RolloutEngine:
     def _admissible(self) -> int:
         """How many pending requests the cache admits now (a free slot each; paged: their predicted pages)."""
         head = self.pending[: len(self.cache.free)]  # one free sequence (slot) each at most
-        return self.cache.admissible([len(r.prompt) + len(r.tokens) for r in head],
-                                     [r.predicted_positions() for r in head], len(self.live))
+        seqs = [tuple(r.prompt + r.tokens) for r in head]
+        # Positions a request would share with an earlier one admitted with it (its group's prompt).
+        seen, shared = set(), []
+        for ids in seqs:
+            shared.append(len(ids) if ids in seen else 0)
+            seen.add(ids)
+        return self.cache.admissible([len(ids) for ids in seqs], [r.predicted_positions() for r in head],
+                                     len(self.live), shared)
 
     def _prefill(self, n: int) -> int:
         admit = self.pending[:n]

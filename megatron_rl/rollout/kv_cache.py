@@ -113,7 +113,7 @@ class SlotKVCache:
         self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.generation += 1
 
-    def admissible(self, now: list[int], total: list[int], live: int) -> int:
+    def admissible(self, now: list[int], total: list[int], live: int, shared: list[int]) -> int:
         """How many of the waiting requests (at most one per free slot) to admit: all of them
         (lengths do not matter here)."""
         return len(now)

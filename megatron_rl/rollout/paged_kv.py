@@ -103,16 +103,18 @@ class PagedKVCache:
 
     # -- sequences and pages ------------------------------------------------------------------
 
-    def admissible(self, now: list[int], total: list[int], live: int) -> int:
+    def admissible(self, now: list[int], total: list[int], live: int, shared: list[int]) -> int:
         """How many of the waiting requests (in order, at most one per free sequence; `now`
-        positions to prefill, `total` predicted positions at the end) to admit, with `live`
-        sequences running."""
+        positions to prefill, `total` predicted positions at the end, `shared` positions held
+        with an earlier one of them: its group's prompt, whose full pages it will share) to admit,
+        with `live` sequences running."""
         promised = sum(max(0, self.pages_for(self.predicted[s]) - len(self.tables[s]))
                        for s in range(self.slots) if self.tables[s])
         avail = len(self.pool.free) - promised - self.reserve_pages
         free_now, n = len(self.pool.free), 0
-        for pos, want in zip(now, total):
-            need, hold = self.pages_for(max(pos, want)), self.pages_for(pos)
+        for pos, want, common in zip(now, total, shared):
+            own = common // self.page_size  # full pages shared, not taken
+            need, hold = self.pages_for(max(pos, want)) - own, self.pages_for(pos) - own
             if hold > free_now or (need > avail and (n or live)):
                 break
             avail, free_now, n = avail - need, free_now - hold, n + 1

@@ -159,3 +159,13 @@ def test_a_detached_rank_frees_the_pool_and_reclaims_it_zeroed():
     assert cache.pool.used == 0 and cache.release_memory() == per and cache.nbytes == 0
     cache.reclaim_memory()
     assert cache.nbytes == per and all(int(t.count_nonzero()) == 0 for t in cache.k)
+
+
+def test_admission_counts_a_groups_shared_prompt_pages_once():
+    from megatron_rl.rollout.paged_kv import PagedKVCache
+
+    cache = PagedKVCache(1, 4, 6, 4, 1, 16, 2, torch.float64, reserve=0.0)
+    # Three samples of an 8-token prompt predicted to end at 12 positions: 3 pages alone, 1 more
+    # each for the samples that share the prompt's two full pages.
+    assert cache.admissible([8, 8, 8], [12, 12, 12], 0, [0, 8, 8]) == 3
+    assert cache.admissible([8, 8, 8], [12, 12, 12], 0, [0, 0, 0]) == 2
