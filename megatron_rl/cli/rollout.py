@@ -97,6 +97,10 @@ def _rollout(args, cfg, out_dir) -> int:
               f"{report['final_stage']}; shrink latency per stage (s): {report['shrink_latency_s']}")
     if report.get("migrated"):
         print(f"{report['migrated']} live requests moved with their KV cache (online rule)")
+    if report["kv"]["cache"] == "paged":
+        kv = report["kv"]
+        print(f"paged KV cache: prefill computed {kv['prefill_tokens_computed']} of {kv['prefill_tokens_requested']} "
+              f"tokens (group prefix sharing), {kv['pages_shared']} pages shared, {kv['preemptions']} preemptions")
     if report.get("partial"):
         p = report["partial"]
         print(f"partial rollout ({p['rule']}): ended with {p['groups_complete']} of {p['groups']} groups "

@@ -235,7 +235,8 @@ class RolloutPhase:
                                   greedy=False, seed=step_seed(cfg.seed, step))
         engine = RecordingEngine(self.model, sampling, cfg.generation.max_batch_per_rank,
                                  max(len(w.prompt) + w.max_new for w in work), self.tok.eos_id,
-                                 temperature=cfg.generation.temperature)
+                                 temperature=cfg.generation.temperature, kv=cfg.generation.kv,
+                                 page_size=cfg.generation.kv_page_size, kv_reserve=cfg.generation.kv_reserve)
         engine.add(mine)
         engine.progress = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine),
                                    "tokens", enabled=self.rank == 0)

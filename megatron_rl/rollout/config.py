@@ -14,6 +14,7 @@ from megatron_rl.parallel.device import DeviceChoice, TransportChoice
 from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rollout.lease_jobs import LeaseConfig
+from megatron_rl.rollout.paged_kv import require_kv
 from megatron_rl.rollout.sampling import SamplingParams
 
 
@@ -71,6 +72,14 @@ class RolloutConfig:
     # the weights are loaded (nano-vllm's rule), up to max_batch_per_rank slots; on CPU it has
     # max_batch_per_rank slots.
     kv_memory_fraction: float = 0.9
+    # The KV cache (rollout/paged_kv.py): `slots` (one per request at the longest length) or
+    # `paged` (pages of kv_page_size positions: as many bytes as the slots, or kv_pages pages per
+    # rank; GRPO group prefix sharing; admission by predicted length keeping kv_reserve of the
+    # pages free for requests that outlive their prediction, else preemption and recompute).
+    kv: Literal["slots", "paged"] = "slots"
+    kv_page_size: int = 16
+    kv_pages: int | None = None
+    kv_reserve: float = 0.1
     # Partial rollouts (off by default): the batch is the launched groups, the rollout ends when
     # batch.prompts / (1 + over_sample) of them are complete; the report counts what would carry.
     partial: PartialConfig = field(default_factory=PartialConfig)
@@ -88,6 +97,10 @@ class RolloutConfig:
         require_seed(self.sampling.seed, "sampling.seed")
         require(0 < self.kv_memory_fraction <= 1,
                 f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        require_kv(self.kv, self.kv_page_size, self.kv_reserve, "")
+        if self.kv_pages is not None:
+            require(self.kv == "paged", "kv_pages: only for kv: paged")
+            require_size(self.kv_pages, "kv_pages")
         if self.floor is not None:
             require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")
         self.partial.require_groups("rollout")

@@ -138,8 +138,8 @@ class MigratingRolloutEngine(ElasticRolloutEngine):
                                -1 if r.fixed_len is None else r.fixed_len, held, len(carried)], dtype=torch.long)
         ids = torch.cat([torch.tensor(r.prompt + r.tokens, dtype=torch.long),
                          torch.tensor(carried, dtype=torch.float64).view(torch.long)])  # exact bits
-        kv = torch.cat([t[r.slot, :, :held].reshape(-1) for layer in range(len(cache.k))
-                        for t in (cache.k[layer], cache.v[layer])]) if held else self.empty_kv(0)
+        # A paged request's shared prompt pages are copied out: the receiver holds its own.
+        kv = cache.export_kv(r.slot, held) if held else self.empty_kv(0)
         return header, ids, kv
 
     def empty_kv(self, held: int) -> torch.Tensor:
@@ -163,12 +163,7 @@ class MigratingRolloutEngine(ElasticRolloutEngine):
             return
         if not e.cache.free:
             raise RuntimeError(f"no free KV slot for migrated request {key}")
-        r.slot = e.cache.alloc()
-        chunks = kv.split(kv.numel() // (2 * len(e.cache.k)))
-        for layer in range(len(e.cache.k)):
-            for t, c in zip((e.cache.k[layer], e.cache.v[layer]), chunks[2 * layer:2 * layer + 2]):
-                t[r.slot, :, :held] = c.view(t.shape[1], held, t.shape[3])
-        e.cache.lengths[r.slot] = held
+        r.slot = e.cache.import_kv(kv, held, r.predicted_positions())
         e.live.append(r)
 
     def release_request(self, key: tuple[str, int]) -> None:

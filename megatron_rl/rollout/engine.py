@@ -18,7 +18,7 @@ import torch
 from megatron_rl.models.moe import MoELayer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.rollout.decode_step import DecodeRunner
-from megatron_rl.rollout.kv_cache import SlotKVCache
+from megatron_rl.rollout.paged_kv import build_kv_cache
 from megatron_rl.rollout.sampling import SamplingParams, choose_tokens, draws
 
 
@@ -31,6 +31,8 @@ class Request:
     fixed_len: int | None = None
     tokens: list[int] = field(default_factory=list)
     slot: int = -1
+    # The planner's predicted response length (paged KV admission); None: the cap (fixed_len or max_new_tokens).
+    predicted_len: int | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -43,6 +45,12 @@ class Request:
             return True
         return len(self.tokens) >= self.max_new_tokens
 
+    def predicted_positions(self) -> int:
+        """KV positions it is expected to end with: prompt + predicted response, at least what it holds."""
+        cap = self.fixed_len if self.fixed_len is not None else self.max_new_tokens
+        want = cap if self.predicted_len is None else min(cap, self.predicted_len)
+        return len(self.prompt) + max(len(self.tokens) + 1, want)
+
 
 class RolloutEngine:
     """Everything it allocates (KV cache, token ids, draws) is on the model's device; only the
@@ -54,16 +62,27 @@ class RolloutEngine:
     batch bucket (rollout/decode_step.py), captured before the first decode step that can use it
     (`capture_graphs` captures at once); `pad_to_buckets` runs the graphs' padded path eagerly.
     `attention`: "auto" (the Triton decode kernel where it runs, else torch), "triton" or "torch".
+
+    `kv`: "slots" (rollout/kv_cache.py) or "paged" (rollout/paged_kv.py: `kv_pages` pages of
+    `page_size` positions, default as many bytes as the slots; GRPO group prefix sharing; admission
+    by predicted length with preemption of the newest request, recomputed later; torch attention
+    and eager decode, as no paged CUDA kernel exists yet).
     """
 
     def __init__(self, model: Qwen3MoeModel, sampling: SamplingParams, max_batch: int,
                  max_len: int, eos_id: int | None = None, cuda_graphs: bool | None = None,
-                 pad_to_buckets: bool = False, attention: str = "auto"):
+                 pad_to_buckets: bool = False, attention: str = "auto", kv: str = "slots",
+                 kv_pages: int | None = None, page_size: int = 16, kv_reserve: float = 0.1):
         cfg = model.config
         self.model, self.sampling, self.eos_id = model, sampling, eos_id
         self.max_batch, self.device = max_batch, model.device
-        self.cache = SlotKVCache(cfg.num_layers, max_batch, cfg.num_query_groups, max_len,
-                                 cfg.kv_channels, model.dtype, self.device)
+        self.cache = build_kv_cache(kv, cfg, max_batch, max_len, model.dtype, self.device, kv_pages, page_size,
+                                    kv_reserve)
+        if kv == "paged":
+            attention, cuda_graphs = "torch", False
+        # Prefill tokens the admitted requests asked for and those the forward computed (group
+        # prefix sharing), and requests preempted when the pages ran out.
+        self.prefill_requested = self.prefill_computed = self.preempted = 0
         if attention not in ("auto", "triton", "torch"):
             raise ValueError(f"attention must be auto, triton or torch, got {attention!r}")
         if attention != "torch":
@@ -106,8 +125,8 @@ class RolloutEngine:
     def add(self, requests: list[Request]) -> None:
         for r in requests:
             need = len(r.prompt) + (r.fixed_len if r.fixed_len is not None else r.max_new_tokens)
-            if need > self.cache.max_len:
-                raise ValueError(f"request {r.key} needs {need} positions, the KV cache has {self.cache.max_len}")
+            if need > self.cache.capacity:
+                raise ValueError(f"request {r.key} needs {need} positions, the KV cache has {self.cache.capacity}")
         self.pending.extend(requests)
 
     def has_work(self) -> bool:
@@ -122,8 +141,9 @@ class RolloutEngine:
     def step(self) -> int:
         """One forward; returns the number of tokens generated."""
         self._share_counter()
-        if self.pending and self.cache.free:
-            return self._prefill()
+        admit = self._admissible() if self.pending else 0
+        if admit:
+            return self._prefill(admit)
         if self.live:
             return self._decode()
         self.dummy_step()
@@ -171,30 +191,82 @@ class RolloutEngine:
                 self._draws[r.slot, len(r.tokens):n] = self._to_device(torch.tensor(u, dtype=torch.float64))
                 self._drawn[r.slot] = r.key
 
-    def _prefill(self) -> int:
-        admit = self.pending[: len(self.cache.free)]
-        self.pending = self.pending[len(admit):]
-        lens = [len(r.prompt) for r in admit]
+    def _admissible(self) -> int:
+        """How many pending requests the cache admits now (a free slot each; paged: their predicted pages)."""
+        head = self.pending[: len(self.cache.free)]  # one free sequence (slot) each at most
+        seqs = [tuple(r.prompt + r.tokens) for r in head]
+        # Positions a request would share with an earlier one admitted with it (its group's prompt).
+        seen, shared = set(), []
+        for ids in seqs:
+            shared.append(len(ids) if ids in seen else 0)
+            seen.add(ids)
+        return self.cache.admissible([len(ids) for ids in seqs], [r.predicted_positions() for r in head],
+                                     len(self.live), shared)
+
+    def _prefill(self, n: int) -> int:
+        admit = self.pending[:n]
+        self.pending = self.pending[n:]
+        # A preempted request recomputes the keys of its tokens so far.
+        seqs = [r.prompt + r.tokens for r in admit]
+        lens = [len(ids) for ids in seqs]
         S = max(lens)
-        # Token ids, then each row's length and slot: one host buffer, one copy.
-        host = torch.zeros(len(admit), S + 2, dtype=torch.long)
+        # Rows the forward computes: one per distinct sequence where the cache shares prefixes
+        # (a GRPO group's samples), else every row; src[b] is row b's computed row.
+        rows, src, first = [], [], {}
+        for b, ids in enumerate(seqs):
+            key = tuple(ids) if self.cache.shares_prefix else b
+            if key not in first:
+                first[key] = len(rows)
+                rows.append(b)
+            src.append(first[key])
+        # Token ids, then each row's length, slot and tokens so far: one host buffer, one copy.
+        host = torch.zeros(len(admit), S + 3, dtype=torch.long)
         for b, r in enumerate(admit):
-            r.slot = self.cache.alloc()
-            host[b, : lens[b]] = torch.tensor(r.prompt, dtype=torch.long)
-            host[b, S:] = torch.tensor([lens[b], r.slot])
+            r.slot = self.cache.alloc(r.predicted_positions())
+            host[b, : lens[b]] = torch.tensor(seqs[b], dtype=torch.long)
+            host[b, S:] = torch.tensor([lens[b], r.slot, len(r.tokens)])
         dev = self._to_device(host)
-        ids_BS, lens_B, slot_B = dev[:, :S], dev[:, S], dev[:, S + 1]
+        shared = len(rows) < len(admit)
+        comp = dev[self._to_device(torch.tensor(rows))] if shared else dev
+        ids_BS, lens_B = comp[:, :S], comp[:, S]
         mask_BS = torch.arange(S, device=self.device)[None] < lens_B[:, None]
-        pos_BS = self.cache.prefill([r.slot for r in admit], lens)
+        pos_BS = self.cache.prefill([admit[b].slot for b in rows], [lens[b] for b in rows])
         logits_BV = self.model(ids_BS, pos_BS, self.cache, mask_BS, logits_at_B=lens_B - 1)
         self.cache.commit()
+        if shared:
+            for b, u in enumerate(src):
+                if rows[u] != b:
+                    self.cache.fork(admit[rows[u]].slot, admit[b].slot)
+            logits_BV = logits_BV[self._to_device(torch.tensor(src))]
+        self.prefill_requested += sum(lens)
+        self.prefill_computed += sum(lens[b] for b in rows)
         self.live.extend(admit)
         if self._draws is not None:
             self._fill_draws(admit)
-        self._rows = (slot_B, torch.zeros_like(slot_B))
+        self._rows = (dev[:, S + 1], dev[:, S + 2])
         return self._emit(admit, logits_BV)
 
+    def _preempt(self, r: Request) -> None:
+        """Pool exhausted: `r` gives its pages back and waits first in line; admitted again, it
+        recomputes its keys (prompt and tokens so far) and continues. Nothing is dropped."""
+        self.live.remove(r)
+        self.cache.release(r.slot)
+        r.slot = -1
+        self.pending.insert(0, r)
+        self.preempted += 1
+
+    def kv_report(self) -> dict:
+        """The KV cache's figures for the rollout report (summed over ranks by the runner)."""
+        c = self.cache
+        return {"prefill_tokens_requested": self.prefill_requested, "prefill_tokens_computed": self.prefill_computed,
+                "pages_shared": getattr(c, "pages_shared", 0), "preemptions": self.preempted,
+                "kv_bytes": c.nbytes if c.k else 0}
+
     def _decode(self) -> int:
+        # Paged: a page for every row whose next position starts one, preempting the newest
+        # request while the pool has too few (the last one left always fits: `add` checked).
+        while not self.cache.grow([r.slot for r in self.live]):
+            self._preempt(self.live[-1])
         batch = self.live
         if self._draws is not None:
             self._fill_draws(batch)

@@ -66,7 +66,12 @@ class SlotKVCache:
     buffers). Decode attention reads each row's own length: with the Triton split-K kernel on
     CUDA (rollout/decode_attention.py), or, the torch path, SDPA over the first L key positions
     with a [B, 1, 1, L] mask made once per forward from pos_B on the device.
+
+    The sequence methods the engine calls (`admissible`, `alloc`, `grow`, `export_kv`,
+    `import_kv`) are the paged cache's too (rollout/paged_kv.py), so either serves the engine.
     """
+
+    shares_prefix = False  # every sequence prefills its own prompt into its slot
 
     def __init__(self, num_layers: int, slots: int, groups: int, max_len: int, channels: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -86,6 +91,11 @@ class SlotKVCache:
         self.kernel = None  # the decode-attention kernel, set by the engine where one runs
 
     @property
+    def capacity(self) -> int:
+        """The most positions one sequence can ever hold."""
+        return self.max_len
+
+    @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
@@ -103,7 +113,32 @@ class SlotKVCache:
         self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.generation += 1
 
-    def alloc(self) -> int:
+    def admissible(self, now: list[int], total: list[int], live: int, shared: list[int]) -> int:
+        """How many of the waiting requests (at most one per free slot) to admit: all of them
+        (lengths do not matter here)."""
+        return len(now)
+
+    def grow(self, slots: list[int]) -> bool:
+        return True  # a slot holds max_len positions from the start
+
+    def export_kv(self, slot: int, held: int) -> torch.Tensor:
+        """K and V of the first `held` positions of `slot`, every layer, as one flat tensor."""
+        return torch.cat([t[slot, :, :held].reshape(-1) for layer in range(self.num_layers)
+                          for t in (self.k[layer], self.v[layer])])
+
+    def import_kv(self, flat: torch.Tensor, held: int, predicted: int = 0) -> int:
+        """A fresh slot holding `held` positions of `flat` (`export_kv`'s format)."""
+        if not self.free:
+            raise RuntimeError("no free KV slot for a migrated sequence")
+        slot = self.alloc()
+        chunks = flat.split(flat.numel() // (2 * self.num_layers))
+        for layer in range(self.num_layers):
+            for t, c in zip((self.k[layer], self.v[layer]), chunks[2 * layer:2 * layer + 2]):
+                t[slot, :, :held] = c.view(t.shape[1], held, t.shape[3])
+        self.lengths[slot] = held
+        return slot
+
+    def alloc(self, predicted: int = 0) -> int:
         if not self.free:
             raise RuntimeError("KV cache has no free slot")
         s = self.free.pop()

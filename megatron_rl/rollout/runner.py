@@ -30,7 +30,7 @@ from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, si
 from megatron_rl.rollout.memory import model_shape
 from megatron_rl.rollout.preflight import preflight
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
-from megatron_rl.rollout.rollout_plan import build_plan, model_config, online_rule, rollout_budget
+from megatron_rl.rollout.rollout_plan import admission_lengths, build_plan, model_config, online_rule, rollout_budget
 
 
 def responses_sha256(responses: list[dict]) -> str:
@@ -75,9 +75,14 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     mine = [replace(r, tokens=[]) for r, a in zip(requests, plan.assignments) if a.rank == rank]
     max_len = max([len(r.prompt) + r.max_new_tokens for r in requests] + [1])
     # After the weights: the KV cache takes what the device has left (all of max_batch_per_rank on CPU).
-    per_slot = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, max_len, mcfg.kv_channels, dtype)
-    slots = kv_cache_slots(ctx.device, per_slot, cfg.kv_memory_fraction, cfg.max_batch_per_rank)
-    engine = RolloutEngine(model, cfg.sampling, slots, max_len)
+    if cfg.kv == "paged":
+        engine = RolloutEngine(model, cfg.sampling, cfg.max_batch_per_rank, max_len, kv="paged",
+                               kv_pages=kv_pool_pages(cfg, mcfg, ctx.device, max_len),
+                               page_size=cfg.kv_page_size, kv_reserve=cfg.kv_reserve)
+    else:
+        per_slot = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, max_len, mcfg.kv_channels, dtype)
+        slots = kv_cache_slots(ctx.device, per_slot, cfg.kv_memory_fraction, cfg.max_batch_per_rank)
+        engine = RolloutEngine(model, cfg.sampling, slots, max_len)
     engine.add(mine)
     spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=cfg.backend, transport=cfg.transport,
                        rule=rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
@@ -102,11 +107,11 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     outcome = run_rank(spec, engine, pool=pool, stream=stream)
     responses = [_row(r) for r in engine.finished]
     unfinished = [len(r.tokens) for r in engine.live + engine.pending]
-    gathered = gather_rollout(spec, engine, outcome, (responses, unfinished), to=0)
+    gathered = gather_rollout(spec, engine, outcome, (responses, unfinished, engine.kv_report()), to=0)
     if gathered is None:
         return None
     outcomes = gathered.outcomes
-    all_responses = [r for rs, _ in gathered.payloads for r in rs]
+    all_responses = [r for rs, _, _ in gathered.payloads for r in rs]
     report = gathered.summary()
     report.update(
         policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
@@ -119,13 +124,32 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         device=ctx.device.type, transport=cfg.transport,
         freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
         hosts={str(o.ledger.rank): o.host for o in outcomes}, ranks_per_node=ranks_on_this_host(ctx.world),
+        kv=kv_summary(cfg.kv, [kv for _, _, kv in gathered.payloads]),
     )
     if stops:
-        left = [n for _, ns in gathered.payloads for n in ns]
+        left = [n for _, ns, _ in gathered.payloads for n in ns]
         report["partial"] = {"rule": cfg.partial.rule().describe, "target_groups": stops[0].target,
                              "groups": stops[0].groups, "groups_complete": stops[0].complete,
                              "carried": len(left), "carried_tokens": sum(left)}
     return report, all_responses
+
+
+def kv_pool_pages(cfg: RolloutConfig, mcfg: MoEModelConfig, device, max_len: int) -> int:
+    """The paged cache's pool: `kv_pages`, else by the slot cache's budget rule, in pages (all of
+    max_batch_per_rank full-length sequences' pages on CPU)."""
+    from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
+
+    if cfg.kv_pages is not None:
+        return cfg.kv_pages
+    per_page = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, cfg.kv_page_size, mcfg.kv_channels,
+                          DTYPES[cfg.dtype])
+    per_seq = -(-max_len // cfg.kv_page_size)
+    return kv_cache_slots(device, per_page, cfg.kv_memory_fraction, cfg.max_batch_per_rank * per_seq)
+
+
+def kv_summary(kind: str, per_rank: list[dict]) -> dict:
+    """The rollout report's `kv`: the cache and its figures summed over ranks."""
+    return {"cache": kind, **{k: sum(r[k] for r in per_rank) for k in per_rank[0]}}
 
 
 def _row(r: Request) -> dict:
@@ -158,6 +182,12 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
+    if cfg.kv == "paged":
+        _check_pool(cfg, requests)
+        by_key = {(r.prompt_id, r.sample): r for r in batch}
+        predicted = admission_lengths([by_key[r.key] for r in requests], history, tailguard=cfg.tailguard,
+                                      length_scale=cfg.batch.length_scale)
+        requests = [replace(r, predicted_len=n) for r, n in zip(requests, predicted)]
     rule = None if cfg.policy != "adaptive" else online_rule(
         plan, batch, history, shape=model_shape(mcfg, DTYPES[cfg.dtype].itemsize, budget,
                                                 ranks_per_node=ranks_on_this_host(cfg.ranks)),
@@ -170,6 +200,17 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
                 stale.unlink()
         (Path(out_dir) / "plan.json").write_text(plan.to_json())
     return RolloutJob(cfg, mcfg, requests, plan, out_dir, rule)
+
+
+def _check_pool(cfg: RolloutConfig, requests: list[Request]) -> None:
+    """A request longer than `kv_pages` can ever hold stops the run before any rank starts."""
+    if cfg.kv_pages is None:
+        return
+    r = max(requests, key=lambda r: len(r.prompt) + r.max_new_tokens)
+    need = len(r.prompt) + r.max_new_tokens
+    if -(-need // cfg.kv_page_size) > cfg.kv_pages:
+        raise FlexFloorError(f"kv_pages {cfg.kv_pages}: the pool holds {cfg.kv_pages * cfg.kv_page_size} positions, "
+                             f"response {r.prompt_id}/{r.sample} needs {need}; raise kv_pages or use kv: slots")
 
 
 def rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
