@@ -75,6 +75,11 @@ class RouteSink:
         if T:
             self.buf_RLK[self.cache.route_rows(T), layer] = expert_TK.to(self.buf_RLK.dtype)
 
+    def copy(self, src: int, dst: int, positions: int) -> None:
+        """Slot `dst` continues `src`'s first `positions` (a paged cache's shared group prefix)."""
+        self.buf_RLK[dst * self.max_len: dst * self.max_len + positions] = \
+            self.buf_RLK[src * self.max_len: src * self.max_len + positions]
+
     def rows_of(self, slot: int, start: int, end: int) -> torch.Tensor:
         """A copy (on the device, no host read) of slot `slot`'s positions [start, end)."""
         base = slot * self.max_len

@@ -134,6 +134,9 @@ class RecordingEngine(RolloutEngine):
         finally:
             self.recorder.detach()
 
+    def _forked(self, src: int, dst: int, positions: int) -> None:
+        self.recorder.sink.copy(src, dst, positions)
+
     def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
         n = super()._emit(batch, logits_BV)
         for r in batch:

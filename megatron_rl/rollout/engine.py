@@ -237,6 +237,7 @@ class RolloutEngine:
             for b, u in enumerate(src):
                 if rows[u] != b:
                     self.cache.fork(admit[rows[u]].slot, admit[b].slot)
+                    self._forked(admit[rows[u]].slot, admit[b].slot, lens[b])
             logits_BV = logits_BV[self._to_device(torch.tensor(src))]
         self.prefill_requested += sum(lens)
         self.prefill_computed += sum(lens[b] for b in rows)
@@ -301,6 +302,10 @@ class RolloutEngine:
                 still.append(r)
         self.live = still
         return len(batch)
+
+    def _forked(self, src: int, dst: int, positions: int) -> None:
+        """Slot `dst` took `src`'s first `positions` keys without computing them (a shared prefix):
+        a subclass copies what it recorded of them."""
 
     def _rides_with_tokens(self, logits_BV: torch.Tensor, toks_B: torch.Tensor) -> torch.Tensor:
         """int64 values a subclass computes on the device from the step's logits and chosen tokens;

@@ -56,7 +56,28 @@ def kv_cache_slots(device: torch.device, per_slot: int, fraction: float, max_slo
                            stats.get("allocated_bytes.all.current", 0), fraction, per_slot, max_slots)
 
 
-class SlotKVCache:
+class RouteRows:
+    """Where a forward's routes go, for either cache (slot or paged): both name a sequence by its
+    slot and say in `prefill`/`decode` which slots and positions the next forward covers."""
+
+    def route_rows(self, T: int) -> torch.Tensor:
+        """The forward's T rows as flat (slot x max_len + position) indices, for the route buffer
+        of models/routes.py: a decode's rows in order (a layer fed only the real rows gets the
+        leading ones: padding rows come last); a prefill's B x S rows, or, T smaller, only its
+        real tokens in row order (megatron-core's block gets `h[token_mask]`)."""
+        if self._decode is not None:
+            slot_B, pos_B = self._decode
+            return (slot_B * self.max_len + pos_B)[:T]
+        if self._route_rows is None or self._route_rows[0] != T:
+            if T == len(self._slots) * self._S:
+                rows = [s * self.max_len + p for s in self._slots for p in range(self._S)]
+            else:
+                rows = [s * self.max_len + p for s, n in zip(self._slots, self._new) for p in range(n)]
+            self._route_rows = (T, torch.tensor(rows, device=self.device))
+        return self._route_rows[1]
+
+
+class SlotKVCache(RouteRows):
     """Per layer K and V of [slots + 1, G, L_max, C]: the last slot is scratch, where the padding
     rows of a CUDA-graph bucket write (no request ever holds it).
 
@@ -165,22 +186,6 @@ class SlotKVCache:
         self._S = S
         self._route_rows = None
         return torch.arange(S, device=self.device).expand(B, S)
-
-    def route_rows(self, T: int) -> torch.Tensor:
-        """The forward's T rows as flat (slot x max_len + position) indices, for the route buffer
-        of models/routes.py: a decode's rows in order (a layer fed only the real rows gets the
-        leading ones: padding rows come last); a prefill's B x S rows, or, T smaller, only its
-        real tokens in row order (megatron-core's block gets `h[token_mask]`)."""
-        if self._decode is not None:
-            slot_B, pos_B = self._decode
-            return (slot_B * self.max_len + pos_B)[:T]
-        if self._route_rows is None or self._route_rows[0] != T:
-            if T == len(self._slots) * self._S:
-                rows = [s * self.max_len + p for s in self._slots for p in range(self._S)]
-            else:
-                rows = [s * self.max_len + p for s, n in zip(self._slots, self._new) for p in range(n)]
-            self._route_rows = (T, torch.tensor(rows, device=self.device))
-        return self._route_rows[1]
 
     def decode(self, slot_B: torch.Tensor, pos_B: torch.Tensor, L: int, run: slice | None) -> torch.Tensor:
         """The next forward appends one token to each row: slot `slot_B[b]`, position `pos_B[b]`

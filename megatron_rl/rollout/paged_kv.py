@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.config import require, require_size
-from megatron_rl.rollout.kv_cache import SlotKVCache
+from megatron_rl.rollout.kv_cache import RouteRows, SlotKVCache
 from megatron_rl.rollout.pages import PageAllocator
 
 KV_KINDS = ("slots", "paged")
@@ -52,7 +52,7 @@ def build_kv_cache(kind: str, mcfg, slots: int, max_len: int, dtype: torch.dtype
                         mcfg.kv_channels, dtype, device, reserve)
 
 
-class PagedKVCache:
+class PagedKVCache(RouteRows):
     shares_prefix = True
 
     def __init__(self, num_layers: int, slots: int, pages: int, page_size: int, groups: int, max_len: int,
@@ -203,6 +203,7 @@ class PagedKVCache:
         if S > self.max_len:
             raise RuntimeError(f"sequence longer than the KV cache's {self.max_len} positions")
         self._slots, self._new, self._decode = list(slots), list(new_tokens), None
+        self._S, self._route_rows = S, None
         where = []  # (row, position, page, offset) of every real position
         for b, (s, n) in enumerate(zip(slots, new_tokens)):
             self._cover(s, n)

@@ -30,9 +30,9 @@ def _requests(n=4, new=12):
     return [Request(f"p{i}", i, [1 + (3 * i + j) % 17 for j in range(3 + i)], new, fixed_len=new) for i in range(n)]
 
 
-def _generate(model, greedy=True, engine_wrap=None):
-    e = RecordingEngine(model, SamplingParams(greedy=greedy, seed=1), 3, 40, temperature=1.0)
-    e.add(_requests())
+def _generate(model, greedy=True, engine_wrap=None, requests=None, **engine_kw):
+    e = RecordingEngine(model, SamplingParams(greedy=greedy, seed=1), 3, 40, temperature=1.0, **engine_kw)
+    e.add(requests or _requests())
     e.recorder.start({})
     while e.has_work():
         e.step()
@@ -85,6 +85,20 @@ def test_engine_records_every_position_and_float64_replay_changes_nothing():
     assert engine.release_memory() == kv + (3 + 1) * 40 * 2 * 2
     engine.reclaim_memory()
     assert engine.recorder.sink.buf_RLK.shape == ((3 + 1) * 40, 2, 2)
+
+
+def test_a_paged_cache_records_the_slot_caches_routes_also_for_a_shared_group_prefix():
+    # Three samples of one prompt and one other: the paged cache prefills the group once and the
+    # other samples take its pages (fork), so their prompt's routes are copied, not computed.
+    def group():
+        return [Request(f"p{i // 3}", i % 3, [1 + (5 * (i // 3) + j) % 17 for j in range(5)], 12, fixed_len=12)
+                for i in range(4)]
+
+    model = _model(TINY, torch.float64)
+    slots, want = _generate(model, requests=group())
+    paged, got = _generate(model, requests=group(), kv="paged", page_size=4)
+    assert paged.prefill_computed < paged.prefill_requested  # the prefix was shared
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
 def test_bf16_replay_uses_the_recorded_routes_and_narrows_the_gap(monkeypatch):
