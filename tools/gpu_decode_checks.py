@@ -5,7 +5,9 @@ on CPU, where there are no graphs and no sync debug mode but the same engine pat
 `sync_free_steps`: decode steps under `torch.cuda.set_sync_debug_mode("error")` (a blocking host
 sync raises), eager and replayed. `replay_matches_eager`: a graphed engine's responses equal an
 eager one's on the same weights (bf16 on the GPU), before and after the KV cache was released and
-reclaimed and an expert moved out and back, which must re-capture the graphs.
+reclaimed and an expert moved out and back, which must re-capture the graphs. `capture_safe`: every
+bucket's graphed region traced op by op (tools/capture_safety.py): no host read, data-dependent
+shape, RNG op or host-to-device copy, and the same trace for different inputs.
 """
 from __future__ import annotations
 
@@ -35,6 +37,16 @@ def _run(eng) -> dict:
     out = {r.key: r.tokens for r in eng.finished}
     eng.finished = []
     return out
+
+
+def capture_safe(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bfloat16, batch: int = 64) -> dict:
+    """tools/capture_safety.py over every bucket up to `batch`, on `device` (eagerly: the region a
+    graph would capture, traced by a dispatch mode)."""
+    from tools import capture_safety
+
+    eng = _engine(_model(mcfg, 0, dtype, device), False, batch)
+    eng.runner.pad = True
+    return capture_safety.check(eng)
 
 
 def sync_free_steps(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bfloat16, batch: int = 16,

@@ -94,4 +94,5 @@ def test_gpu_check_script_lints_and_refuses_a_machine_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: tools/gpu_check.sh would run the checks")
     res = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and res.stderr.strip() == "gpu_check: no CUDA device visible; run this on a GPU machine"
+    assert res.returncode == 2 and res.stderr.strip() == ("gpu_check: no CUDA device visible; run this on a GPU "
+                                                          "machine (or FF_GPU_DRYRUN=1 for the CPU dry run)")
