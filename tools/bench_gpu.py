@@ -227,9 +227,9 @@ def record_targets(rows: list[dict], seconds: float) -> None:
                    f"{'judged' if judge else 'measured only: judged with FF_GPU_ROOFLINE_TARGET=1'}); "
                    f"HF {r['ms_per_step']['hf']:.2f} ms"), seconds)
     same = [r for r in rows if not r["same_as_eager"]]
-    record("c: graphed tokens = eager tokens", "pass" if not same else "fail",
+    record("c: graphed tokens = eager tokens", "pass" if not same else "fail", dryrun_detail(
            f"{len(rows) - len(same)}/{len(rows)} (model, batch) runs identical" +
-           "".join(f"; differs: {r['model']} batch {r['batch']}" for r in same), seconds)
+           "".join(f"; differs: {r['model']} batch {r['batch']}" for r in same)), seconds)
 
 
 def step_table(ours, mcfg, args, batches=(1, 16, 64), contexts=(128, 1024), steps: int = 8) -> list[list[float]]:

@@ -4,6 +4,7 @@
 #   bash tools/gpu_check.sh                                   # the default profile
 #   FF_GPU_PROFILE=megatron-train bash tools/gpu_check.sh     # megatron-core, training, the step table
 #   FF_GPU_DRYRUN=1 bash tools/gpu_check.sh                   # both profiles on CPU, tiny shapes (CI)
+#   FF_GPU_STAGES='^(w|c): ' bash tools/gpu_check.sh         # only the stages whose names match (a rerun)
 # Profiles and their stages: tools/gpu_timeline.py (with each stage's H200 time and the rows it
 # reports); the bodies: tools/gpu_checks.py, tools/gpu_decode_checks.py, tools/bench_gpu.py,
 # tools/megatron_checks.py, tests/gpu/.
@@ -157,6 +158,7 @@ expected=()
 for p in $profiles; do
     mapfile -t names < <(python -c "from tools.gpu_timeline import PROFILES; print('\n'.join(PROFILES['$p']))")
     for name in "${names[@]}"; do
+        [[ $name =~ ${FF_GPU_STAGES:-.} ]] || continue
         mapfile -t -O "${#expected[@]}" expected < <(rows_of "$name")
         if [[ $name == m:* ]] && ! python -c "import megatron.core" 2>/dev/null; then
             fill "$name" skip "megatron-core does not import here (see the w: carried wheels row; docs/gpu.md)" 0

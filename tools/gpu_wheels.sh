@@ -15,10 +15,10 @@ if [[ ${1:-} == --install ]]; then
         python -m pip install -q --no-index --no-deps "${whl[@]}"
     fi
     python - <<'PY'
-import megatron.core  # noqa: F401  the m: rows
 from megatron_rl.rewards.math_answer import verify_math  # math-verify: training's math reward
 
 assert verify_math("so the answer is \\boxed{4}", "4") == "correct"
+import megatron.core  # noqa: E402, F401  the m: rows
 print("gpu_wheels: megatron-core and math-verify import; math-verify verified one answer")
 PY
     exit 0

@@ -94,3 +94,26 @@ def test_grouped_mm_runs_on_cuda_majors_9_and_10_only(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _device, m=major: (m, 0))
         assert ok(torch.bfloat16, torch.device("cuda", 0)) is want, major
     assert not ok(torch.float32, torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("name", ["small", "30b-slice"])
+def test_the_graphed_forward_traces_in_bf16_on_meta_at_every_bucket(monkeypatch, name):
+    """The graphed region at every bucket up to 256, in bf16 on the meta device with the grouped
+    GEMM on: `torch._grouped_mm`'s meta kernel holds CUDA's rules (2-D x 3-D, strides in multiples
+    of 16 bytes, int32 offsets), which the CPU kernel does not, for the GPU check's two models."""
+    from megatron_rl.models import moe
+    from tools.bench_gpu import model_configs
+
+    mcfg = model_configs()[name]
+    with torch.device("meta"):
+        m = Qwen3MoeModel(mcfg, None, torch.bfloat16).eval()
+    monkeypatch.setattr(moe, "grouped_mm_ok", lambda dtype, device: dtype == torch.bfloat16)
+    calls = []
+    grouped = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
+    eng = RolloutEngine(m, SamplingParams(), 256, 48, pad_to_buckets=True, attention="torch")
+    for n in eng.runner.buckets:
+        with torch.inference_mode():
+            logits = eng.runner._forward(n, eng.cache.max_len, None, masked=True)
+        assert logits.shape == (n, mcfg.vocab_size) and logits.dtype == torch.bfloat16
+    assert len(calls) == 2 * mcfg.num_layers * len(eng.runner.buckets)
