@@ -113,7 +113,7 @@ dry() {  # the detail of a row recorded by this script: says "dry run" there
     if [[ $DRYRUN == 1 ]]; then echo "dry run (cpu, tiny): $1"; else echo "$1"; fi
 }
 
-pyt=(python -m pytest -q -rs -p no:cacheprovider)
+pyt=(python -m pytest -q -rs -p no:cacheprovider -p no:warnings)
 run_stage() {  # the stage NAME of a profile
     case $1 in
         "te: image guard")
