@@ -68,16 +68,17 @@ def markdown(rows: list[dict], expected: list[str], title: str) -> str:
     """The run's table for docs/gpu.md's Measured section, details whole."""
     last = {r["check"]: r for r in rows}
     out = [title, "", "| check | status | seconds | detail |", "| --- | --- | --- | --- |"]
-    for check in list(expected) + [c for c in last if c not in expected]:
+    for check in list(dict.fromkeys(expected)) + [c for c in last if c not in expected]:
         r = last.get(check, {"status": "missing", "seconds": "", "detail": "no result (crashed or timed out)"})
         out.append(f"| {check} | {r['status'].upper()} | {r['seconds']} | {str(r['detail']).replace('|', '/')} |")
     return "\n".join(out) + "\n"
 
 
 def summarize(rows: list[dict], expected: list[str]) -> tuple[str, int]:
-    """(the table, the exit status). A check reported twice keeps its last report."""
+    """(the table, the exit status). A check reported twice keeps its last report; one expected by
+    two profiles is listed once."""
     last = {r["check"]: r for r in rows}
-    order = list(expected) + [c for c in last if c not in expected]
+    order = list(dict.fromkeys(expected)) + [c for c in last if c not in expected]
     table = [("check", "status", "seconds", "detail")]
     for check in order:
         r = last.get(check, {"status": "missing", "seconds": "", "detail": "no result (crashed or timed out)"})
