@@ -41,6 +41,7 @@ KEYS: dict[str, str] = {
     "rollout_gap": "rollout/logp_gap",
     "rollout_gap_max": "rollout/logp_gap_max",
     "mismatch": "mismatch",  # rl/mismatch.py: router agreement, flips, logp diff, k3 KL, TIS/MIS shares
+    "engine": "rollout/engine",  # the run's one rollout engine: builds, graph_captures (rl/rollout_phase.py)
     "update_rel": "actor/update_rel",
     "update_changed": "actor/update_changed",
     "val": "val",  # held-out validation (rl/validation.py): val/pass@1, val/reward_mean, ...

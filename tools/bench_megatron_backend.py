@@ -105,6 +105,16 @@ def shrink_latency_s(elastic: MegatronElasticEngine, plan: Plan, rank: int, grou
 
 def main() -> None:
     a = parse_args()
+    from tools.gpu_env import DRYRUN
+
+    if DRYRUN:  # tools/gpu_check.sh's CPU dry run: the imports and the rows, not megatron's CUDA forward
+        from megatron_rl.models.megatron_backend import transformer_engine
+        from tools.gpu_summary import record
+
+        for module in a.expert_modules or ["GroupedMM", "SequentialMLP"]:
+            record(f"m: decode tokens/s, {module}", "pass", "dry run (cpu): imports only, megatron's forward needs "
+                   f"CUDA (TransformerEngine {'imports' if transformer_engine()[0] else 'absent'})", 0)
+        return
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local)
     torch.cuda.set_device(device)

@@ -1,119 +1,178 @@
 #!/usr/bin/env bash
-# The GPU path's checks on one (or more) H100/H200, with a stock PyTorch+CUDA Python; one summary
-# table at the end, exit status 1 if any check failed or never reported (docs/gpu.md):
-#   bash tools/gpu_check.sh
-# (a) tests/gpu: a small Qwen3-MoE (4 layers, hidden 512, 64 experts, top-8) in bf16 on one GPU:
-#     greedy tokens vs a float64 CPU reference on the same weights, and 5 GRPO steps that must lower
-#     the loss on their own batch;
-# (b) tests/gpu: a 2-rank elastic rollout on ONE GPU over the host-staged gloo transport (shrink,
-#     expert moves, restore, checksums; responses' sha256 equal to vanilla);
-# (b, bf16) tests/gpu/test_decode_engine_gpu.py: every policy in bf16 on 2 ranks sharing the GPU, the share
-#     of responses identical to vanilla's and the reward difference (natural floor 1 must equal vanilla);
-# (c) tools/bench_gpu.py: decode of our engine eager and graphed vs HF transformers `generate` (small model
-#     and a Qwen3-30B-A3B-shaped 4-layer slice; batches 1, 16, 64, 256; kernels per step, roofline share;
-#     the slice's step-time table and its cost-model fit into gpu_step_times.json), and
-#     tests/gpu/test_decode_engine_gpu.py: decode steps under set_sync_debug_mode("error"), graph
-#     replay = eager tokens, re-capture after KV release/reclaim and an expert move (docs/rollout.md);
-# (m) the megatron backend's checks (tests/gpu/test_megatron_*.py: logits and greedy tokens against the
-#     torch backend, TE layer weights and attention, gradients and 5 GRPO steps;
-#     tools/megatron_train_check.py: `flexfloor train backend=megatron device=cuda` with a checkpoint
-#     and a resume; tools/bench_megatron_backend.py: decode tokens/s, GroupedMM vs SequentialMLP vs
-#     the torch backend), installing megatron-core from the wheel folder $FF_MEGATRON_WHEELS when it
-#     does not import, skipped with the reason when it still does not; in the H100 image a
-#     TransformerEngine that does not import fails the run (tools/te_image_guard.sh);
-# (s) the sglang sidecar lease on this GPU (tests/gpu/test_sglang_lease_gpu.py; skipped where sglang
-#     is not installed).
-# Stages run in that order of priority ((c), (m), training, (a, b), (s)) within one time budget,
-# FF_GPU_BUDGET_S (default 285 s): a stage that would start with under 20 s left is a failed row.
-# Installs nothing but a carried megatron-core wheel (above); needs torch with CUDA, transformers, pytest and pytest-timeout (`pip install -e '.[dev]'`).
+# The GPU path's checks on one H100/H200, within one time budget; one summary table at the end, exit
+# status 1 if any check failed or never reported (docs/gpu.md, "The checks"):
+#   bash tools/gpu_check.sh                                   # the default profile
+#   FF_GPU_PROFILE=megatron-train bash tools/gpu_check.sh     # megatron-core, training, the step table
+#   FF_GPU_DRYRUN=1 bash tools/gpu_check.sh                   # both profiles on CPU, tiny shapes (CI)
+#   FF_GPU_STAGES='^(w|c): ' bash tools/gpu_check.sh         # only the stages whose names match (a rerun)
+# Profiles and their stages: tools/gpu_timeline.py (with each stage's H200 time and the rows it
+# reports); the bodies: tools/gpu_checks.py, tools/gpu_decode_checks.py, tools/bench_gpu.py,
+# tools/megatron_checks.py, tests/gpu/.
+# - Wheels: the bare H200 lacks megatron-core and math-verify (+ two dependencies); the carried folder
+#   $FF_GPU_WHEELS (default wheels/, filled by tools/gpu_wheels.sh) is installed first with
+#   --no-index --no-deps. The dry run cannot install cp312 wheels: its import blocker
+#   (tools/gpu_dryrun/sitecustomize.py) lets through only the image's modules and those of the wheels
+#   in that folder, so a wheel left out fails the dry run as it would fail the GPU run.
+# - Budget: FF_GPU_BUDGET_S (default 285 s, so 15 lent minutes hold a run and a rerun); each stage's
+#   limit is cut to what is left; a stage with under 20 s left, or cut at its limit by the budget, and a
+#   missing optional package (sglang, deepspeed) are SKIP rows with the reason, never FAIL. `timeout -k`
+#   kills a stage's whole process group; the next stage waits until no GPU compute process remains.
+# - Results: under ${OUT:-./gpu-out}: results.jsonl, gpu_check.log (everything printed),
+#   gpu_step_times.json (the slice's step table) and gpu_md_section.md (docs/gpu.md's next Measured
+#   section); the last lines printed are the compact table and the verdict.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-
-ngpu=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-if [[ $ngpu -eq 0 ]]; then
-    echo "gpu_check: no CUDA device visible; run this on a GPU machine" >&2
-    exit 2
+DRYRUN=${FF_GPU_DRYRUN:-0}
+H200_BUDGET_S=${FF_GPU_BUDGET_S:-285}  # what the projected timeline is held to
+# The budget this run's stages start within: the H200's, or in the dry run a CPU bound of its own
+# (a 2-core CI machine is slower than an H200 at tiny shapes too).
+BUDGET_S=$([[ $DRYRUN == 1 ]] && echo "${FF_GPU_DRYRUN_BUDGET_S:-1800}" || echo "$H200_BUDGET_S")
+profiles=${FF_GPU_PROFILE:-$([[ $DRYRUN == 1 ]] && echo "default megatron-train" || echo default)}
+for p in $profiles; do
+    if ! python -c "import sys; from tools.gpu_timeline import PROFILES; sys.exit('$p' not in PROFILES)"; then
+        echo "gpu_check: FF_GPU_PROFILE: unknown profile '$p', expected default or megatron-train" >&2
+        exit 2
+    fi
+done
+if [[ $DRYRUN != 1 ]]; then
+    ngpu=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+    if [[ $ngpu -eq 0 ]]; then
+        echo "gpu_check: no CUDA device visible; run this on a GPU machine (or FF_GPU_DRYRUN=1 for the CPU dry run)" >&2
+        exit 2
+    fi
 fi
-FF_GPU_RESULTS=$(mktemp --suffix=.jsonl)
-export FF_GPU_RESULTS
-echo "gpu_check: $(date -u +%FT%TZ), $ngpu x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)," \
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
+export FF_GPU_WHEELS=${FF_GPU_WHEELS:-$PWD/wheels}
+export FF_GPU_RESULTS=$OUT/results.jsonl
+: >"$FF_GPU_RESULTS"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+tee_pid=$!
+
+if [[ $DRYRUN == 1 ]]; then
+    # What the bare image holds, nothing more; its pytest has no plugins to load.
+    export FF_GPU_DRYRUN=1 PYTHONPATH=$PWD/tools/gpu_dryrun:$PYTHONPATH PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+    where="dry run on CPU ($(python -c 'import platform; print("Python", platform.python_version())'))"
+else
+    where="$ngpu x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+fi
+echo "gpu_check: $(date -u +%FT%TZ), $where, profile(s) $profiles, budget ${BUDGET_S}s, results in $OUT;" \
      "$(python -c "import torch, transformers; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {transformers.__version__}')")"
+for p in $profiles; do python tools/gpu_timeline.py "$p" --budget "$H200_BUDGET_S"; done
 
 record() {  # record CHECK STATUS DETAIL SECONDS
     python tools/gpu_summary.py "$FF_GPU_RESULTS" --record "$@"
 }
+rows_of() {  # the rows stage $1 reports
+    python tools/gpu_timeline.py --rows "$1"
+}
+fill() {  # fill STAGE STATUS DETAIL SECONDS: that status for each of the stage's rows not reported yet
+    local rows
+    mapfile -t rows < <(rows_of "$1")
+    python tools/gpu_summary.py "$FF_GPU_RESULTS" --fill "$2" "$3" "$4" "${rows[@]}"
+}
+gpu_idle() {  # wait (up to 30 s) until no GPU compute process remains: a killed stage's ranks free memory
+    command -v nvidia-smi >/dev/null || return 0
+    for _ in $(seq 30); do
+        [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null) ]] && return 0
+        sleep 1
+    done
+    echo "== GPU compute processes remain after 30 s: $(nvidia-smi --query-compute-apps=pid,name --format=csv,noheader | tr '\n' ' ')"
+}
 
-# The whole script's time budget: a lent GPU's minutes are few, so every stage's limit is cut to
-# what is left of it, and a stage with under 20 s left is not started (a failed row naming the
-# budget). Stages run in priority order: the decode engine and megatron rows first.
-BUDGET_S=${FF_GPU_BUDGET_S:-285}
-
-# stage NAME LIMIT_S COMMAND...: run COMMAND under a time limit; a failing stage is a row of the table
-# (its own checks, if any, have recorded theirs already).
+# stage NAME LIMIT_S COMMAND...: run COMMAND within its limit and the budget. With $OWN set, the
+# stage's single row is recorded here on success (a command that records nothing itself).
 stage() {
-    local name=$1 limit=$2 start=$SECONDS rc left=$((BUDGET_S - SECONDS))
+    local name=$1 limit=$2 start=$SECONDS rc left=$((BUDGET_S - SECONDS)) cut=0
     shift 2
     if [[ $left -lt 20 ]]; then
         echo "== $name: not run, ${left}s of the ${BUDGET_S}s budget left"
-        record "$name" fail "not run: ${left}s of the ${BUDGET_S}s budget (FF_GPU_BUDGET_S) left" 0
+        fill "$name" skip "not run: ${left}s of the ${BUDGET_S}s budget (FF_GPU_BUDGET_S) left" 0
         return 1
     fi
-    ((limit > left)) && limit=$left
+    # The dry run's CPU is slower than an H200 even at tiny shapes (torch's import alone: 5-60 s on
+    # a loaded 2-core machine): its stages get 6 times the limit, within its own budget.
+    [[ $DRYRUN == 1 ]] && limit=$((limit * 6))
+    ((limit > left)) && limit=$left cut=1
+    gpu_idle
     echo "== $name (limit ${limit}s)"
-    timeout "$limit" "$@"
+    timeout -k 10 "$limit" "$@"
     rc=$?
-    if [[ $rc -ne 0 ]]; then
-        record "$name" fail "exit status $rc$([[ $rc -eq 124 ]] && echo ", over its ${limit}s limit")" $((SECONDS - start))
+    if [[ $rc -eq 0 && -n ${OWN:-} ]]; then
+        record "$name" pass "$OWN" $((SECONDS - start))
+    elif [[ $rc -eq 124 || $rc -eq 137 ]] && ((cut)); then
+        fill "$name" skip "cut at ${limit}s by the ${BUDGET_S}s budget (FF_GPU_BUDGET_S)" $((SECONDS - start))
+    elif [[ $rc -ne 0 ]]; then
+        fill "$name" fail "stage exit status $rc$([[ $rc -eq 124 || $rc -eq 137 ]] && echo ", over its ${limit}s limit")" \
+            $((SECONDS - start))
     fi
     return "$rc"
 }
-
-stage "te: image guard" 120 bash tools/te_image_guard.sh
-stage "tests/gpu (b bf16, c engine)" 180 python -m pytest -q -rs -p no:cacheprovider -m gpu \
-    tests/gpu/test_decode_engine_gpu.py
-stage "c: tools/bench_gpu.py" 150 python tools/bench_gpu.py --batches 1 16 64 --table gpu_step_times.json
-expected=("a: greedy bf16 vs fp64 CPU" "a: 5 GRPO steps bf16" "b: 2-rank elastic, one GPU"
-          "c: decode tokens/s, batch 1" "c: decode tokens/s, batch 64"
-          "b: bf16 responses per policy vs vanilla" "c: decode step, sync debug mode error"
-          "c: graph replay = eager tokens (bf16)" "c: 30B-A3B slice step vs roofline, batch 64"
-          "c: graphed tokens = eager tokens")
-
-# (m) the megatron backend (issue 20), ~90 s. A machine without megatron-core (the lent H200) gets
-# it from a carried wheel: $FF_MEGATRON_WHEELS names a folder holding megatron_core-0.16.1-*.whl
-# (docs/gpu.md: how to fetch it); installed without an index or dependencies (torch, numpy and
-# packaging are there already).
-if ! python -c "import megatron.core" 2>/dev/null && [[ -n ${FF_MEGATRON_WHEELS:-} ]]; then
-    echo "== m: installing megatron-core 0.16.1 from $FF_MEGATRON_WHEELS"
-    python -m pip install -q --no-index --no-deps --find-links "$FF_MEGATRON_WHEELS" "megatron-core==0.16.1" \
-        || record "m: megatron-core wheel" fail "pip install --find-links $FF_MEGATRON_WHEELS failed" 0
-fi
-mstage() {  # mstage NAME LIMIT_S COMMAND...: a stage that records its own pass
-    local name=$1 start=$SECONDS
-    stage "$@" && record "$name" pass "${MDETAIL:-}" $((SECONDS - start))
+dry() {  # the detail of a row recorded by this script: says "dry run" there
+    if [[ $DRYRUN == 1 ]]; then echo "dry run (cpu, tiny): $1"; else echo "$1"; fi
 }
-if python -c "import megatron.core" 2>/dev/null; then
-    pyt=(python -m pytest -q -s -rs -p no:cacheprovider)
-    MDETAIL="both dispatchers, bf16, vs fp32 reference" mstage "m: logits vs torch backend" 60 \
-        "${pyt[@]}" tests/gpu/test_megatron_logits.py tests/gpu/test_megatron_te.py
-    MDETAIL="see the agreement line above" mstage "m: greedy generation" 45 "${pyt[@]}" tests/gpu/test_megatron_generation.py
-    MDETAIL="grads vs torch backend; DDP + DistributedOptimizer" mstage "m: 5 GRPO steps bf16" 60 \
-        "${pyt[@]}" tests/gpu/test_megatron_grpo.py
-    stage "m: train backend=megatron, checkpoint + resume" 120 python tools/megatron_train_check.py
-    stage "m: decode tokens/s" 120 torchrun --standalone --nproc-per-node=1 tools/bench_megatron_backend.py \
-        --layers 2 --vocab 32768 --batch 32 --new-tokens 32
-    expected+=("m: logits vs torch backend" "m: greedy generation" "m: 5 GRPO steps bf16"
-               "m: train backend=megatron, checkpoint + resume" "m: decode tokens/s, GroupedMM"
-               "m: decode tokens/s, SequentialMLP")
-else
-    record "m: megatron backend" skip "megatron-core is not importable here (set FF_MEGATRON_WHEELS: docs/gpu.md)" 0
-fi
 
-# issue 21: bf16 vs fp32 GRPO updates on the same rollouts (per-update table), offloaded optimizer step
-stage "tests/gpu (training)" 300 python -m pytest -q -s -rs -p no:cacheprovider -m gpu tests/gpu/test_training_gpu.py
-expected+=("a: bf16 GRPO per-update table")
-stage "tests/gpu (a, b)" 300 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/gpu/test_gpu_path.py
-stage "s: sglang lease" 300 python -m pytest -q -s -rs -p no:cacheprovider tests/gpu/test_sglang_lease_gpu.py
+pyt=(python -m pytest -q -rs -p no:cacheprovider -p no:warnings)
+run_stage() {  # the stage NAME of a profile
+    case $1 in
+        "te: image guard")
+            OWN=$(dry "outside the H100 image TransformerEngine is optional") stage "$1" 60 bash tools/te_image_guard.sh ;;
+        "w: carried wheels")
+            OWN=$(dry "$(find "$FF_GPU_WHEELS" -maxdepth 1 -name '*.whl' -printf '%f ' 2>/dev/null)") \
+                stage "$1" 60 bash tools/gpu_wheels.sh --install "$FF_GPU_WHEELS" ;;
+        "tests/gpu (c engine, b bf16)")
+            stage "$1" 180 "${pyt[@]}" -m gpu tests/gpu/test_decode_engine_gpu.py ;;
+        "tests/gpu (a, b)")
+            stage "$1" 180 "${pyt[@]}" -m gpu tests/gpu/test_gpu_path.py ;;
+        "c: bench small model")
+            stage "$1" 120 python tools/bench_gpu.py --models small --batches 1 16 64 ;;
+        "s: sglang lease")
+            if python -c "import sglang" 2>/dev/null; then
+                stage "$1" 120 "${pyt[@]}" -s tests/gpu/test_sglang_lease_gpu.py
+            else
+                record "s: sglang lease" skip "sglang is not installed here (optional: the sidecar lease)" 0
+            fi ;;
+        "m: logits vs torch backend")
+            OWN=$(dry "both dispatchers, bf16, vs fp32 reference") stage "$1" 90 \
+                "${pyt[@]}" -s tests/gpu/test_megatron_logits.py tests/gpu/test_megatron_te.py ;;
+        "m: greedy generation")
+            OWN=$(dry "see the agreement line above") stage "$1" 60 "${pyt[@]}" -s tests/gpu/test_megatron_generation.py ;;
+        "m: 5 GRPO steps bf16")
+            OWN=$(dry "grads vs torch backend; DDP + DistributedOptimizer") stage "$1" 90 \
+                "${pyt[@]}" -s tests/gpu/test_megatron_grpo.py ;;
+        "m: train backend=megatron, checkpoint + resume")
+            stage "$1" 120 python tools/megatron_train_check.py ;;
+        "m: decode tokens/s")
+            stage "$1" 90 torchrun --standalone --nproc-per-node=1 tools/bench_megatron_backend.py \
+                --layers 2 --vocab 32768 --batch 32 --new-tokens 32 ;;
+        "tests/gpu (training)")
+            stage "$1" 150 "${pyt[@]}" -s -m gpu tests/gpu/test_training_gpu.py ;;
+        "c: bench 30B slice + step table")
+            stage "$1" 150 python tools/bench_gpu.py --models 30b-slice --batches 1 64 --table "$OUT/gpu_step_times.json" ;;
+        *) echo "gpu_check: no command for stage '$1' (tools/gpu_timeline.py)" >&2; return 2 ;;
+    esac
+}
+
+expected=()
+for p in $profiles; do
+    mapfile -t names < <(python -c "from tools.gpu_timeline import PROFILES; print('\n'.join(PROFILES['$p']))")
+    for name in "${names[@]}"; do
+        [[ $name =~ ${FF_GPU_STAGES:-.} ]] || continue
+        mapfile -t -O "${#expected[@]}" expected < <(rows_of "$name")
+        if [[ $name == m:* ]] && ! python -c "import megatron.core" 2>/dev/null; then
+            fill "$name" skip "megatron-core does not import here (see the w: carried wheels row; docs/gpu.md)" 0
+            continue
+        fi
+        run_stage "$name"
+    done
+done
 
 echo
-python tools/gpu_summary.py "$FF_GPU_RESULTS" --expect "${expected[@]}"
+python tools/gpu_timeline.py default --budget "$H200_BUDGET_S" | tail -n 1 | sed 's/^ */default profile, projected on an H200: /'
+python tools/gpu_summary.py "$FF_GPU_RESULTS" --expect "${expected[@]}" --markdown "$OUT/gpu_md_section.md" \
+    --title "\`$([[ $DRYRUN == 1 ]] && echo "FF_GPU_DRYRUN=1 ")bash tools/gpu_check.sh\`, $(date -u +%FT%TZ), $where, profile(s) $profiles"
+status=$?
+exec >&- 2>&-
+wait "$tee_pid"
+exit "$status"

@@ -33,6 +33,14 @@ CONFIG = {
 }
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    """CONFIG as dotted overrides (load_dataclass's form)."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def main() -> int:
     from megatron_rl.data.arith import make_problems, write_jsonl
     from tools.gpu_summary import record
@@ -42,6 +50,18 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a = p.parse_args()
     name, t0 = "m: train backend=megatron, checkpoint + resume", time.perf_counter()
+    from tools.gpu_env import DRYRUN
+
+    if DRYRUN:  # tools/gpu_check.sh's CPU dry run: the config and the training modules, not the CUDA run
+        import megatron_rl.rl.megatron_train  # noqa: F401
+        from megatron_rl.config import load_dataclass
+        from megatron_rl.trainer_config import TrainerConfig
+
+        load_dataclass(TrainerConfig, None, {**_flat(CONFIG), "device": "cpu", "dtype": a.dtype,
+                                             "data.path": str(ROOT / "examples" / "data" / "arith_train.jsonl")})
+        record(name, "pass", "dry run (cpu): the config loads and the megatron training modules import; "
+               "megatron-core's forward needs CUDA", time.perf_counter() - t0)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         write_jsonl(make_problems(64, seed=0, max_operand=9, ops="+"), tmp / "arith.jsonl")

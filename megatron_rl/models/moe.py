@@ -39,12 +39,13 @@ from megatron_rl.models.config import MoEModelConfig
 @functools.lru_cache(maxsize=None)
 def grouped_mm_ok(dtype: torch.dtype, device: torch.device) -> bool:
     """Where `torch._grouped_mm` runs with device-side offsets (torch 2.13 CPU, torch 2.11 CUDA):
-    on CPU in float32/bfloat16/float16; on CUDA in bfloat16 from sm90 (Hopper) on (its CUTLASS
-    kernel; elsewhere there is none, or a fallback that reads the offsets back). Float64 has none."""
+    on CPU in float32/bfloat16/float16; on CUDA in bfloat16 on compute capability majors 9 and 10
+    (Hopper, Blackwell datacenter: its CUTLASS kernels; elsewhere, sm120 included, there is none, or
+    a fallback that reads the offsets back). Float64 has none."""
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16, torch.float16)
     if device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
     return False
 
 

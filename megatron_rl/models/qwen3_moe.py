@@ -72,13 +72,19 @@ def _rope_table(dim: int, base: float, dtype: torch.dtype, positions: int,
         return ang.cos().to(device, dtype), sin.to(device, dtype)
 
 
+def rope_tables(dim: int, base: float, dtype: torch.dtype, n_positions: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and signed sin tables that cover positions 0..n_positions-1 (rounded up to a power
+    of two, so that few tables are ever built). A captured decode graph reads them: its runner keeps
+    them referenced and keys its graphs on their addresses (rollout/decode_step.py)."""
+    return _rope_table(dim, base, dtype, max(256, 1 << (max(n_positions, 1) - 1).bit_length()), device)
+
+
 def rope_cos_sin(positions: torch.Tensor, dim: int, base: float, dtype: torch.dtype, n_positions: int):
-    """cos and signed sin [*positions.shape, dim]: rows of a table covering positions
-    0..n_positions-1, rounded up to a power of two so that few tables are ever built; the caller
-    knows `n_positions` on the host (the KV cache's length, the sequence length), so no position is
-    read back from the device."""
-    table = max(256, 1 << (max(n_positions, 1) - 1).bit_length())
-    cos, sin = _rope_table(dim, base, dtype, table, positions.device)
+    """cos and signed sin [*positions.shape, dim]: rows of `rope_tables`; the caller knows
+    `n_positions` on the host (the KV cache's length, the sequence length), so no position is read
+    back from the device."""
+    cos, sin = rope_tables(dim, base, dtype, n_positions, positions.device)
     return cos[positions], sin[positions]
 
 

@@ -9,6 +9,10 @@ The fallback only ever parses short arithmetic over digits, `.`, `+ - * /` and p
 `parse_expr` evaluates Python, and a model's output must never reach it unfiltered (no names, no
 powers that could take minutes).
 
+`math-verify` is imported at the first verification, not with this module: the `exact` reward, and
+every engine path that imports the rewards' configs, run where it is not installed (the bare GPU
+image carries it as a wheel, docs/gpu.md).
+
 `math-verify` bounds each parse and comparison with `signal.alarm`, which works only in a process's
 main thread; off the main thread (a scoring lease running beside the rollout) the bound is dropped.
 """
@@ -20,7 +24,6 @@ import threading
 from functools import lru_cache
 
 import sympy
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from sympy.parsing.sympy_parser import parse_expr
 
 CORRECT, WRONG, UNPARSABLE, NO_REFERENCE = "correct", "wrong", "unparsable", "no_reference"
@@ -37,8 +40,15 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 
 _SAFE = re.compile(r"^[0-9.+\-*/() ]{1,64}$")
 _NUMBERISH = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
-_PRED_CONFIG = (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig())
-_GOLD_CONFIG = (LatexExtractionConfig(), ExprExtractionConfig())
+
+
+@lru_cache(maxsize=1)
+def _math_verify():
+    """math-verify's (parse, verify, prediction extraction, reference extraction)."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    return (parse, verify, (LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()),
+            (LatexExtractionConfig(), ExprExtractionConfig()))
 
 
 def last_boxed(text: str) -> str | None:
@@ -77,8 +87,9 @@ def _sympy_value(s: str | None):
 
 @lru_cache(maxsize=65536)
 def _parse_gold(gold: str, timeout: int | None):
+    parse, _verify, _pred_config, gold_config = _math_verify()
     text = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
-    return parse(text, extraction_config=_GOLD_CONFIG, parsing_timeout=timeout)
+    return parse(text, extraction_config=gold_config, parsing_timeout=timeout)
 
 
 def verify_math(response: str, reference: str | None, timeout_s: int = 5) -> str:
@@ -86,8 +97,9 @@ def verify_math(response: str, reference: str | None, timeout_s: int = 5) -> str
     if reference is None or not str(reference).strip():
         return NO_REFERENCE
     timeout = timeout_s if threading.current_thread() is threading.main_thread() else None
+    parse, verify, pred_config, _gold_config = _math_verify()
     gold = _parse_gold(str(reference), timeout)
-    pred = parse(response, extraction_config=_PRED_CONFIG, parsing_timeout=timeout)
+    pred = parse(response, extraction_config=pred_config, parsing_timeout=timeout)
     if gold and pred:
         return CORRECT if verify(gold, pred, timeout_seconds=timeout) else WRONG
     want, got = _sympy_value(str(reference)), _sympy_value(candidate_answer(response))

@@ -157,6 +157,15 @@ class RecordingEngine(RolloutEngine):
         if self.progress is not None:
             self.progress.update(self.tokens_done)
 
+    def reset(self, sampling: SamplingParams) -> None:
+        """Ready for the next step's rollout with the same KV cache and graphs: that step's sampling,
+        no requests (a stopped step's live ones give their slots back), no draws, no log-probs."""
+        for r in self.live:
+            self.cache.release(r.slot)
+        self.sampling, self.pending, self.live, self.finished = sampling, [], [], []
+        self.logprobs, self._drawn = {}, {}
+        self.tokens_done = 0
+
 
 def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (1 << 62)
@@ -175,6 +184,10 @@ class RolloutPhase:
         self.leases = leases
         # The step in flight's finished responses stream to OUT/rollout/ (kept if the step fails).
         self.sink_dir = None if out_dir is None else Path(out_dir) / "rollout"
+        # One engine per run: its KV cache and CUDA graphs are made once (the weights update in
+        # place); `builds` and the graphs' `captures` go into every step's rollout report.
+        self.engine: RecordingEngine | None = None
+        self.builds = 0
 
     def _memory_budget(self, resident_bytes: int):
         """This device's budget. Every rank computes the same plan, so all ranks take the worst
@@ -236,10 +249,7 @@ class RolloutPhase:
                         by_key[a.prompt_id, a.sample].max_new) for a in plan.assignments if a.rank == self.rank]
         sampling = SamplingParams(temperature=cfg.generation.temperature, top_p=cfg.generation.top_p,
                                   greedy=False, seed=step_seed(cfg.seed, step))
-        engine = RecordingEngine(self.model, sampling, cfg.generation.max_batch_per_rank,
-                                 max(len(w.prompt) + w.max_new for w in work), self.tok.eos_id,
-                                 temperature=cfg.generation.temperature, kv=cfg.generation.kv,
-                                 page_size=cfg.generation.kv_page_size, kv_reserve=cfg.generation.kv_reserve)
+        engine = self._engine(sampling, max(len(w.prompt) + w.max_new for w in work))
         engine.add(mine)
         engine.progress = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine),
                                    "tokens", enabled=self.rank == 0)
@@ -284,9 +294,26 @@ class RolloutPhase:
         ranks = {(a.prompt_id, a.sample): a.rank for a in plan.assignments}
         placement = hashlib.sha256(json.dumps([ranks[w.key] for w in work]).encode()).hexdigest()[:16]
         timeline = Timeline.of_ledger(gathered.ledger, [o.pool_report for o in gathered.outcomes])
+        summary["engine"] = {"builds": self.builds, "graph_captures": engine.runner.captures}
         return RolloutResult([], summary, [list(s.members) for s in plan.stages],
                              plan.meta.get("effective_layout", plan.layout), placement,
                              time.perf_counter() - t0, {}, lease, timeline), progress, scored
+
+    def _engine(self, sampling: SamplingParams, max_len: int) -> RecordingEngine:
+        """The run's engine, reset for this step; built again only for a step whose sequences
+        outgrow its KV cache (a new shape: its graphs are captured again). The cache's length is
+        rounded up to a multiple of 64, so prompts of a few tokens more do not rebuild it."""
+        cfg = self.cfg
+        if self.engine is None or self.engine.cache.max_len < max_len:
+            self.engine = RecordingEngine(self.model, sampling, cfg.generation.max_batch_per_rank,
+                                          -(-max_len // 64) * 64, self.tok.eos_id,
+                                          temperature=cfg.generation.temperature, kv=cfg.generation.kv,
+                                          page_size=cfg.generation.kv_page_size,
+                                          kv_reserve=cfg.generation.kv_reserve)
+            self.builds += 1
+        else:
+            self.engine.reset(sampling)
+        return self.engine
 
     def _online_rule(self, plan, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         """`adaptive` (torch backend): the online rule that re-plans, and migrates, as the rollout runs."""

@@ -8,9 +8,10 @@ page size 1: stage 1 splits each row's keys into `SPLITS` chunks and runs an onl
 each, one program per (row, KV group, chunk) covering the group's H/G query heads (GQA) with one
 `tl.dot`; stage 2 merges the chunks by their log-sum-exp. Scores and sums in fp32.
 
-Tested on CPU under `TRITON_INTERPRET=1` in fp32 against SDPA (tests/unit/test_decode_attention.py,
-skipped where triton is not installed); the rollout engine uses it on CUDA (`available`), and the
-torch path (SDPA over a masked key range, kv_cache.py) everywhere else.
+Tested on CPU under `TRITON_INTERPRET=1` in fp32 and fp16 against SDPA (tests/unit/test_decode_attention.py,
+skipped where triton is not installed), and compiled for sm90 without a GPU for every constant set
+the GPU checks use (tests/unit/test_decode_attention_sm90.py); the rollout engine uses it on CUDA
+(`available`), and the torch path (SDPA over a masked key range, kv_cache.py) everywhere else.
 """
 from __future__ import annotations
 
@@ -105,14 +106,23 @@ def splits_for(max_len: int) -> int:
     return max(1, min(16, 1 << max(0, (max_len // 256 - 1).bit_length())))
 
 
+def constants(H: int, G: int, C: int, max_len: int, splits: int | None = None, block_n: int = 32) -> dict:
+    """The split kernel's compile-time constants for H query heads over G KV groups of head dim C
+    and a KV cache of `max_len` positions (the merge kernel's are its C and SPLITS); one set per
+    model shape and cache length (tests/unit/test_decode_attention_sm90.py compiles each for sm90)."""
+    hpg, splits = H // G, splits or splits_for(max_len)
+    return {"HPG": hpg, "BLOCK_H": max(16, 1 << (hpg - 1).bit_length()), "C": C, "BLOCK_N": block_n,
+            "SPLITS": splits, "ITERS": math.ceil(math.ceil(max_len / splits) / block_n)}
+
+
 def decode_attention(q_BHC: torch.Tensor, k_SGLC: torch.Tensor, v_SGLC: torch.Tensor, slot_B: torch.Tensor,
                      len_B: torch.Tensor, splits: int | None = None, block_n: int = 32) -> torch.Tensor:
     """softmax(q k^T / sqrt(C)) v for each row b over keys 0..len_B[b]-1 of slot slot_B[b]; query
     head h reads KV group h // (H/G). Returns [B, H, C] in q's dtype."""
     B, H, C = q_BHC.shape
     G = k_SGLC.shape[1]
-    hpg = H // G
-    splits = splits or splits_for(k_SGLC.shape[2])
+    const = constants(H, G, C, k_SGLC.shape[2], splits, block_n)
+    splits = const["SPLITS"]
     # The kernel indexes these by row: contiguous (the engine's slots are a column of its input buffer).
     q_BHC, slot_B, len_B = q_BHC.contiguous(), slot_B.contiguous(), len_B.contiguous()
     mid_o = torch.empty(B, H, splits, C, dtype=torch.float32, device=q_BHC.device)
@@ -122,9 +132,7 @@ def decode_attention(q_BHC: torch.Tensor, k_SGLC: torch.Tensor, v_SGLC: torch.Te
         q_BHC, k_SGLC, v_SGLC, slot_B, len_B, mid_o, mid_l, 1.0 / math.sqrt(C),
         q_BHC.stride(0), q_BHC.stride(1), k_SGLC.stride(0), k_SGLC.stride(1), k_SGLC.stride(2),
         v_SGLC.stride(0), v_SGLC.stride(1), v_SGLC.stride(2), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_l.stride(0), mid_l.stride(1),
-        HPG=hpg, BLOCK_H=max(16, triton.next_power_of_2(hpg)), C=C, BLOCK_N=block_n, SPLITS=splits,
-        ITERS=triton.cdiv(triton.cdiv(k_SGLC.shape[2], splits), block_n))
+        mid_l.stride(0), mid_l.stride(1), **const)
     _merge_kernel[(B, H)](mid_o, mid_l, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                           mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1), C=C, SPLITS=splits)
     return out

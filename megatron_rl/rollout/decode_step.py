@@ -13,15 +13,19 @@ host), one graph per bucket is captured into one memory pool and replayed; the s
 path runs eagerly elsewhere (CPU, expert parallel, the megatron backend), unpadded unless asked.
 
 A graph holds the addresses of what it read: the KV tensors, each bank's stacked expert weights
-and routing table, the routers' fp32 copies. Weight writes refresh those copies in place before each
-replay; a new allocation (KV release and reclaim, an expert added or dropped, a new dispatcher)
-changes `_graph_key` and the graphs are captured again before the next replay.
+and routing table, the routers' fp32 copies, the RoPE tables. Weight writes refresh those copies in
+place before each replay; a new allocation (KV release and reclaim, an expert added or dropped, a
+new dispatcher, a router weight moved, a RoPE table evicted from its cache and rebuilt) changes
+`_key()` and the graphs are captured again before the next replay. The runner keeps the tensors it
+keys on referenced, so none is freed under a live graph (tools/capture_safety.py checks that the
+key changes exactly when the addresses a graph reads do).
 """
 from __future__ import annotations
 
 import torch
 
 from megatron_rl.models.moe import LocalDispatcher, MoELayer, widens
+from megatron_rl.models.qwen3_moe import rope_tables
 from megatron_rl.rollout.kv_cache import SlotKVCache
 
 
@@ -105,14 +109,20 @@ class DecodeRunner:
             if widens(self.model.dtype):
                 m.router.weight_fp32()
 
+    def _held(self) -> list[torch.Tensor]:
+        """The lazily made tensors a graph reads: the RoPE tables, the routers' fp32 copies."""
+        cfg = self.model.config
+        held = list(rope_tables(cfg.kv_channels, cfg.rotary_base, self.model.dtype, self.cache.max_len, self.device))
+        return held + [m.router._fp32 for m in self._moe_layers() if getattr(m.router, "_fp32", None) is not None]
+
     def _key(self) -> tuple:
         layers = tuple((id(m), id(m.dispatcher), m.experts.generation) for m in self._moe_layers())
-        return self.cache.generation, layers
+        return self.cache.generation, layers, tuple(t.data_ptr() for t in self._held())
 
     def release(self) -> None:
         """Drop the graphs and their memory pool (a detached rank lends its memory)."""
         self.graphs.clear()
-        self._logits, self._graph_key = None, None
+        self._logits, self._graph_key, self._kept = None, None, []
 
     def capture(self) -> None:
         """One graph per bucket, largest first, sharing one memory pool (nano-vllm's order: the
@@ -134,5 +144,6 @@ class DecodeRunner:
             pool = pool or graph.pool()
             self.graphs[n] = graph
         torch.cuda.synchronize(self.device)
+        self._kept = self._held()  # alive as long as the graphs that read them
         self._graph_key = self._key()
         self.captures += 1

@@ -2,29 +2,39 @@
 bodies are tools/gpu_decode_checks.py (their CPU side: tests/unit/test_gpu_decode_checks.py); each
 records its row for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set."""
 import pytest
-import torch
 
 from tests.gpu.test_gpu_path import _check
 from tools import gpu_decode_checks
+from tools.gpu_checks import SMALL_QWEN3_MOE
+from tools.gpu_env import DEVICE, DRYRUN, needs_gpu, sized
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_check.sh)"),
+    needs_gpu,
     pytest.mark.timeout(300),
 ]
 
 
+def test_c_the_captured_region_reads_no_host_data_and_bakes_no_value():
+    out = _check("c: capture safety", lambda: gpu_decode_checks.capture_safe(
+        sized(SMALL_QWEN3_MOE), device=DEVICE, **({"batch": 8} if DRYRUN else {})))
+    assert out["ok"], out
+
+
 def test_c_decode_steps_raise_nothing_under_sync_debug_mode_error():
-    out = _check("c: decode step, sync debug mode error", lambda: gpu_decode_checks.sync_free_steps(device="cuda"))
+    out = _check("c: decode step, sync debug mode error", lambda: gpu_decode_checks.sync_free_steps(
+        sized(SMALL_QWEN3_MOE), device=DEVICE, **({"batch": 8, "steps": 2} if DRYRUN else {})))
     assert out["ok"], out
 
 
 def test_c_graph_replay_gives_the_eager_tokens_and_recaptures_after_changes():
     out = _check("c: graph replay = eager tokens (bf16)",
-                 lambda: gpu_decode_checks.replay_matches_eager(device="cuda"))
+                 lambda: gpu_decode_checks.replay_matches_eager(sized(SMALL_QWEN3_MOE), device=DEVICE,
+                                                                **({"batch": 8} if DRYRUN else {})))
     assert out["ok"], out
 
 
 def test_b_bf16_identical_responses_per_policy():
-    out = _check("b: bf16 responses per policy vs vanilla", lambda: gpu_decode_checks.bf16_policies(device="cuda"))
+    out = _check("b: bf16 responses per policy vs vanilla", lambda: gpu_decode_checks.bf16_policies(
+        device=DEVICE, **({"prompts": 2, "samples": 2, "policies": gpu_decode_checks.POLICIES[:2]} if DRYRUN else {})))
     assert out["ok"], out

@@ -66,3 +66,19 @@ def test_engine_with_the_kernel_gives_the_torch_path_tokens():
             eng.step()
         out[attention] = {r.key: r.tokens for r in eng.finished}
     assert out["triton"] == out["torch"]
+
+
+def test_split_k_decode_attention_in_fp16_equals_sdpa():
+    """fp16, one of the two dtypes the engine runs the kernel in on CUDA: the interpreter's numpy
+    runs the same loads, fp32 scores and the cast of the result."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
+    g = torch.Generator().manual_seed(5)
+    K = torch.randn(5, 2, 40, 32, generator=g).half()
+    V = torch.randn(5, 2, 40, 32, generator=g).half()
+    q = torch.randn(3, 8, 32, generator=g).half()
+    slot_B, len_B = torch.tensor([3, 0, 1]), torch.tensor([40, 2, 17])
+    got = decode_attention(q, K, V, slot_B, len_B, splits=4, block_n=16)
+    assert got.dtype == torch.float16
+    want = reference(q.float(), K.float(), V.float(), slot_B, len_B)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)

@@ -94,4 +94,21 @@ def test_gpu_check_script_lints_and_refuses_a_machine_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: tools/gpu_check.sh would run the checks")
     res = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2 and res.stderr.strip() == "gpu_check: no CUDA device visible; run this on a GPU machine"
+    assert res.returncode == 2 and res.stderr.strip() == ("gpu_check: no CUDA device visible; run this on a GPU "
+                                                          "machine (or FF_GPU_DRYRUN=1 for the CPU dry run)")
+
+
+def test_a_pair_whose_decode_time_is_not_positive_is_invalid_not_a_throughput(tmp_path, monkeypatch):
+    """bench_gpu once clamped t(N) - t(1) to 1e-9 s and printed HF generate at 3e9 tokens/s."""
+    import time
+
+    from tools import bench_gpu
+
+    def engine(delay_1, delay_n):
+        return lambda prompts, n: time.sleep(delay_1 if n == 1 else delay_n) or [[0] * n]
+
+    out = bench_gpu.measure({"ok": engine(0.0, 0.02), "bad": engine(0.02, 0.0)}, [[1]], 4, reps=1)
+    assert out["decode_s"]["ok"] > 0 and out["decode_s"]["bad"] is None
+    monkeypatch.setenv("FF_GPU_RESULTS", str(tmp_path / "r.jsonl"))
+    status, detail = bench_gpu._judged(True, {"invalid": ["bad"]}, "figures")
+    assert status == "fail" and detail.startswith("INVALID timing of bad")

@@ -24,3 +24,18 @@ def test_bf16_policies_on_cpu():
     time: each is a 2-rank rollout); natural floor 1 equals vanilla."""
     out = gpu_decode_checks.bf16_policies(device="cpu", prompts=4, samples=2, policies=gpu_decode_checks.POLICIES[:2])
     assert out["ok"] and set(out["rows"]) == {"natural floor 1"}, out
+
+
+def test_a_response_may_part_from_the_eager_one_only_at_a_near_tie(monkeypatch):
+    """Replay vs eager is margin-aware: parting at the reference's runner-up within NEAR_TIE logit
+    standard deviations is a rounding flip; parting at its last choice is not."""
+    from tools.gpu_checks import _model
+
+    model = _model(TINY, 0, torch.float32, "cpu")
+    prompt = [3, 1, 4, 1, 5]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0, -1]
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    assert not gpu_decode_checks._near_tie(model, prompt, [best, 7], [worst, 7])
+    monkeypatch.setattr(gpu_decode_checks, "NEAR_TIE", float("inf"))
+    assert gpu_decode_checks._near_tie(model, prompt, [best, 7], [worst, 7])

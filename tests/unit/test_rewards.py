@@ -17,7 +17,8 @@ def test_math_verifier_via_math_verify():
 
 
 def test_sympy_fallback_when_math_verify_finds_nothing(monkeypatch):
-    monkeypatch.setattr(ma, "parse", lambda *a, **k: [])
+    _parse, *rest = ma._math_verify()  # imported at the first verification (math_answer.py)
+    monkeypatch.setattr(ma, "_math_verify", lambda: (lambda *a, **k: [], *rest))
     ma._parse_gold.cache_clear()
     try:
         assert ma.verify_math("first 3 then \\boxed{6/4}", "\\frac{3}{2}") == "correct"
@@ -37,3 +38,15 @@ def test_math_scorer_never_raises_on_garbage():
     assert rewards[-1] == 1.0 and all(r in (0.0, -0.1) for r in rewards[:-1])
     counts = s.take_counts()
     assert sum(counts.values()) == 6 and counts["correct"] == 1
+
+
+def test_math_verify_is_imported_at_the_first_verification_not_with_the_rewards():
+    """The engine's imports reach the rewards (rollout/config.py -> lease_jobs -> sidecar.py), and the
+    bare GPU image lacks math-verify: importing the rewards must not import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import megatron_rl.rewards, megatron_rl.rollout.config, megatron_rl.trainer_config; "
+            "print('math_verify' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          timeout=120).stdout.strip() == "False"
