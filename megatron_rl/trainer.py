@@ -49,6 +49,7 @@ from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import build_model, check_init, export_hf
 from megatron_rl.rl.partial import PartialRollouts
+from megatron_rl.rl.partial_state import check_partial_resume
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_pending, sft_stopped, sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
@@ -339,6 +340,11 @@ def check_data(cfg: TrainerConfig, data: PromptDataset, tok) -> None:
     if len(data) < cfg.prompts_per_step:
         raise FlexFloorError(f"{cfg.data.path}: {len(data)} usable prompts, fewer than one step's "
                              f"prompts_per_step ({cfg.prompts_per_step})")
+    launched = cfg.partial.groups_launched(cfg.prompts_per_step)
+    if len(data) < launched:  # the same prompt would be launched twice in one rollout
+        raise FlexFloorError(f"{cfg.data.path}: {len(data)} usable prompts, fewer than the {launched} groups "
+                             f"a partial rollout launches (prompts_per_step {cfg.prompts_per_step} x "
+                             f"(1 + partial.over_sample {cfg.partial.over_sample:g}))")
     # Both reward kinds compare with a reference answer: without any, every response would score
     # `no_reference` (reward 0) and the run would train on nothing.
     if not any(p.answer is not None and str(p.answer).strip() for p in data.prompts):
@@ -397,6 +403,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
         vet_checkpoint(resume, cfg.checkpoint.allow_unverified)
+        check_partial_resume(cfg, data, build_tokenizer(cfg.tokenizer), resume, state)
         if state["step"] >= cfg.steps:
             done = f"{resume}: already at step {state['step']} of steps={cfg.steps}"
             hf = Path(out_dir) / "hf"
