@@ -49,7 +49,7 @@ from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import build_model, check_init, export_hf
 from megatron_rl.rl.partial import PartialRollouts
-from megatron_rl.rl.partial_state import check_partial_resume
+from megatron_rl.rl.resume_fit import check_resume_fit
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_pending, sft_stopped, sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
@@ -403,7 +403,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
         vet_checkpoint(resume, cfg.checkpoint.allow_unverified)
-        check_partial_resume(cfg, data, build_tokenizer(cfg.tokenizer), resume, state)
+        check_resume_fit(cfg, data, build_tokenizer(cfg.tokenizer), resume, state)
         if state["step"] >= cfg.steps:
             done = f"{resume}: already at step {state['step']} of steps={cfg.steps}"
             hf = Path(out_dir) / "hf"

@@ -148,3 +148,19 @@ def test_a_partial_section_that_does_not_fit_the_config_is_refused_before_the_ra
         capsys.readouterr().err
     empty = {"queue": [], "pool": {"next_uid": 2, "trained": 2, "pending": []}}
     _partial_resume(tmp_path, empty, **{"partial.enabled": False})  # nothing carried: nothing to refuse
+
+
+@pytest.mark.parametrize("saved, dtype", [(torch.float64, "bfloat16"), (torch.bfloat16, "float32")])
+def test_a_dtype_change_on_resume_is_refused_before_the_ranks(tmp_path, saved, dtype):
+    """Issue 31 defect 27: refused on the driver naming both dtypes (was an internal key name, late)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.rl.resume_fit import check_resume_dtype
+
+    dcp.save({"model": {"w": torch.zeros(2, dtype=saved)}, "optim": {"x": torch.zeros(1)}},
+             checkpoint_id=str(tmp_path), no_dist=True)
+    name = str(saved).removeprefix("torch.")
+    check_resume_dtype(tmp_path, name)
+    with pytest.raises(CheckpointError, match=f"saved in {name}, config dtype {dtype}; a run resumes in the dtype "
+                                              f"it was saved in \\(set dtype: {name}\\)"):
+        check_resume_dtype(tmp_path, dtype)
