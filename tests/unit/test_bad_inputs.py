@@ -30,6 +30,10 @@ def _cases(tmp):
         return w(f"{name}.yaml", yaml.safe_dump({**TINY_TRAIN, "data": {"path": data}, **changes}))
 
     rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+
+    def heldout_cfg(name, row, first=rows.splitlines(True)[0]):
+        return train_cfg(name, rows, eval={"every": 1, "path": w(f"{name}_heldout.jsonl", first + row + "\n")})
+
     trace = w("t.jsonl", GOOD)
     a_file = w("a_file", "x")
     latin1_trace = w("latin1.jsonl", GOOD.encode() + '{"prompt_id": "caf\xe9"}\n'.encode("latin-1"))
@@ -58,6 +62,13 @@ def _cases(tmp):
              ["alphabet.jsonl:5: character 'x'"]),
             (["--config", train_cfg("long", rows + json.dumps({"prompt": "1+" * 8 + "1=", "answer": "9"}) + "\n")],
              ["long.jsonl:5: prompt of 19 tokens", "exceeds model.max_position_embeddings (16)"]),
+            # held-out prompts (eval.path) go through the training data's checks (issue 31, defect 14)
+            (["--config", heldout_cfg("ho_long", json.dumps({"prompt": "1+" * 8 + "1=", "answer": "9"}))],
+             ["ho_long_heldout.jsonl:2: prompt of 19 tokens", "exceeds model.max_position_embeddings (16)"]),
+            (["--config", heldout_cfg("ho_char", '{"prompt": "1+x=", "answer": "1"}')],
+             ["ho_char_heldout.jsonl:2: character 'x'"]),
+            (["--config", heldout_cfg("ho_noans", '{"prompt": "1+1="}', first="")],
+             ["ho_noans_heldout.jsonl: no row has a reference answer"]),
             (["--config", train_cfg("ok", rows), "--out", a_file], [f"--out {a_file}: exists and is not a folder"]),
             (["--config", train_cfg("ok2", rows), "--out", out, "--json", str(tmp / "nope" / "s.json")],
              [f"--json {tmp / 'nope' / 's.json'}: folder {tmp / 'nope'} does not exist"]),
