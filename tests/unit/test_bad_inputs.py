@@ -40,6 +40,10 @@ def _cases(tmp):
     latin1_yaml = w("latin1.yaml", "ranks: 2\n# caf\xe9\n".encode("latin-1"))
     broken_yaml = w("broken.yaml", "ranks: 2\nbatch: {trace: [\n")
     out = str(tmp / "out")
+    loop, long = tmp / "loop1", str(tmp / ("n" * 256))  # a symlink loop; a name over 255 bytes
+    loop.symlink_to(tmp / "loop2")
+    (tmp / "loop2").symlink_to(loop)
+    too_long = "bytes, over the file system's limit of 255"
     return {
         # command -> [(argv, fragments of the one error line)]
         "rollout": [
@@ -51,6 +55,11 @@ def _cases(tmp):
             (["--out", f"{a_file}/sub"], [f"--out {a_file}/sub: cannot create the folder (Not a directory)"]),
             (["--out", "/proc/flexfloor-test"], ["--out /proc/flexfloor-test: cannot create the folder"]),
             (["--json", str(tmp / "missing" / "r.json")], [f"folder {tmp / 'missing'} does not exist"]),
+            # issue 31, defects 22 and 23: one line before the rollout, not an OSError after it
+            (["--json", str(loop)], [f"--json {loop}: a symlink loop"]),
+            (["--json", f"{long}.json"], [too_long]),
+            (["--out", f"{loop}/sub"], [f"--out {loop}/sub: a symlink loop"]),
+            (["--out", long], [too_long]),
         ],
         "train": [
             (["--config", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
@@ -72,6 +81,9 @@ def _cases(tmp):
             (["--config", train_cfg("ok", rows), "--out", a_file], [f"--out {a_file}: exists and is not a folder"]),
             (["--config", train_cfg("ok2", rows), "--out", out, "--json", str(tmp / "nope" / "s.json")],
              [f"--json {tmp / 'nope' / 's.json'}: folder {tmp / 'nope'} does not exist"]),
+            (["--config", train_cfg("ok3", rows), "--out", str(loop)], [f"--out {loop}: a symlink loop"]),
+            (["--config", train_cfg("ok4", rows), "--out", out, "--json", str(loop)], [f"--json {loop}: a symlink loop"]),
+            (["--config", train_cfg("ok5", rows), "--out", long], [too_long]),
         ],
         "plan": [
             (["--trace", trace, "--max-response-len", "-5"], ["--max-response-len -5: max_response_len: expected > 0"]),
@@ -87,6 +99,8 @@ def _cases(tmp):
             (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
             (["--trace", trace, "--cost", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
             (["--trace", trace, "--plot", a_file], [f"--plot {a_file}: exists and is not a folder"]),
+            (["--trace", trace, "--plot", str(loop)], [f"--plot {loop}: a symlink loop"]),
+            (["--trace", trace, "--plot", f"{long}/figs"], [too_long]),
             (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..16"]),
         ],
         "demo": [
