@@ -389,7 +389,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     from megatron_rl.rollout.preflight import preflight
 
     if not preflight_done:
-        preflight(cfg.backend, cfg.dtype, cfg.leases)
+        preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
     if cfg.logging.plot_every:
         require_matplotlib("logging.plot_every")
     device = resolve_device(cfg.device)

@@ -125,3 +125,38 @@ def test_bad_input_is_one_line_exit_2_before_any_rank(command, tmp_path, capsys,
         assert "[rollout]" not in err and "[train] step" not in err
         assert not live_children(), (argv, "a process of the run is still alive")
     sys.stdout.flush()
+
+
+def test_offload_without_a_working_deepspeed_is_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
+    """Issue 31 defect 21: `optim.offload: cpu` with DeepSpeed missing, or its CPU Adam failing to
+    JIT-build, is one line on the driver; a failed build shows the compiler's last error lines."""
+    import types
+
+    rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+    (tmp_path / "d.jsonl").write_text(rows)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY_TRAIN, "data": {"path": str(tmp_path / "d.jsonl")}, "dtype": "float32",
+                                   "optim": {"offload": "cpu"}}))
+    argv = ["train", "--config", str(cfg), "--out", str(tmp_path / "out")]
+
+    def one_line(*fragments):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and all(f in lines[0] for f in fragments), lines
+        assert not live_children()
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    one_line("optim.offload: cpu needs deepspeed (pip install deepspeed); importing it failed: ")
+
+    class Builder:
+        def load(self, verbose=False):
+            raise RuntimeError("Error building extension 'cpu_adam': [1/3] c++ -c cpu_adam.cpp -O3\n"
+                               "FAILED: cpu_adam.o\ncpu_adam.cpp:12:5: error: 'simd_load' was not declared\n"
+                               "cpu_adam.cpp:40:1: error: expected ';' before '}' token\n"
+                               "ninja: build stopped: subcommand failed.\n")
+
+    for name in ("deepspeed", "deepspeed.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.op_builder", types.SimpleNamespace(CPUAdamBuilder=Builder))
+    one_line("optim.offload: cpu: DeepSpeed's CPU Adam did not build (RuntimeError: cpu_adam.cpp:12:5: error: "
+             "'simd_load' was not declared | cpu_adam.cpp:40:1: error: expected ';' before '}' token)")
