@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.config import require, require_rollout_size, require_seconds, require_seed, require_size, require_timeout
+from megatron_rl.config import (
+    require,
+    require_rollout_size,
+    require_seconds,
+    require_seed,
+    require_size,
+    require_timeout,
+)
 from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig

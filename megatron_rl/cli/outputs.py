@@ -8,7 +8,6 @@ from pathlib import Path
 
 from megatron_rl.errors import FlexFloorError
 
-
 # A file name's longest component on Linux file systems (NAME_MAX): ext4, xfs, btrfs, tmpfs, NFS.
 NAME_MAX = 255
 

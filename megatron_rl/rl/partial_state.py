@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatron_rl.errors import CheckpointError
 
+
 def check_partial_resume(cfg, data, tok, path: Path, state: dict) -> None:
     """Before the ranks load checkpoint `path`: its partial section fits `cfg` and `data`, or is
     refused (partial off: unless `partial.drop_carried`, then what is dropped is logged)."""

@@ -31,7 +31,8 @@ def _cases(tmp):
 
     rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
 
-    def heldout_cfg(name, row, first=rows.splitlines(True)[0]):
+    def heldout_cfg(name, row, first=None):
+        first = rows.splitlines(True)[0] if first is None else first
         return train_cfg(name, rows, eval={"every": 1, "path": w(f"{name}_heldout.jsonl", first + row + "\n")})
 
     trace = w("t.jsonl", GOOD)
@@ -82,7 +83,8 @@ def _cases(tmp):
             (["--config", train_cfg("ok2", rows), "--out", out, "--json", str(tmp / "nope" / "s.json")],
              [f"--json {tmp / 'nope' / 's.json'}: folder {tmp / 'nope'} does not exist"]),
             (["--config", train_cfg("ok3", rows), "--out", str(loop)], [f"--out {loop}: a symlink loop"]),
-            (["--config", train_cfg("ok4", rows), "--out", out, "--json", str(loop)], [f"--json {loop}: a symlink loop"]),
+            (["--config", train_cfg("ok4", rows), "--out", out, "--json", str(loop)],
+             [f"--json {loop}: a symlink loop"]),
             (["--config", train_cfg("ok5", rows), "--out", long], [too_long]),
         ],
         "plan": [
