@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -154,6 +155,12 @@ def load_dataclass(cls: type[T], path: str | Path | None, overrides: dict | None
         if not overrides:
             raise
         err = e
+    # The error names an override's field: that one is to blame, whichever override made the
+    # check run (`partial.end=budget partial.token_budget=0` is the budget's fault, not the end's).
+    body = str(err)[len(where):].lstrip(".: ")
+    named = [k for k in overrides if re.search(rf"(?<![\w.]){re.escape(k)}(?=[: ])", body)]
+    if named:
+        raise ConfigError(f"{sources.get(named[0], f'{named[0]}={overrides[named[0]]}')}: {body}") from None
     items = list(overrides.items())
     for i in range(len(items) + 1):  # the file alone (i = 0), then one override more at a time
         partial = _with(data, dict(items[:i]), sources)
@@ -204,6 +211,19 @@ MAX_SIZE = 2**24  # any one model dimension, batch or token count: beyond it a v
 def require_size(value: int, name: str, low: int = 1) -> None:
     """A count that sizes an allocation (a model dimension, batch slots, prompts): in [low, 2^24]."""
     require(low <= value <= MAX_SIZE, f"{name}: expected an integer in [{low}, 2^24], got {shorten(value, 40)}")
+
+
+# One rollout's responses: every rank keeps each one's tokens and log-probs and the planner lays out
+# a row per response, so this bounds a rollout's host memory per rank (about a GiB at 2^20 responses
+# of a few hundred tokens). The 30B example launches 128 prompts x 16 = 2048.
+MAX_ROLLOUT_RESPONSES = 2**20
+
+
+def require_rollout_size(groups: int, group_size: int, what: str) -> None:
+    """`groups` GRPO groups of `group_size` responses in one rollout (`what` says how many groups)."""
+    require(groups * group_size <= MAX_ROLLOUT_RESPONSES,
+            f"{what} x grpo.group_size {group_size} = {groups * group_size:.4g} responses per rollout, "
+            "above the limit of 2^20 (every rank holds each response's tokens and log-probs)")
 
 
 WEEK_S = 7 * 24 * 3600.0  # the longest duration any field may hold (timers overflow far beyond it)

@@ -22,18 +22,24 @@ class PartialConfig:
     over_sample: float = 0.25  # extra groups launched, as a share of the groups a step trains
     end: Literal["groups", "budget"] = "groups"
     token_budget: int | None = None  # end: budget only, new tokens per response per rollout
+    # `train` resuming a partial run's checkpoint with `enabled: false`: drop its carried groups
+    # (counted in the log) instead of refusing (rl/partial_state.py).
+    drop_carried: bool = False
 
     def __post_init__(self):
-        if self.enabled:
-            try:
-                self.rule()
-            except ValueError as e:
-                require(False, str(e))
+        try:  # also when off: a bad value is a mistake whether or not it is read today
+            self.rule()
+        except ValueError as e:
+            require(False, str(e))
 
     def rule(self):
         from elastic.planning.partial import PartialRule
 
         return PartialRule(self.over_sample, self.end, self.token_budget)
+
+    def groups_launched(self, prompts: int) -> int:
+        """The GRPO groups one rollout launches for `prompts` that train (as many when off)."""
+        return self.rule().launch_count(prompts) if self.enabled else prompts
 
     def require_groups(self, command: str) -> None:
         require(not self.enabled or self.end == "groups",

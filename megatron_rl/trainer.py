@@ -51,6 +51,7 @@ from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import build_model, check_init, export_hf
 from megatron_rl.rl.partial import PartialRollouts
+from megatron_rl.rl.resume_fit import check_resume_fit
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_pending, sft_stopped, sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
@@ -350,14 +351,26 @@ def check_data(cfg: TrainerConfig, data: PromptDataset, tok) -> None:
     if len(data) < cfg.prompts_per_step:
         raise FlexFloorError(f"{cfg.data.path}: {len(data)} usable prompts, fewer than one step's "
                              f"prompts_per_step ({cfg.prompts_per_step})")
+    launched = cfg.partial.groups_launched(cfg.prompts_per_step)
+    if len(data) < launched:  # the same prompt would be launched twice in one rollout
+        raise FlexFloorError(f"{cfg.data.path}: {len(data)} usable prompts, fewer than the {launched} groups "
+                             f"a partial rollout launches (prompts_per_step {cfg.prompts_per_step} x "
+                             f"(1 + partial.over_sample {cfg.partial.over_sample:g}))")
+    check_prompts(cfg, data.prompts, cfg.data.path, tok)
+
+
+def check_prompts(cfg: TrainerConfig, prompts: list, path: str, tok) -> None:
+    """The rows of `path` (the training data, or the held-out prompts of `eval.path`) each rank
+    will encode and generate from: a reference answer to score against, text the tokenizer can
+    encode, room for a response within the model's positions."""
     # Both reward kinds compare with a reference answer: without any, every response would score
-    # `no_reference` (reward 0) and the run would train on nothing.
-    if not any(p.answer is not None and str(p.answer).strip() for p in data.prompts):
-        raise FlexFloorError(f"{cfg.data.path}: no row has a reference answer (data.answer_field "
+    # `no_reference` (reward 0) and the run would train (or validate) on nothing.
+    if not any(p.answer is not None and str(p.answer).strip() for p in prompts):
+        raise FlexFloorError(f"{path}: no row has a reference answer (data.answer_field "
                              f"{cfg.data.answer_field!r}), which reward kind {cfg.reward.kind!r} compares "
                              "responses with; set data.answer_field to the field that holds it")
     room = cfg.model.max_position_embeddings - cfg.generation.max_response_len
-    for p in data.prompts:
+    for p in prompts:
         try:
             n = len(tok.encode(p.text))
         except FlexFloorError as e:
@@ -387,7 +400,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     from megatron_rl.rollout.preflight import preflight
 
     if not preflight_done:
-        preflight(cfg.backend, cfg.dtype, cfg.leases)
+        preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
     if cfg.logging.plot_every:
         require_matplotlib("logging.plot_every")
     device = resolve_device(cfg.device)
@@ -396,9 +409,13 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     if data.skipped:
         print(f"[train] {cfg.data.path}: skipped {data.skipped} bad rows (first: "
               f"{data.skipped_rows[0][1]})", file=sys.stderr)
-    check_data(cfg, data, build_tokenizer(cfg.tokenizer))
-    if cfg.eval.every and not load_heldout(cfg):  # a bad held-out file stops here, naming file:line
-        raise FlexFloorError(f"{cfg.eval.path}: no held-out prompts (eval.path)")
+    tok = build_tokenizer(cfg.tokenizer)
+    check_data(cfg, data, tok)
+    if cfg.eval.every:  # a bad held-out file stops here, naming file:line, as the training data does
+        heldout = load_heldout(cfg)
+        if not heldout:
+            raise FlexFloorError(f"{cfg.eval.path}: no held-out prompts (eval.path)")
+        check_prompts(cfg, heldout, cfg.eval.path, tok)
     if resume_step is not None:
         from megatron_rl.cli.export import checkpoint_at
 
@@ -408,6 +425,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
         vet_checkpoint(resume, cfg.checkpoint.allow_unverified)
+        check_resume_fit(cfg, data, tok, resume, state)
         if state["step"] >= cfg.steps:
             done = f"{resume}: already at step {state['step']} of steps={cfg.steps}"
             hf = Path(out_dir) / "hf"

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.config import require, require_seconds, require_seed, require_size, require_timeout
+from megatron_rl.config import (
+    require,
+    require_rollout_size,
+    require_seconds,
+    require_seed,
+    require_size,
+    require_timeout,
+)
 from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig
@@ -248,6 +255,9 @@ class TrainerConfig:
         require(self.logprob_chunk_tokens >= 0,
                 f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")
         self.partial.require_groups("train")
+        over = f" x (1 + partial.over_sample {self.partial.over_sample:g})" if self.partial.enabled else ""
+        require_rollout_size(self.partial.groups_launched(self.prompts_per_step), self.grpo.group_size,
+                             f"prompts_per_step {self.prompts_per_step}{over}")
         require(not self.partial.enabled or self.grpo.tis_cap is not None,
                 "partial.enabled: carried responses mix tokens of older policies; set grpo.tis_cap "
                 "(truncated importance sampling from each token's behaviour log-prob)")

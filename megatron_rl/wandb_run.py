@@ -19,6 +19,9 @@ from typing import Any, Literal
 from megatron_rl.config import require
 
 WANDB_MODES = ("offline", "online", "disabled")
+# W&B's own rules (wandb/sdk/wandb_settings.py, 0.31: `validate_project`, `validate_run_tags`), checked
+# at config load: wandb.init on rank 0 would raise them as a pydantic traceback after the ranks start.
+WANDB_PROJECT_MAX, WANDB_PROJECT_CHARS, WANDB_TAG_MAX = 128, "/\\#?%:", 64
 
 
 @dataclass
@@ -34,6 +37,14 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.project), "logging.project: expected a W&B project name")
+        bad = "".join(c for c in WANDB_PROJECT_CHARS if c in self.project)
+        require(len(self.project) <= WANDB_PROJECT_MAX and not bad,
+                f"logging.project: a W&B project name has at most {WANDB_PROJECT_MAX} characters and none of "
+                f"{' '.join(WANDB_PROJECT_CHARS)}; got {len(self.project)} characters"
+                + (f" with {' '.join(bad)}" if bad else ""))
+        for i, tag in enumerate(self.tags):
+            require(1 <= len(str(tag)) <= WANDB_TAG_MAX,
+                    f"logging.tags[{i}]: a W&B tag has 1 to {WANDB_TAG_MAX} characters, got {len(str(tag))}")
         require(self.plot_every >= 0, f"logging.plot_every: expected >= 0 steps (0: never), got {self.plot_every}")
 
 

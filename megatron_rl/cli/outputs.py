@@ -2,10 +2,30 @@
 fail to write its report (a file where a folder was meant, a read-only or missing folder)."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 from megatron_rl.errors import FlexFloorError
+
+# A file name's longest component on Linux file systems (NAME_MAX): ext4, xfs, btrfs, tmpfs, NFS.
+NAME_MAX = 255
+
+
+def _check_path(p: Path, label: str) -> None:
+    """What the OS would refuse only when the run writes: a name over NAME_MAX bytes, a path too
+    long, a symlink loop (or any other error but "does not exist yet")."""
+    for part in p.parts:
+        n = len(os.fsencode(part))
+        if n > NAME_MAX:
+            raise FlexFloorError(f"{label}: the name {part[:24]}... is {n} bytes, over the file system's "
+                                 f"limit of {NAME_MAX}")
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+            what = "a symlink loop" if e.errno == errno.ELOOP else "unusable"
+            raise FlexFloorError(f"{label}: {what} ({e.strerror})") from None
 
 
 def _probe(folder: Path, label: str) -> None:
@@ -22,6 +42,7 @@ def check_out_dir(path: str | Path | None, flag: str) -> None:
     if path is None:
         return
     p, label = Path(path), f"{flag} {path}"
+    _check_path(p, label)
     if p.exists() and not p.is_dir():
         raise FlexFloorError(f"{label}: exists and is not a folder")
     try:
@@ -36,6 +57,7 @@ def check_out_file(path: str | Path | None, flag: str) -> None:
     if path is None:
         return
     p, label = Path(path), f"{flag} {path}"
+    _check_path(p, label)
     if p.is_dir():
         raise FlexFloorError(f"{label}: is a folder, expected a file name")
     if not p.parent.is_dir():

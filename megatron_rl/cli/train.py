@@ -38,7 +38,8 @@ def run(args) -> int:
     if args.print_config:
         print(config_yaml(cfg), end="")
         return 0
-    preflight(cfg.backend, cfg.dtype, cfg.leases)  # what this machine cannot run is refused before any output
+    # What this machine cannot run is refused before any output.
+    preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
     check_out_dir(args.out, "--out")
     check_out_dir(Path(args.out) / "checkpoints", "--out")  # read-only: found now, not at the first save
     check_out_file(args.json, "--json")

@@ -24,8 +24,12 @@ What a fork keeps from the server, not from the launcher of the moment, and how 
 from __future__ import annotations
 
 import multiprocessing.forkserver as forkserver
+import multiprocessing.process as mp_process
+import multiprocessing.util as mp_util
 import os
+import shutil
 import signal
+import tempfile
 import threading
 
 import torch.multiprocessing as mp
@@ -55,12 +59,30 @@ def rank_context(rank_module: str | None):
     # one must ignore the stop signals too.
     main = threading.current_thread() is threading.main_thread()  # signal.signal's only thread
     saved = {s: signal.signal(s, signal.SIG_IGN) for s in LAUNCHER_SIGNALS} if main else {}
+    short_socket_folder()
     try:  # the server inherits the ignored dispositions across its exec
         forkserver.ensure_running()
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
     return mp.get_context("forkserver")
+
+
+def short_socket_folder() -> None:
+    """multiprocessing's temporary folder, where the fork server's AF_UNIX socket lives, in a short
+    private folder (mode 0700) under /tmp whatever TMPDIR is: a socket's path has at most 107
+    bytes, and a cluster's per-job TMPDIR is often longer. Removed at exit, as multiprocessing's own."""
+    config = mp_process.current_process()._config
+    if config.get("tempdir") is not None:  # made already (this or an earlier launch)
+        return
+    for base in ("/tmp", "/dev/shm"):
+        try:
+            folder = tempfile.mkdtemp(prefix="ff-mp-", dir=base)
+        except OSError:
+            continue
+        mp_util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+        config["tempdir"] = folder
+        return  # neither writable: multiprocessing's default under TMPDIR
 
 
 def worker_environment(env: dict) -> None:

@@ -167,6 +167,9 @@ def load_checkpoint(path: Path, model, optimizer, ref_model, allow_unverified: b
     else:
         state = _state(model, optimizer, ref_model)
     absent = [] if _megatron(optimizer) or _sharded(optimizer) else _drop_unsaved_optimizer_state(state, keys)
+    # A ZeRO-1 checkpoint (rl/zero.py) keeps no param_groups: the config's hyperparameters hold.
+    saved_groups = any(k.startswith("optim.param_groups.") for k in keys)
+    groups = None if saved_groups else state.get("optim", {}).pop("param_groups", None)
     try:
         dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)),
                  planner=SafeLoadPlanner())
@@ -177,6 +180,8 @@ def load_checkpoint(path: Path, model, optimizer, ref_model, allow_unverified: b
     elif _sharded(optimizer):
         optimizer.finish_load(state)
     else:
+        if groups is not None:
+            state["optim"]["param_groups"] = groups
         # Under mixed precision the fp32 masters (rl/mixed_precision.py) hold the optimizer's
         # parameters, by the model's names; the bf16 weights are loaded as saved.
         holder, inner = (optimizer.masters, optimizer.inner) if "master" in state else (model, optimizer)

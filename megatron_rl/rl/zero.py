@@ -31,12 +31,14 @@ checkpoint saved on W ranks resumes on any rank count (`sharded_state`, `load_sh
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_rl.errors import FlexFloorError
 from megatron_rl.rl.mixed_precision import MasterWeights, needs_masters
 
 
@@ -86,6 +88,35 @@ class DenseLayout:
         flat = torch.empty(self.world * self.run, dtype=shard.dtype, device=shard.device)
         _all_gather(flat, shard.contiguous(), group=group)
         return flat
+
+
+def require_cpu_adam() -> None:
+    """On the driver, for `optim.offload: cpu`, before any rank starts: DeepSpeed imports and its
+    CPU Adam loads, JIT-building it if needed (once; the ranks then load the cached build). A
+    failure is one line: the import's error, or the compiler's last error lines of the build."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+    except Exception as e:  # noqa: BLE001  (a broken install raises more than ImportError)
+        raise FlexFloorError(f"optim.offload: cpu needs deepspeed (pip install deepspeed); importing it "
+                             f"failed: {type(e).__name__}: {_first_line(e)}") from None
+    try:
+        CPUAdamBuilder().load(verbose=False)
+    except Exception as e:  # noqa: BLE001  (torch's JIT build raises RuntimeError with ninja's output)
+        raise FlexFloorError(f"optim.offload: cpu: DeepSpeed's CPU Adam did not build "
+                             f"({_build_errors(e)}); a C++ compiler and ninja are needed once, or set "
+                             "optim.offload: none") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _build_errors(e: BaseException, keep: int = 3) -> str:
+    """The last `keep` compiler error lines of a failed JIT build's output (else its first line)."""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    errors = [ln for ln in lines if re.search(r"\berror\b", ln)]  # gcc, clang, nvcc: "file:line: error: ..."
+    shown = " | ".join(errors[-keep:]) if errors else _first_line(e)
+    return f"{type(e).__name__}: {shown[-600:]}"
 
 
 def deepspeed_cpu_adam(params, lr: float, betas, eps: float, weight_decay: float):

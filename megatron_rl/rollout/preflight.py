@@ -8,9 +8,9 @@ from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.lease_jobs import LeaseConfig
 
 
-def preflight(backend: str, dtype: str, leases: LeaseConfig) -> None:
-    """The backend's libraries and device, a dtype it runs, sglang for an `sglang` lease, and a
-    sidecar's checkpoint headers and queries."""
+def preflight(backend: str, dtype: str, leases: LeaseConfig, offload: str = "none") -> None:
+    """The backend's libraries and device, a dtype it runs, sglang for an `sglang` lease, a
+    sidecar's checkpoint headers and queries, and DeepSpeed's CPU Adam for `optim.offload: cpu`."""
     # Imported here: tests stand in for the CUDA check (`megatron_backend.require_backend`).
     from megatron_rl.models import megatron_backend
 
@@ -23,3 +23,7 @@ def preflight(backend: str, dtype: str, leases: LeaseConfig) -> None:
         require_sglang()
     if {"sidecar", "sglang"} & set(leases.jobs):
         leases.sidecar.preflight()
+    if offload == "cpu":
+        from megatron_rl.rl.zero import require_cpu_adam
+
+        require_cpu_adam()

@@ -42,7 +42,11 @@ def test_forked_ranks_see_each_launchs_environment_and_a_start_time_change_spawn
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text("import builtins\nbuiltins.FF_SITE = True\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A TMPDIR longer than an AF_UNIX socket path may be (as a cluster's per-job one often is): the
+    # fork server's socket lives in a short private folder anyway (issue 31, defect 24).
+    long_tmp = tmp_path / ("t" * 110)
+    long_tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(long_tmp)}
     proc = subprocess.run([sys.executable, str(prog), str(tmp_path / "elsewhere"), str(tmp_path / "site")],
                           cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=150)

@@ -69,6 +69,11 @@ def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     shutil.copytree(full, part)
     shutil.rmtree(part / "checkpoints" / "step_000002")
     (part / "checkpoints" / "latest").write_text("step_000001")
+    # Partial off would drop the carried groups: refused before any rank starts (issue 31, defect 4)
+    off = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(config), "--out",
+                          str(part), "partial.enabled=false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert off.returncode == 2 and off.stderr.count("\n") == 1, off.stderr
+    assert "trainer_state.json: partial: " in off.stderr and "partial.drop_carried=true" in off.stderr
     proc = _train(config, part)
     assert "resuming from" in proc.stderr
     a, b = _metrics(full)[1], _metrics(part)[1]

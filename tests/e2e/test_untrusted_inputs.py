@@ -48,6 +48,10 @@ BAD_VALUES = [
     ("train", "data.template='{prompt} {'", "Single '{'"),
     ("train", "data.template='{0}{prompt}'", "got {0}"),
     ("train", "generation.max_response_len=4096", "must be below model.max_position_embeddings"),
+    ("train", "grpo.group_size=1000000", "grpo.group_size 1000000 = 4e+06 responses per rollout, above the "
+                                          "limit of 2^20"),
+    ("train", "partial.over_sample=-1", "partial.over_sample: expected a number >= 0"),  # also when off
+    ("train", "partial.token_budget=-1", "partial.token_budget: only read with end 'budget'"),
     ("rollout", "max_batch_per_rank=0", "max_batch_per_rank must be > 0"),
     ("rollout", "batch.prompts=100000000", "batch.prompts x samples x epochs: expected an integer in [1, 2^24]"),
     ("train", "model.vocab_size=1000000000000", "vocab_size: expected an integer in [1, 2^24]"),
@@ -68,6 +72,22 @@ def test_a_value_that_would_hang_or_crash_is_one_line(cfg, tmp_path, capsys, com
         argv = [command, "--trace", _trace(tmp_path / "t.jsonl"), "--ranks", "4", "--floor", "2"]
     line = _one_line_exit_2(capsys, [*argv, override, "--print-config"], expect)
     assert line.startswith(f"flexfloor {command}: error: {override[:20]}"), line
+
+
+def test_partial_bounds_blame_the_field_the_error_names(cfg, tmp_path, capsys):
+    """Issue 31 defects 10 and 29: over_sample is capped by a rollout's response limit and by the
+    dataset; an error is blamed on the override it names, not on the one that made the check run."""
+    on = ["partial.enabled=true", "grpo.tis_cap=2"]
+    train = ["train", "--config", cfg, "--out", tmp_path / "out"]
+    line = _one_line_exit_2(capsys, [*train, *on, "partial.over_sample=1e9", "--print-config"],
+                            "x (1 + partial.over_sample 1e+09) x grpo.group_size 4 = 1.6e+10 responses")
+    assert ": error: partial.over_sample=1e9: " in line
+    _one_line_exit_2(capsys, [*train, *on, "partial.over_sample=5"],
+                     "data.jsonl: 20 usable prompts, fewer than the 24 groups a partial rollout launches")
+    line = _one_line_exit_2(capsys, ["simulate", "--trace", _trace(tmp_path / "t.jsonl"), "partial.enabled=true",
+                                     "partial.end=budget", "partial.token_budget=0", "--print-config"],
+                            "end 'budget' needs a budget > 0, got 0")
+    assert ": error: partial.token_budget=0: " in line
 
 
 def test_yaml_duplicate_keys_aliases_long_values_and_yaml12_floats(cfg, tmp_path, capsys):

@@ -30,12 +30,21 @@ def _cases(tmp):
         return w(f"{name}.yaml", yaml.safe_dump({**TINY_TRAIN, "data": {"path": data}, **changes}))
 
     rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+
+    def heldout_cfg(name, row, first=None):
+        first = rows.splitlines(True)[0] if first is None else first
+        return train_cfg(name, rows, eval={"every": 1, "path": w(f"{name}_heldout.jsonl", first + row + "\n")})
+
     trace = w("t.jsonl", GOOD)
     a_file = w("a_file", "x")
     latin1_trace = w("latin1.jsonl", GOOD.encode() + '{"prompt_id": "caf\xe9"}\n'.encode("latin-1"))
     latin1_yaml = w("latin1.yaml", "ranks: 2\n# caf\xe9\n".encode("latin-1"))
     broken_yaml = w("broken.yaml", "ranks: 2\nbatch: {trace: [\n")
     out = str(tmp / "out")
+    loop, long = tmp / "loop1", str(tmp / ("n" * 256))  # a symlink loop; a name over 255 bytes
+    loop.symlink_to(tmp / "loop2")
+    (tmp / "loop2").symlink_to(loop)
+    too_long = "bytes, over the file system's limit of 255"
     return {
         # command -> [(argv, fragments of the one error line)]
         "rollout": [
@@ -47,6 +56,11 @@ def _cases(tmp):
             (["--out", f"{a_file}/sub"], [f"--out {a_file}/sub: cannot create the folder (Not a directory)"]),
             (["--out", "/proc/flexfloor-test"], ["--out /proc/flexfloor-test: cannot create the folder"]),
             (["--json", str(tmp / "missing" / "r.json")], [f"folder {tmp / 'missing'} does not exist"]),
+            # issue 31, defects 22 and 23: one line before the rollout, not an OSError after it
+            (["--json", str(loop)], [f"--json {loop}: a symlink loop"]),
+            (["--json", f"{long}.json"], [too_long]),
+            (["--out", f"{loop}/sub"], [f"--out {loop}/sub: a symlink loop"]),
+            (["--out", long], [too_long]),
         ],
         "train": [
             (["--config", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
@@ -58,9 +72,20 @@ def _cases(tmp):
              ["alphabet.jsonl:5: character 'x'"]),
             (["--config", train_cfg("long", rows + json.dumps({"prompt": "1+" * 8 + "1=", "answer": "9"}) + "\n")],
              ["long.jsonl:5: prompt of 19 tokens", "exceeds model.max_position_embeddings (16)"]),
+            # held-out prompts (eval.path) go through the training data's checks (issue 31, defect 14)
+            (["--config", heldout_cfg("ho_long", json.dumps({"prompt": "1+" * 8 + "1=", "answer": "9"}))],
+             ["ho_long_heldout.jsonl:2: prompt of 19 tokens", "exceeds model.max_position_embeddings (16)"]),
+            (["--config", heldout_cfg("ho_char", '{"prompt": "1+x=", "answer": "1"}')],
+             ["ho_char_heldout.jsonl:2: character 'x'"]),
+            (["--config", heldout_cfg("ho_noans", '{"prompt": "1+1="}', first="")],
+             ["ho_noans_heldout.jsonl: no row has a reference answer"]),
             (["--config", train_cfg("ok", rows), "--out", a_file], [f"--out {a_file}: exists and is not a folder"]),
             (["--config", train_cfg("ok2", rows), "--out", out, "--json", str(tmp / "nope" / "s.json")],
              [f"--json {tmp / 'nope' / 's.json'}: folder {tmp / 'nope'} does not exist"]),
+            (["--config", train_cfg("ok3", rows), "--out", str(loop)], [f"--out {loop}: a symlink loop"]),
+            (["--config", train_cfg("ok4", rows), "--out", out, "--json", str(loop)],
+             [f"--json {loop}: a symlink loop"]),
+            (["--config", train_cfg("ok5", rows), "--out", long], [too_long]),
         ],
         "plan": [
             (["--trace", trace, "--max-response-len", "-5"], ["--max-response-len -5: max_response_len: expected > 0"]),
@@ -76,6 +101,8 @@ def _cases(tmp):
             (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
             (["--trace", trace, "--cost", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
             (["--trace", trace, "--plot", a_file], [f"--plot {a_file}: exists and is not a folder"]),
+            (["--trace", trace, "--plot", str(loop)], [f"--plot {loop}: a symlink loop"]),
+            (["--trace", trace, "--plot", f"{long}/figs"], [too_long]),
             (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..16"]),
         ],
         "demo": [
@@ -100,3 +127,38 @@ def test_bad_input_is_one_line_exit_2_before_any_rank(command, tmp_path, capsys,
         assert "[rollout]" not in err and "[train] step" not in err
         assert not live_children(), (argv, "a process of the run is still alive")
     sys.stdout.flush()
+
+
+def test_offload_without_a_working_deepspeed_is_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
+    """Issue 31 defect 21: `optim.offload: cpu` with DeepSpeed missing, or its CPU Adam failing to
+    JIT-build, is one line on the driver; a failed build shows the compiler's last error lines."""
+    import types
+
+    rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+    (tmp_path / "d.jsonl").write_text(rows)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY_TRAIN, "data": {"path": str(tmp_path / "d.jsonl")}, "dtype": "float32",
+                                   "optim": {"offload": "cpu"}}))
+    argv = ["train", "--config", str(cfg), "--out", str(tmp_path / "out")]
+
+    def one_line(*fragments):
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and all(f in lines[0] for f in fragments), lines
+        assert not live_children()
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    one_line("optim.offload: cpu needs deepspeed (pip install deepspeed); importing it failed: ")
+
+    class Builder:
+        def load(self, verbose=False):
+            raise RuntimeError("Error building extension 'cpu_adam': [1/3] c++ -c cpu_adam.cpp -O3\n"
+                               "FAILED: cpu_adam.o\ncpu_adam.cpp:12:5: error: 'simd_load' was not declared\n"
+                               "cpu_adam.cpp:40:1: error: expected ';' before '}' token\n"
+                               "ninja: build stopped: subcommand failed.\n")
+
+    for name in ("deepspeed", "deepspeed.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "deepspeed.ops.op_builder", types.SimpleNamespace(CPUAdamBuilder=Builder))
+    one_line("optim.offload: cpu: DeepSpeed's CPU Adam did not build (RuntimeError: cpu_adam.cpp:12:5: error: "
+             "'simd_load' was not declared | cpu_adam.cpp:40:1: error: expected ';' before '}' token)")

@@ -48,3 +48,25 @@ def test_init_checkpoint_of_another_shape_is_refused(tmp_path):
                            {"init": str(tmp_path / "same"), "model.hidden_size": 32})
     with pytest.raises(FlexFloorError, match="another model shape.*hidden_size: checkpoint 64, config 32"):
         check_init(other)
+
+
+@pytest.mark.parametrize("project, tags", [
+    ("p" * 128, ["t" * 64]), ("p" * 129, []), ("a/b", []), ("a\\b", []), ("a#b", []), ("a?b", []), ("a%b", []),
+    ("a:b", []), ("ok", [""]), ("ok", ["fine", "t" * 65]), ("ok-project_1.x", ["policy:planned", "floor:2"]),
+])
+def test_wandb_names_follow_wandbs_own_rules_at_config_load(project, tags):
+    """Issue 31 defect 25: the names W&B's settings refuse are refused at config load (one line
+    naming the field), and the names it takes are taken: the same verdict as wandb's validators."""
+    wandb = pytest.importorskip("wandb")
+    from megatron_rl.wandb_run import LoggingConfig
+
+    try:
+        wandb.Settings(project=project, run_tags=tuple(tags))
+        theirs = None
+    except Exception as e:  # noqa: BLE001  (UsageError or pydantic's ValidationError)
+        theirs = e
+    if theirs is None:
+        LoggingConfig(project=project, tags=tags)
+    else:
+        with pytest.raises(ConfigError, match=r"^logging\.(project|tags\[\d\]): a W&B "):
+            LoggingConfig(project=project, tags=tags)
