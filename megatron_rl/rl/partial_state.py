@@ -26,6 +26,7 @@ def check_partial_resume(cfg, data, tok, path: Path, state: dict) -> None:
     f = path / "trainer_state.json"
     section = _Section(f, cfg, data, tok, state["step"])
     groups, queued = section.check(state["partial"])
+    _check_routes(cfg, state["partial"], f)
     if cfg.partial.enabled or not (groups or queued):
         return
     what = f"{groups} carried groups and {queued} drawn prompts not yet launched"
@@ -33,6 +34,16 @@ def check_partial_resume(cfg, data, tok, path: Path, state: dict) -> None:
         raise CheckpointError(f"{f}: partial: {what} from a partial run; resume with partial.enabled=true "
                               "to continue them, or partial.drop_carried=true to drop them")
     print(f"[train] {f}: dropping {what} (partial.drop_carried=true)", file=sys.stderr, flush=True)
+
+
+def _check_routes(cfg, section: dict, f: Path) -> None:
+    """The carried routes (`partial.routes`), by the check the ranks' load makes (rl/route_state.py)."""
+    from elastic.planning.partial import CarryPool
+    from megatron_rl.rl.route_state import load_routes
+
+    pool = CarryPool(cfg.partial.rule(), cfg.grpo.group_size, cfg.prompts_per_step)
+    pool.load_state_dict(section["pool"])
+    load_routes(section.get("routes", []), pool, cfg.model, f)
 
 
 class _Section:

@@ -150,6 +150,20 @@ def test_a_partial_section_that_does_not_fit_the_config_is_refused_before_the_ra
     _partial_resume(tmp_path, empty, **{"partial.enabled": False})  # nothing carried: nothing to refuse
 
 
+def test_carried_routes_are_checked_on_the_driver_too(tmp_path):
+    """The carried routes (routing replay) are refused before any rank starts, as the rest of the section."""
+    from megatron_rl.models.routes import encode
+
+    ok = torch.zeros(5 + 2 - 1, 2, 2, dtype=torch.uint8)  # prompt 5 + 2 tokens - 1 positions, L 2, top-2
+    _partial_resume(tmp_path, {**_section(), "routes": [["arith-00003", 3, encode(ok)]]})
+    bad = ok.clone()
+    bad[0, 0, 0] = 8  # the tiny model has 8 experts
+    with pytest.raises(CheckpointError, match=r"trainer_state.json: field partial.routes\[0\]: expert id 8 outside"):
+        _partial_resume(tmp_path, {**_section(), "routes": [["arith-00003", 3, encode(bad)]]})
+    with pytest.raises(CheckpointError, match=r"partial.routes\[0\]: response \('arith-00009', 0\) is not pending"):
+        _partial_resume(tmp_path, {**_section(), "routes": [["arith-00009", 0, encode(ok)]]})
+
+
 @pytest.mark.parametrize("saved, dtype", [(torch.float64, "bfloat16"), (torch.bfloat16, "float32")])
 def test_a_dtype_change_on_resume_is_refused_before_the_ranks(tmp_path, saved, dtype):
     """Issue 31 defect 27: refused on the driver naming both dtypes (was an internal key name, late)."""
