@@ -8,10 +8,12 @@
 OUT/train.parquet and OUT/heldout.parquet hold rows in the layout of verl's preprocessors
 (`data_source` = the task, `prompt` = one user message with the task's question, `ability`,
 `reward_model: {style: rule, ground_truth}`, `extra_info: {split, index, question, metadata}`), the
-two drawn from disjoint seeds (`--seed`, `--seed + 1`); the held-out file also leaves out every
-question the training file holds (small tasks repeat questions), so it measures what was not
-trained on. OUT/reward.py defines `compute_score(data_source, solution_str, ground_truth,
-extra_info)` through the task's own `score_answer`. Use them as any user's verl files:
+two drawn from disjoint seeds (`--seed`, `--seed + 1`): the held-out file is fresh draws of the
+task, so its reward is the task's expected reward. A task with a small question space repeats
+questions across the two (the count is printed); `--unseen-only` keeps only held-out questions the
+training file lacks, which measures generalisation instead. OUT/reward.py defines
+`compute_score(data_source, solution_str, ground_truth, extra_info)` through the task's own
+`score_answer`. Use them as any user's verl files:
 
     data: {path: OUT/train.parquet}
     eval: {path: OUT/heldout.parquet, every: 5}
@@ -41,15 +43,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def rows(task: str, params: dict, size: int, seed: int, split: str, skip: set[str]) -> list[dict]:
+def rows(task: str, params: dict, size: int, seed: int, split: str, skip: set[str] = frozenset()) -> list[dict]:
+    """`size` draws of `task` in verl's layout, leaving out the questions in `skip`."""
     import reasoning_gym
 
     out = []
     for entry in reasoning_gym.create_dataset(task, size=size, seed=seed, **params):
         if entry["question"] in skip:
             continue
-        if split != "train":
-            skip.add(entry["question"])  # a held-out question once
         out.append({
             "data_source": task,
             "prompt": [{"role": "user", "content": entry["question"]}],
@@ -69,7 +70,9 @@ def main() -> None:
     p.add_argument("--out", required=True, help="folder for train.parquet, heldout.parquet, reward.py")
     p.add_argument("--params", default="{}", help="the task's config fields, as a JSON object")
     p.add_argument("--train", type=int, default=400, help="training rows drawn")
-    p.add_argument("--heldout", type=int, default=200, help="held-out rows drawn (before unseen-only)")
+    p.add_argument("--heldout", type=int, default=100, help="held-out rows drawn")
+    p.add_argument("--unseen-only", action="store_true",
+                   help="leave out held-out questions the training file holds (and repeats)")
     p.add_argument("--seed", type=int, default=0, help="training seed; the held-out file uses seed + 1")
     args = p.parse_args()
     try:
@@ -78,8 +81,12 @@ def main() -> None:
     except ImportError as e:
         sys.exit(f"prepare_reasoning_gym: {e.name} is not installed (pip install -e '.[tasks]')")
     params = json.loads(args.params)
-    train = rows(args.task, params, args.train, args.seed, "train", set())
-    heldout = rows(args.task, params, args.heldout, args.seed + 1, "test", {r["extra_info"]["question"] for r in train})
+    train = rows(args.task, params, args.train, args.seed, "train")
+    seen = {r["extra_info"]["question"] for r in train}
+    heldout = rows(args.task, params, args.heldout, args.seed + 1, "test")
+    if args.unseen_only:
+        unique = {r["extra_info"]["question"]: r for r in heldout if r["extra_info"]["question"] not in seen}
+        heldout = [{**r, "extra_info": {**r["extra_info"], "index": i}} for i, r in enumerate(unique.values())]
     if not heldout:
         sys.exit(f"prepare_reasoning_gym: every held-out question of {args.task} is in the training file; "
                  "widen the task (--params) or draw fewer training rows")
@@ -88,7 +95,9 @@ def main() -> None:
     datasets.Dataset.from_list(train).to_parquet(str(out / "train.parquet"))
     datasets.Dataset.from_list(heldout).to_parquet(str(out / "heldout.parquet"))
     (out / "reward.py").write_text(REWARD_PY.format(task=args.task))
-    print(f"wrote {len(train)} training and {len(heldout)} held-out rows of {args.task} to {out} (+ reward.py)")
+    repeated = sum(r["extra_info"]["question"] in seen for r in heldout)
+    print(f"wrote {len(train)} training rows ({len(seen)} distinct questions) and {len(heldout)} held-out "
+          f"rows ({repeated} of them with a question training holds) of {args.task} to {out} (+ reward.py)")
 
 
 if __name__ == "__main__":

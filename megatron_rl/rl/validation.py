@@ -8,7 +8,8 @@ stage 0; no elastic shrink): `eval.n_samples` answers each, greedy for 1, else s
 per rank and generate exactly `generation.max_response_len` tokens each (`fixed_len`), so every
 rank makes the same forward passes (the MoE all-to-all is a collective); each answer is cut at its
 first EOS, which changes nothing before it (causal attention). Reported on rank 0:
-  val/pass@1       share of answers the verifier marks correct (a custom reward: score > 0);
+  val/pass@1       share of answers the verifier marks correct (a custom reward: full credit,
+                   score >= reward.correct_reward);
   val/reward_mean  mean reward (`reward.*` credits) of the answers;
   val/response_len_mean, val/prompts;
   val-core/<data_source>/reward/mean@N, best@N/mean, maj@N/mean   verl's names, per data source:
@@ -82,7 +83,7 @@ def _per_prompt(scorer: Scorer, tok, prompts: list[Prompt], answers: dict) -> li
         text = tok.decode(tokens)
         verdict = scorer.judge(text, prompts[i])
         reward = scorer.credit(verdict)
-        correct = verdict.outcome == CORRECT or (verdict.outcome == SCORED and reward > 0)
+        correct = verdict.outcome == CORRECT or (verdict.outcome == SCORED and reward >= scorer.cfg.correct_reward)
         row = rows.setdefault(i, {"index": i, "rewards": [], "correct": [], "lengths": [], "texts": []})
         row["rewards"].append(reward)
         row["correct"].append(correct)
