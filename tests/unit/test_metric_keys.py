@@ -28,7 +28,8 @@ def test_every_grouped_key_is_documented():
 def test_grouping_renames_phases_and_keeps_unknown_keys():
     flat = grouped({"reward_mean": 0.5, "phase_s": {"rollout": 2.0, "update": 1.0}, "brand_new": 3,
                     "rank_seconds": {"dummy": 1.5}, "lease": {"jobs": 2}, "layout": "natural"})
-    assert flat == {"reward/mean": 0.5, "critic/score/mean": 0.5, "timing_s/gen": 2.0, "timing_s/update_actor": 1.0, "brand_new": 3,
+    assert flat == {"reward/mean": 0.5, "critic/score/mean": 0.5, "timing_s/gen": 2.0,
+                    "timing_s/update_actor": 1.0, "brand_new": 3,
                     "elastic/rank_seconds/dummy": 1.5, "lease/jobs": 2, "elastic/layout": "natural"}
     assert numeric(flat) == {k: float(v) for k, v in flat.items() if k != "elastic/layout"}
 
