@@ -47,7 +47,10 @@ setup(
             # optim.offload: cpu (rl/zero.py) and its tests: DeepSpeed's CPU Adam, JIT-built on first
             # use with ninja (a dependency of deepspeed) and the system C++ compiler.
             "deepspeed>=0.17,<0.20",
+            "reasoning-gym==0.1.25",  # tests/e2e/test_reasoning_gym.py
         ],
+        # Real tasks from a package (tools/prepare_reasoning_gym.py; pure Python, works offline).
+        "tasks": ["reasoning-gym==0.1.25"],
         # `optim.offload: cpu` outside the dev install: pip install -e '.[offload]'
         "offload": ["deepspeed>=0.17,<0.20"],
         "gpu": [

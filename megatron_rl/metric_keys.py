@@ -22,6 +22,14 @@ KEYS: dict[str, str] = {
     "reward_mean": "reward/mean",
     "reward_std": "reward/std",
     "reward_outcomes": "reward/outcomes",
+    "reward_extra": "reward/extra",  # a custom reward's dict keys (rewards/custom.py)
+    # verl's own figures (verl_metrics.py)
+    "global_step": "training/global_step",
+    "advantages": "critic/advantages",
+    "prompt_len": "prompt_length",
+    "per_token_ms": "timing_per_token_ms",
+    "throughput": "perf/throughput",
+    "mfu_actor": "perf/mfu/actor",
     "response_len_mean": "response_length/mean",
     "response_len_p50": "response_length/p50",
     "response_len_p99": "response_length/p99",
@@ -45,6 +53,7 @@ KEYS: dict[str, str] = {
     "update_rel": "actor/update_rel",
     "update_changed": "actor/update_changed",
     "val": "val",  # held-out validation (rl/validation.py): val/pass@1, val/reward_mean, ...
+    "val_core": "val-core",  # per data source, verl's names: val-core/<source>/reward/mean@N, ...
     # the rollout phase's ledger (elastic.ledger.Ledger.summary) and plan
     "ranks": "elastic/ranks",
     "rollout_time_s": "elastic/rollout_time_s",
@@ -73,6 +82,9 @@ KEYS: dict[str, str] = {
 # verl's names of the trainer's phases (timing_s/gen is what a verl user looks for).
 PHASES = {"rollout": "gen", "reward": "reward", "logprob": "old_log_prob", "update": "update_actor",
           "sync": "sync"}
+# verl's name of a figure both frameworks log, emitted beside ours (grouped name -> verl's).
+VERL_ALIASES = {"reward/mean": "critic/score/mean", "actor/loss": "actor/pg_loss",
+                "actor/clip_frac": "actor/pg_clipfrac"}
 # The lease pool's figures pass through under lease/: a `lease` dict (in KEYS) or keys `lease_*`.
 LEASE = "lease"
 
@@ -104,12 +116,15 @@ def grouped(metrics: dict[str, Any]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for key, value in metrics.items():
-        if key == "phase_s":
+        if key in ("phase_s", "per_token_ms"):
             value = {PHASES.get(k, k): v for k, v in value.items()}
         _leaves(value, group_name(key), out)
         if key == "stages" and value:
             out["elastic/num_stages"] = len(value)
             out["elastic/floor_ranks"] = min(len(s) for s in value)
+    for ours, verl in VERL_ALIASES.items():
+        if ours in out:
+            out[verl] = out[ours]
     return out
 
 

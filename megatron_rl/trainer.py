@@ -37,7 +37,7 @@ from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats, require
 from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.provenance import provenance
-from megatron_rl.rewards import OUTCOMES, Scorer
+from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, mean_extras
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -56,8 +56,9 @@ from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_see
 from megatron_rl.rl.sft import sft_pending, sft_stopped, sft_warmstart
 from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
 from megatron_rl.rl.update import PolicyUpdate
-from megatron_rl.rl.validation import evaluate, load_heldout
+from megatron_rl.rl.validation import Validator, load_heldout
 from megatron_rl.trainer_config import TrainerConfig
+from megatron_rl.verl_metrics import device_peak_flops, verl_figures
 from megatron_rl.wandb_run import policy_tags
 
 
@@ -102,7 +103,8 @@ class Trainer:
                 self.partial.load_state_dict(state["partial"], source=str(resume / "trainer_state.json"))
             self.start_step = state["step"]
         self.scorer = Scorer(cfg.reward)
-        self.heldout = load_heldout(cfg) if cfg.eval.every else None
+        self.peak_flops = device_peak_flops(ctx.device)
+        self.validator = Validator(cfg, self.out_dir) if cfg.eval.every else None
         self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store,
                                     resident_bytes=training_state_bytes(self.model, self.optimizer,
                                                                         self.ref_model, world),
@@ -136,7 +138,7 @@ class Trainer:
         self.timeline = rollout.timeline
         t = self._lap(times, "rollout", t)
 
-        rewards, counts = self.score(prompts, rollout.responses, rollout.scored)
+        rewards, counts, extras = self.score(prompts, rollout.responses, rollout.scored)
         advantages = group_advantages(rewards, G, cfg.grpo.std_normalize)
         t = self._lap(times, "reward", t)
 
@@ -154,18 +156,23 @@ class Trainer:
         self._lap(times, "sync", t)
 
         lengths = [len(r.tokens) for r in rollout.responses]
+        step_s = time.perf_counter() - t_step
+        prompt_lens = [len(self.tok.encode_prompt(prompts[i // G])) for i in range(len(lengths))]
         return {
             "epoch": epoch,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "reward_outcomes": counts,
+            **({"reward_extra": extras} if extras else {}),
+            **verl_figures(step, advantages.cpu(), prompt_lens, lengths, times, step_s, self.world,
+                           cfg.model, self.peak_flops),
             **length_stats(lengths, [r.truncated for r in rollout.responses]),
             **rollout.ledger,
             "stages": rollout.stages,
             "layout": rollout.layout,
             "placement": rollout.placement,
             "phase_s": times,
-            "step_s": time.perf_counter() - t_step,
+            "step_s": step_s,
             "lease": rollout.lease,
             **({"partial": partial} if partial else {}),
             "tokens_per_s": sum(lengths) / max(times["rollout"], 1e-9),
@@ -174,23 +181,25 @@ class Trainer:
             **gpu_memory(),
         }
 
-    def score(self, prompts, responses, scored: dict[int, str]) -> tuple[torch.Tensor, dict[str, int]]:
-        """Each rank scores its share of what no lease scored (`scored`: index -> outcome, the same
-        on every rank; rank 0 credits those); rewards and outcome counts are summed over ranks."""
+    def score(self, prompts, responses, scored: dict[int, Verdict]) -> tuple[torch.Tensor, dict, dict]:
+        """Each rank scores its share of what no lease scored (`scored`: index -> verdict, the same
+        on every rank; rank 0 credits those); rewards and outcome counts are summed over ranks, a
+        custom function's extra keys averaged over the responses that returned them."""
         G, n = self.cfg.grpo.group_size, len(responses)
         rewards = torch.zeros(n, dtype=torch.float64)
         for i in [i for i in range(n) if i not in scored][self.rank::self.world]:
             text = self.tok.decode(responses[i].tokens)
-            rewards[i] = self.scorer(text, prompts[i // G].answer)
-        for i, outcome in scored.items() if self.rank == 0 else ():
-            rewards[i] = self.scorer.credit(outcome)
+            rewards[i] = self.scorer.credit(self.scorer.judge(text, prompts[i // G]))
+        for i, verdict in scored.items() if self.rank == 0 else ():
+            rewards[i] = self.scorer.credit(verdict)
+        extras = mean_extras(self.scorer.take_extras(), self.world) if self.cfg.reward.kind == "custom" else {}
         counts_local = self.scorer.take_counts()
         counts = torch.tensor([counts_local[k] for k in OUTCOMES], dtype=torch.float64)
         if self.world > 1:  # on the model's device: NCCL reduces GPU tensors only
             rewards, counts = rewards.to(self.model.device), counts.to(self.model.device)
             dist.all_reduce(rewards)
             dist.all_reduce(counts)
-        return rewards, {k: int(c) for k, c in zip(OUTCOMES, counts)}
+        return rewards, {k: int(c) for k, c in zip(OUTCOMES, counts)}, extras
 
     def _lap(self, times: dict, name: str, t: float) -> float:
         """Record phase `name`'s time; the next phase starts (named in a fault's message)."""
@@ -220,9 +229,9 @@ class Trainer:
             state["partial"] = self.partial.state_dict()
         return state
 
-    def validate(self) -> dict:
-        return evaluate(self.model, self.tok, self.heldout, self.cfg.reward, self.cfg.generation.max_response_len,
-                        self.rank, self.world)
+    def validate(self, step: int) -> dict:
+        """`val` and `val_core` metrics on rank 0 ({} elsewhere): a collective."""
+        return self.validator.run(self.model, self.tok, self.rank, self.world, step)
 
     def _log_validation(self, step: int, val: dict, t0: float) -> None:
         print(f"[train] step {step}/{self.cfg.steps} held-out pass@1 {val['pass@1']:.3f} reward "
@@ -232,12 +241,12 @@ class Trainer:
     def run(self) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         curve, stopped, val_curve = [], None, []
-        if self.heldout is not None and self.start_step == 0 and not self.sft_stopped:
-            val = self.validate()  # the warm start's figure, before any RL update
-            val_curve.append((0, val["pass@1"]))
+        if self.validator is not None and self.start_step == 0 and not self.sft_stopped:
+            val = self.validate(0)  # the warm start's figure, before any RL update
             if self.logger is not None:
-                self.logger.log(0, {"val": val})
-                self._log_validation(0, val, t0)
+                val_curve.append((0, val["val"]["pass@1"]))
+                self.logger.log(0, val, tables=self.validator.tables())
+                self._log_validation(0, val["val"], t0)
         if self.sft_stopped:  # the warm start was stopped and saved: the requeue continues it
             if self.logger is not None:
                 self.logger.close()
@@ -251,12 +260,16 @@ class Trainer:
                     with step_faults(self, step):
                         metrics = self.step(step)
                     check_finite(step, metrics, self.out_dir)
-                    if self.heldout is not None and step % cfg.eval.every == 0:
-                        metrics["val"] = self.validate()
-                        val_curve.append((step, metrics["val"]["pass@1"]))
+                    if self.validator is not None and step % cfg.eval.every == 0:
+                        metrics.update(self.validate(step))
+                        if "val" in metrics:
+                            val_curve.append((step, metrics["val"]["pass@1"]))
                     curve.append(metrics["reward_mean"])
                     if self.logger is not None:
-                        self.logger.log(step, metrics, **self._timeline_media(step))
+                        media = self._timeline_media(step)
+                        if "val" in metrics:
+                            media["tables"] = {**media.get("tables", {}), **self.validator.tables()}
+                        self.logger.log(step, metrics, **media)
                         print(f"[train] step {step}/{cfg.steps} reward {metrics['reward_mean']:.3f} "
                               f"len {metrics['response_len_mean']:.1f} loss {metrics['loss']:+.4f} "
                               f"grad {metrics['grad_norm']:.3f} dummy {metrics['dummy_share']:.1%} "
@@ -367,12 +380,12 @@ def check_prompts(cfg: TrainerConfig, prompts: list, path: str, tok) -> None:
     # `no_reference` (reward 0) and the run would train (or validate) on nothing.
     if not any(p.answer is not None and str(p.answer).strip() for p in prompts):
         raise FlexFloorError(f"{path}: no row has a reference answer (data.answer_field "
-                             f"{cfg.data.answer_field!r}), which reward kind {cfg.reward.kind!r} compares "
+                             f"{cfg.data.answer_field or 'answer'!r}), which reward kind {cfg.reward.kind!r} compares "
                              "responses with; set data.answer_field to the field that holds it")
     room = cfg.model.max_position_embeddings - cfg.generation.max_response_len
     for p in prompts:
         try:
-            n = len(tok.encode(p.text))
+            n = len(tok.encode_prompt(p))
         except FlexFloorError as e:
             raise FlexFloorError(f"{p.where}: {e}") from None
         if n > room:
@@ -413,9 +426,11 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     check_data(cfg, data, tok)
     if cfg.eval.every:  # a bad held-out file stops here, naming file:line, as the training data does
         heldout = load_heldout(cfg)
+        where = ", ".join(cfg.eval.paths)
         if not heldout:
-            raise FlexFloorError(f"{cfg.eval.path}: no held-out prompts (eval.path)")
-        check_prompts(cfg, heldout, cfg.eval.path, tok)
+            raise FlexFloorError(f"{where}: no held-out prompts (eval.path)")
+        check_prompts(cfg, heldout, where, tok)
+    Scorer(cfg.reward)  # a custom reward file that does not load stops here, before the ranks
     if resume_step is not None:
         from megatron_rl.cli.export import checkpoint_at
 

@@ -167,17 +167,30 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out validation (rl/validation.py): greedy answers, pass@1, mean reward, length."""
+    """Held-out validation (rl/validation.py): pass@1, mean reward, length, and per data source
+    verl's val-core/<source>/reward/{mean,best,maj}@N."""
 
-    path: str | None = None  # held-out prompts, read like data.path (same fields); disjoint from it
+    # held-out prompt file(s), each read like data.path (same fields); disjoint from it
+    path: str | list[str] | None = None
     every: int = 0  # evaluate every N steps and before step 1; 0 = never
-    max_prompts: int | None = None  # the first N of the file
+    max_prompts: int | None = None  # the first N of each file
+    n_samples: int = 1  # answers per prompt: 1 is greedy, more are sampled at `temperature`
+    temperature: float = 1.0
+    log_generations: int = 8  # the first K held-out prompts' answers: W&B table + OUT/val_generations.jsonl
 
     def __post_init__(self):
         require(self.every >= 0, f"eval.every: expected >= 0, got {self.every}")
         require(self.every == 0 or bool(self.path), "eval.every > 0 needs eval.path (a held-out prompt file)")
+        require(all(self.paths), "eval.path: expected file names, got an empty one")
         require(self.max_prompts is None or self.max_prompts > 0,
                 f"eval.max_prompts: expected > 0, got {self.max_prompts}")
+        require(self.n_samples >= 1, f"eval.n_samples: expected >= 1, got {self.n_samples}")
+        require(self.temperature > 0, f"eval.temperature: expected > 0, got {self.temperature}")
+        require(self.log_generations >= 0, f"eval.log_generations: expected >= 0, got {self.log_generations}")
+
+    @property
+    def paths(self) -> list[str]:
+        return [] if self.path is None else [self.path] if isinstance(self.path, str) else list(self.path)
 
 
 @dataclass

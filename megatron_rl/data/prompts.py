@@ -5,6 +5,11 @@ Accepted sources (never a hub download):
   - `*.json`, `*.parquet`, `*.csv`: through `datasets.load_dataset(<format>, data_files=...)`;
   - a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`: `load_from_disk`.
 
+A row is either plain (`prompt` a string, `answer` beside it) or verl-format (`prompt` a list of
+chat messages, the answer at `reward_model.ground_truth`, plus `data_source` and `extra_info`;
+see `data/chat.py`); `data.format: auto` tells them apart row by row. `data_source` and
+`extra_info` travel with each prompt to the reward function.
+
 A row without the prompt field (absent, null or empty) is a `DatasetError` naming file and row, or,
 with `on_bad_row: skip`, a counted skip (`PromptDataset.skipped`). The whole file is checked when
 it is loaded, before any rollout starts, so a bad row can never stop a run half-way. Prompt ids
@@ -19,6 +24,7 @@ from typing import Any, Literal
 
 from elastic.trace import iter_jsonl
 from megatron_rl.config import require
+from megatron_rl.data.chat import VERL_ANSWER, chat_messages, field_at, is_chat, last_user_content
 from megatron_rl.errors import ConfigError, FlexFloorError
 
 
@@ -34,6 +40,17 @@ class Prompt:
     # The row's other columns, for reward functions that need more than the answer.
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     where: str = field(default="", compare=False, hash=False)  # "file:line" of its row, for errors
+    # The row's `data_source` (verl's name of its task; the file's stem when the row has none):
+    # routes built-in rewards and groups validation (`val-core/<data_source>/...`).
+    data_source: str = field(default="", compare=False, hash=False)
+    # verl-format rows: the chat messages an HF tokenizer renders with its chat template.
+    messages: tuple[dict[str, str], ...] | None = field(default=None, compare=False, hash=False)
+
+    @property
+    def extra_info(self) -> dict[str, Any]:
+        """What a verl reward function gets as `extra_info` (the row's, or {})."""
+        info = self.extra.get("extra_info")
+        return info if isinstance(info, dict) else {}
 
 
 def check_template(template: str) -> None:
@@ -57,18 +74,26 @@ def check_template(template: str) -> None:
 class DataConfig:
     path: str
     prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    # Rows without this field get the id `<file stem>-<row>` (row 0-based, in file order).
+    # A field, or a dotted path into nested ones (`reward_model.ground_truth`). None: `answer` for
+    # plain rows, `reward_model.ground_truth` for verl-format ones.
+    answer_field: str | None = None
+    # Rows without this field (dotted paths too) get the id `<file stem>-<row>` (row 0-based).
     id_field: str = "prompt_id"
+    # auto: a `prompt` that is a list of chat messages is a verl row, a string a plain one;
+    # plain / verl: every row must be of that kind.
+    format: Literal["auto", "plain", "verl"] = "auto"
     # `error`: a bad row stops loading with its file and row; `skip`: it is counted and left out.
     on_bad_row: Literal["error", "skip"] = "error"
     # Which split of a `DatasetDict` saved to disk.
     split: str = "train"
-    # Python format string applied to the prompt text, e.g. "Question: {prompt}\nAnswer:".
+    # Python format string applied to the prompt text, e.g. "Question: {prompt}\nAnswer:". For a
+    # verl row it fills in the last user message, for tokenizers without a chat template.
     template: str = "{prompt}"
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path: expected a dataset file or directory, got ''")
+        require(self.format in ("auto", "plain", "verl"),
+                f"data.format: expected auto, plain or verl, got {self.format!r}")
         require("{prompt}" in self.template, "data.template: must contain '{prompt}'")
         check_template(self.template)
 
@@ -129,28 +154,55 @@ def _rows(path: Path, split: str) -> Iterable[tuple[str, Any]]:
     )
 
 
+def _prompt_text(cfg: DataConfig, where: str, value: Any) -> tuple[str, tuple | None]:
+    """The prompt's text (through `data.template`) and, for a verl row, its chat messages."""
+    chat = is_chat(value)
+    if cfg.format == "verl" and not chat:
+        raise DatasetError(f"{where}: data.format verl: field {cfg.prompt_field!r} must be a list of "
+                           f"{{role, content}} messages, got {value!r:.80}")
+    if chat and cfg.format != "plain":
+        try:
+            messages = chat_messages(value, where, cfg.prompt_field)
+        except ValueError as e:
+            raise DatasetError(str(e)) from None
+        return cfg.template.format(prompt=last_user_content(messages)), messages
+    if not isinstance(value, str):
+        raise DatasetError(f"{where}: field {cfg.prompt_field!r} must be a string or a list of chat "
+                           f"messages, got {value!r:.80}")
+    return cfg.template.format(prompt=value), None
+
+
 def _prompt_from_row(cfg: DataConfig, where: str, row: Any, index: int, stem: str) -> Prompt:
     if isinstance(row, DatasetError):
         raise row
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected an object with a {cfg.prompt_field!r} field")
-    text = row.get(cfg.prompt_field)
-    if text is None or text == "":
+    value = row.get(cfg.prompt_field)
+    if value is None or (isinstance(value, (str, list, tuple)) and len(value) == 0):
         raise DatasetError(
             f"{where}: missing prompt field {cfg.prompt_field!r} (fields: {', '.join(sorted(row))})"
         )
-    if not isinstance(text, str):
-        raise DatasetError(f"{where}: field {cfg.prompt_field!r} must be a string, got {text!r}")
-    answer = row.get(cfg.answer_field)
-    pid = row.get(cfg.id_field)
+    text, messages = _prompt_text(cfg, where, value)
+    answer_field = cfg.answer_field or (VERL_ANSWER if messages is not None else "answer")
+    answer = field_at(row, answer_field)
+    if messages is not None and (answer is None or str(answer).strip() == ""):
+        # A verl row always carries its ground truth: without it every response would score
+        # `no_reference` and train on nothing, so the row is refused here, not at the first step.
+        raise DatasetError(f"{where}: no answer at {answer_field!r} (set data.answer_field to the "
+                           "field that holds it)")
+    pid = field_at(row, cfg.id_field)
     pid = f"{stem}-{index:05d}" if pid is None else str(pid)
-    extra = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.answer_field, cfg.id_field)}
+    source = row.get("data_source")
+    extra = {k: v for k, v in row.items()
+             if k not in (cfg.prompt_field, answer_field, cfg.id_field, "data_source")}
     return Prompt(
         prompt_id=pid,
-        text=cfg.template.format(prompt=text),
+        text=text,
         answer=None if answer is None else str(answer),
         extra=extra,
         where=where,
+        data_source=str(source) if source not in (None, "") else stem,
+        messages=messages,
     )
 
 

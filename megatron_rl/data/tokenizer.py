@@ -1,8 +1,9 @@
 """Tokenizers behind one small interface: a character-level one for the CPU tasks, HF for real models.
 
-The trainer and the rollout engine need only `encode`, `decode`, `eos_id`, `pad_id` and
-`vocab_size`. The character tokenizer has a fixed alphabet chosen in the config, so its ids do not
-depend on the data; a character outside the alphabet is an error naming it, not a silent <unk>.
+The trainer and the rollout engine need only `encode_prompt` (a dataset's `Prompt`), `encode`,
+`decode`, `eos_id`, `pad_id` and `vocab_size`. The character tokenizer has a fixed alphabet
+chosen in the config, so its ids do not depend on the data; a character outside the alphabet is
+an error naming it, not a silent <unk>.
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ class Tokenizer(Protocol):
     eos_id: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """Ids of a dataset `Prompt`: its chat messages through a chat template where there is one,
+        else its text."""
 
     def encode_response(self, text: str) -> list[int]:
         """Ids of `text` as a complete response: no BOS, ending with EOS (SFT targets)."""
@@ -64,6 +69,9 @@ class CharTokenizer:
                 f"{self.alphabet!r} (set tokenizer.alphabet)"
             ) from None
 
+    def encode_prompt(self, prompt) -> list[int]:
+        return self.encode(prompt.text)  # no chat template: the last user turn via data.template
+
     def encode_response(self, text: str) -> list[int]:
         return self.encode(text)[1:] + [self.eos_id]
 
@@ -101,11 +109,19 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         if self.chat_template:
-            # transformers 5 returns a BatchEncoding unless asked for the bare ids.
-            return list(self._tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-                return_dict=False))
+            return self._chat([{"role": "user", "content": text}])
         return self._tok.encode(text)
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """A verl row's messages (system turns included) through the chat template, as verl does."""
+        if self.chat_template and prompt.messages is not None:
+            return self._chat(list(prompt.messages))
+        return self.encode(prompt.text)
+
+    def _chat(self, messages: list[dict]) -> list[int]:
+        # transformers 5 returns a BatchEncoding unless asked for the bare ids.
+        return list(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
 
     def encode_response(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False) + [self.eos_id]

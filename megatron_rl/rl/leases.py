@@ -3,14 +3,15 @@
 A detached rank holds its own finished responses, the tokenizer, the prompts' reference answers
 and the replicated dense weights; its experts are gone. With that it can do one piece of the
 step's post-rollout work: **reward scoring** (decode + the task's verifier, `reward.kind`; with
-`math` that is math-verify, the slowest part of the reward phase). Its outcomes are all-gathered
+`math` that is math-verify, the slowest part of the reward phase; with `custom`, the user's
+function, under the same timeout and error counting as in the reward phase). Its outcomes are all-gathered
 with the responses, and the reward phase scores only what no lease did. The other post-rollout
 work cannot move here: micro-batch packing mixes rows generated on other ranks (rows are owned in
 canonical order, not by the rank that made them), and log-prob recomputation needs every expert.
 After the training work comes the sidecar (`leases.jobs: [rewards, sidecar]`), whose job lives
 as long as the run, so its model loads once.
 
-Rewards are the same with and without leases: a lease records the verifier's outcome, and the
+Rewards are the same with and without leases: a lease records the verifier's verdict, and the
 reward phase credits it exactly as it would have credited its own (one rank adds it into an
 all-reduce of zeros). Deadlines, pre-emption and `LeaseTimeout` are the rollout CLI's: the pool of
 `elastic/runtime/pool.py` with `leases.lease_s` / `leases.grace_s`, capped at the plan's
@@ -21,7 +22,7 @@ from __future__ import annotations
 from elastic.runtime.pool import IdlePool
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
-from megatron_rl.rewards import Scorer
+from megatron_rl.rewards import Scorer, Verdict
 from megatron_rl.rollout.engine import Request
 from megatron_rl.rollout.lease_jobs import RewardScoringJob, lease_jobs, sidecar_job
 from megatron_rl.trainer_config import TrainerConfig
@@ -40,10 +41,10 @@ class TrainingLeases:
         self._sidecar_before: dict = {}
 
     def pool(self, finished: list[Request], prompts: list[Prompt], fault_here: bool) -> IdlePool:
-        answers = {p.prompt_id: p.answer for p in prompts}
+        by_id = {p.prompt_id: p for p in prompts}
 
-        def outcome(r: Request) -> str:
-            return self.scorer.outcome(self.tok.decode(r.tokens), answers[r.prompt_id])
+        def outcome(r: Request) -> Verdict:
+            return self.scorer.judge(self.tok.decode(r.tokens), by_id[r.prompt_id])
 
         jobs = lease_jobs(self.cfg.jobs, finished=finished, score=outcome, sidecar=self.sidecar,
                           fault=self.cfg.fault if fault_here else None)
@@ -52,8 +53,8 @@ class TrainingLeases:
             self._sidecar_before = self.sidecar.report()
         return IdlePool(jobs, lease_s=self.cfg.lease_s, grace_s=self.cfg.grace_s)
 
-    def outcomes(self) -> dict[tuple[str, int], str]:
-        """The verifier's outcome of each response this rank's leases scored in this rollout."""
+    def outcomes(self) -> dict[tuple[str, int], Verdict]:
+        """The verdict of each response this rank's leases scored in this rollout."""
         return dict(self.rewards.scores) if self.rewards is not None else {}
 
     def step_report(self) -> dict:

@@ -77,7 +77,7 @@ class PartialRollouts:
 
     def ids(self, index: int) -> list[int]:
         if index not in self._ids:
-            self._ids[index] = self.tok.encode(self.data[index].text)
+            self._ids[index] = self.tok.encode_prompt(self.data[index])
         return self._ids[index]
 
     def _fresh(self):

@@ -107,7 +107,7 @@ class _Section:
         if len(samples) != G:
             self.fail(f"{where}.samples", f"a group of {len(samples)} samples, but grpo.group_size is {G}; "
                       f"resume with grpo.group_size={len(samples)}")
-        prompt_len = len(self.tok.encode(prompt.text))
+        prompt_len = len(self.tok.encode_prompt(prompt))
         for j, s in enumerate(samples):
             self.sample(s, f"{where}.samples[{j}]", g["prompt_id"], uid * G + j, j, prompt_len)
         return uid

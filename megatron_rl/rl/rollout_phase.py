@@ -32,6 +32,7 @@ from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.parallel.dims import ranks_on_this_host
 from megatron_rl.progress import Progress
+from megatron_rl.rewards import Verdict
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.memory import memory_budget, model_shape
@@ -85,7 +86,7 @@ class RolloutResult:
     layout: str = "natural"  # the layout the planner actually used (it may fall back)
     placement: str = ""  # digest of which rank generated each response, in canonical order
     wall_s: float = 0.0
-    scored: dict[int, str] = field(default_factory=dict)  # canonical index -> outcome a lease found
+    scored: dict[int, Verdict] = field(default_factory=dict)  # canonical index -> a lease's verdict
     lease: dict = field(default_factory=dict)  # `rl/leases.py:lease_metrics`
     timeline: Timeline | None = None  # per-rank states over the rollout's wall time
 
@@ -222,7 +223,7 @@ class RolloutPhase:
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
         """The step's `prompts x group_size` responses, every one finished, in canonical order."""
         G, max_new = self.cfg.grpo.group_size, self.cfg.generation.max_response_len
-        work = [Work(p.prompt_id, s, ids, max_new, 0) for p in prompts for ids in [self.tok.encode(p.text)]
+        work = [Work(p.prompt_id, s, ids, max_new, 0) for p in prompts for ids in [self.tok.encode_prompt(p)]
                 for s in range(G)]
         result, progress, outcomes = self.generate(step, work, history, prompts)
         assert all(progress[w.key][2] for w in work), "a response was left unfinished"

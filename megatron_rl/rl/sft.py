@@ -56,7 +56,7 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
         first = state["sft_step"] + 1
     losses, t0 = _Losses(), time.perf_counter()
     for step in range(first, ws.sft_steps + 1):
-        rows = [(tok.encode(usable[i].text), tok.encode_response(usable[i].answer))
+        rows = [(tok.encode_prompt(usable[i]), tok.encode_response(usable[i].answer))
                 for i in it.next_batch().indices]
         per_rank = len(rows) // world
         tokens = sum(len(r) for _, r in rows[: per_rank * world])

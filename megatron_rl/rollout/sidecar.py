@@ -95,8 +95,8 @@ class SidecarQueue:
         self.tok = build_tokenizer(cfg.tokenizer)
         self.scorer = Scorer(cfg.reward)
         self.rows = load_prompts(DataConfig(cfg.queries)).prompts[rank::world]
-        self.prompts = [self.tok.encode(p.text) for p in self.rows]
-        self.answers = {p.prompt_id: p.answer for p in self.rows}
+        self.prompts = [self.tok.encode_prompt(p) for p in self.rows]
+        self.by_id = {p.prompt_id: p for p in self.rows}
         self.pending: deque[Request] = deque()
         self.repeat, self.passes = repeat, 0
         self.served = self.tokens = self.restarts = 0
@@ -128,7 +128,7 @@ class SidecarQueue:
         self.served += 1
         if r.prompt_id not in self.correct:
             answer = self.answered[r.prompt_id] = self.tok.decode(r.tokens)
-            self.correct[r.prompt_id] = self.scorer.outcome(answer, self.answers[r.prompt_id]) == CORRECT
+            self.correct[r.prompt_id] = self.scorer.judge(answer, self.by_id[r.prompt_id]).outcome == CORRECT
 
     @property
     def max_len(self) -> int:

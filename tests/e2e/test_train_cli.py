@@ -176,6 +176,22 @@ def test_the_run_records_its_provenance_in_config_checkpoint_and_wandb(straight)
     assert json.loads(config["provenance"]) == provenance()
 
 
+VERL_KEYS = ["critic/score/mean", "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
+             "actor/pg_loss", "actor/pg_clipfrac", "response_length/mean", "prompt_length/mean",
+             "prompt_length/max", "timing_s/gen", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor",
+             "perf/throughput", "perf/mfu/actor", "training/global_step"]
+
+
+def test_verls_metric_names_are_logged_beside_ours(straight):
+    rows = _metrics(straight[1])
+    for row in rows[:2]:
+        assert not [k for k in VERL_KEYS if k not in row], sorted(row)
+    assert [r["training/global_step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["critic/score/mean"] == rows[0]["reward/mean"]
+    assert rows[0]["prompt_length/mean"] > 1 and rows[0]["perf/mfu/actor"] == 0.0  # CPU: no peak, no MFU
+    assert rows[0]["critic/advantages/min"] <= rows[0]["critic/advantages/mean"] <= rows[0]["critic/advantages/max"]
+
+
 @pytest.mark.parametrize("policy", ["planned", "adaptive"])
 def test_planned_rollout_trains_exactly_like_vanilla(tmp_path, policy):
     # 8 prompts, 4 per step: from step 3 on, the planner has the first epoch's lengths to go by.

@@ -33,3 +33,13 @@ def test_chat_template_encode_returns_plain_ids(tokenizer_dir):
 def test_plain_encode_and_response(tokenizer_dir):
     tok = HFTokenizer(tokenizer_dir, chat_template=False)
     assert tok.encode("what is") == [4, 5] and tok.encode_response("4") == [8, tok.eos_id]
+
+
+def test_a_verl_prompt_goes_through_the_chat_template_whole(tokenizer_dir):
+    """Every message of a verl row (a system turn too) is rendered, with the generation prompt."""
+    from megatron_rl.data.prompts import Prompt
+
+    messages = ({"role": "system", "content": "what is"}, {"role": "user", "content": "2+2 ?"})
+    p = Prompt("q", "2+2 ?", "4", messages=messages)
+    assert HFTokenizer(tokenizer_dir, chat_template=True).encode_prompt(p) == [2, 4, 5, 2, 6, 7, 3]
+    assert HFTokenizer(tokenizer_dir, chat_template=False).encode_prompt(p) == [6, 7]

@@ -17,7 +17,7 @@ def test_a_scoring_lease_finds_the_reward_phases_outcomes():
     pool = leases.pool(finished, prompts, fault_here=False)
     pool.jobs[0].run(lambda: False)
     outcomes = leases.outcomes()
-    assert outcomes == {("a", 0): "correct", ("b", 1): "wrong"}
+    assert {k: v.outcome for k, v in outcomes.items()} == {("a", 0): "correct", ("b", 1): "wrong"}
     scorer = Scorer(cfg.reward)
     assert [scorer.credit(outcomes[r.key]) for r in finished] == \
            [Scorer(cfg.reward)(tok.decode(r.tokens), p.answer) for r, p in zip(finished, prompts)]

@@ -111,6 +111,7 @@ def test_examples_log_offline():
 
     examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*grpo*.yaml"))
     examples += sorted((Path(__file__).resolve().parents[2] / "examples").glob("qwen3*.yaml"))
-    assert len(examples) >= 2
+    examples += sorted((Path(__file__).resolve().parents[2] / "examples").glob("*reasoning_gym*.yaml"))
+    assert len(examples) >= 3
     for path in examples:
         assert load_dataclass(TrainerConfig, path).logging.wandb_mode == "offline", path.name

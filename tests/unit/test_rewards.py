@@ -5,7 +5,8 @@ from megatron_rl.rewards import RewardConfig, Scorer
 def test_exact_reward_counts_outcomes():
     s = Scorer(RewardConfig(kind="exact"))
     assert [s("19", "19"), s(" 19 ", "19"), s("18", "19"), s("", "19"), s("1", None)] == [1, 1, 0, 0, 0]
-    assert s.take_counts() == {"correct": 2, "wrong": 1, "unparsable": 1, "no_reference": 1}
+    assert s.take_counts() == {"correct": 2, "wrong": 1, "unparsable": 1, "no_reference": 1, "scored": 0,
+                               "error": 0}
     assert s.take_counts()["correct"] == 0
 
 
