@@ -394,6 +394,23 @@ def check_prompts(cfg: TrainerConfig, prompts: list, path: str, tok) -> None:
                                  f"({cfg.model.max_position_embeddings})")
 
 
+def check_warmstart(cfg: TrainerConfig, data: PromptDataset, tok) -> None:
+    """The SFT warm start's prompts (`warmstart.path`, else the training data), checked alike, and
+    enough of them with an answer for every rank to learn from one."""
+    from dataclasses import replace
+
+    from megatron_rl.data.prompts import load_prompts
+
+    path = cfg.warmstart.path or cfg.data.path
+    if cfg.warmstart.path:
+        data = load_prompts(replace(cfg.data, path=path))
+        check_prompts(cfg, data.prompts, path, tok)
+    usable = sum(p.answer is not None for p in data.prompts)
+    if usable < cfg.ranks:
+        raise FlexFloorError(f"{path}: {usable} prompts with an answer to learn from, fewer than the "
+                             f"{cfg.ranks} ranks the warm start (warmstart.sft_steps) spreads them over")
+
+
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):
     return Trainer(cfg, data, ctx, out_dir, resume).run()
 
@@ -430,6 +447,8 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
         if not heldout:
             raise FlexFloorError(f"{where}: no held-out prompts (eval.path)")
         check_prompts(cfg, heldout, where, tok)
+    if cfg.warmstart.sft_steps:
+        check_warmstart(cfg, data, tok)
     Scorer(cfg.reward)  # a custom reward file that does not load stops here, before the ranks
     if resume_step is not None:
         from megatron_rl.cli.export import checkpoint_at

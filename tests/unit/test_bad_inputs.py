@@ -30,6 +30,7 @@ def _cases(tmp):
         return w(f"{name}.yaml", yaml.safe_dump({**TINY_TRAIN, "data": {"path": data}, **changes}))
 
     rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+    bad_char = '{"prompt": "1+x=", "answer": "1"}\n'
 
     def heldout_cfg(name, row, first=None):
         first = rows.splitlines(True)[0] if first is None else first
@@ -79,6 +80,11 @@ def _cases(tmp):
              ["ho_char_heldout.jsonl:2: character 'x'"]),
             (["--config", heldout_cfg("ho_noans", '{"prompt": "1+1="}', first="")],
              ["ho_noans_heldout.jsonl: no row has a reference answer"]),
+            # ... and so do the warm start's own prompts (warmstart.path)
+            (["--config", train_cfg("ws", rows, warmstart={"sft_steps": 1, "path": w("wsx.jsonl", rows + bad_char)})],
+             ["wsx.jsonl:5: character 'x'"]),
+            (["--config", train_cfg("ws1", rows, warmstart={"sft_steps": 1, "path": w("ws1_sft.jsonl", rows[:33])})],
+             ["ws1_sft.jsonl: 1 prompts with an answer to learn from, fewer than the 2 ranks"]),
             (["--config", train_cfg("ok", rows), "--out", a_file], [f"--out {a_file}: exists and is not a folder"]),
             (["--config", train_cfg("ok2", rows), "--out", out, "--json", str(tmp / "nope" / "s.json")],
              [f"--json {tmp / 'nope' / 's.json'}: folder {tmp / 'nope'} does not exist"]),
