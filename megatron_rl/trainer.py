@@ -40,6 +40,7 @@ from megatron_rl.rewards import OUTCOMES, Scorer
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
     load_checkpoint,
+    point_latest,
     read_trainer_state,
     save_checkpoint,
     vet_checkpoint,
@@ -395,8 +396,8 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     else:
         resume = latest_checkpoint(out_dir)
     if resume is not None:
+        vet_checkpoint(resume, cfg.checkpoint.allow_unverified)  # before any of it is parsed
         state, _ = read_trainer_state(resume, cfg.model)
-        vet_checkpoint(resume, cfg.checkpoint.allow_unverified)
         if state["step"] >= cfg.steps:
             done = f"{resume}: already at step {state['step']} of steps={cfg.steps}"
             hf = Path(out_dir) / "hf"
@@ -408,6 +409,8 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
                 return None
             raise CheckpointError(f"{done}; raise `steps` to train further")
         print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
+        if resume_step is not None and driver_process():  # before metrics.jsonl loses the later steps
+            point_latest(resume)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     if driver_process():
         write_config(cfg, out_dir)

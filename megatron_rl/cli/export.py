@@ -7,7 +7,10 @@
 full disk) or exports any earlier checkpoint. One process, no ranks: the model's weights are read
 from the checkpoint's shards (verified as a resume verifies them) into a model holding every expert,
 which needs the whole model in host memory. The folder is written beside its target and renamed
-onto it, so it is the previous export or the whole new one.
+onto it, so it is the previous export or the whole new one. `--to` replaces only an empty folder, a
+previous FlexFloor export (it holds `.flexfloor-export`) or OUT/hf; never OUT itself, a folder
+holding it, another folder inside it, a file, `.` or `/` (megatron_rl/owned_paths.py). Export
+holds OUT's lock: it waits for no `train` and refuses while one runs there.
 """
 from __future__ import annotations
 
@@ -16,38 +19,62 @@ from pathlib import Path
 
 
 def run(args) -> int:
+    import contextlib
+
     from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.errors import FlexFloorError
-    from megatron_rl.models.config import MoEModelConfig
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-    from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_model_weights, read_state_json
-    from megatron_rl.rl.checkpoint_trust import read_metadata
-    from megatron_rl.rl.model_setup import write_hf_atomically
+    from megatron_rl.owned_paths import check_export_target
 
     out = Path(args.out)
     if not (out / "checkpoints").is_dir():
         raise FlexFloorError(f"--out {out}: holds no checkpoints/ folder (not a `flexfloor train` --out)")
-    with hold_out_dir(out, "export"):
-        path = checkpoint_at(out, args.step) if args.step is not None else latest_checkpoint(out)
-        if path is None:
-            raise FlexFloorError(f"--out {out}: holds no checkpoint yet")
-        # The checkpoint alone says what to build: its shape (trainer_state.json) and its dtype
-        # (the shards' metadata), so a config.yaml edited since cannot mislead the export.
-        state = read_state_json(path)
-        try:
-            model_cfg = MoEModelConfig(**state["model"])
-        except (TypeError, FlexFloorError) as e:
-            raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({str(e)[:200]})") from None
-        dtypes = {m.properties.dtype for k, m in read_metadata(path).state_dict_metadata.items()
-                  if k.startswith("model.") and hasattr(m, "properties")}
-        if len(dtypes) != 1:
-            raise CheckpointError(f"{path}: expected model weights of one dtype, found {sorted(map(str, dtypes))}")
-        model = Qwen3MoeModel(model_cfg, None, dtypes.pop())
-        load_model_weights(path, model, args.allow_unverified_checkpoint)
-        target = Path(args.to) if args.to else out / "hf"
-        write_hf_atomically(model, target)
-    print(f"exported step {state['step']} ({path}) to {target}")
+    target = Path(args.to) if args.to else out / "hf"
+    other_run = check_export_target(target, out)  # before anything is read: what may be replaced
+    with hold_out_dir(out, "export"), \
+            (hold_out_dir(other_run, "export", "--to") if other_run else contextlib.nullcontext()):
+        check_export_target(target, out)  # again, now that no run can change the folders
+        step, path = export_checkpoint(out, args.step, target, args.allow_unverified_checkpoint)
+    print(f"exported step {step} ({path}) to {target}")
     return 0
+
+
+def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverified: bool) -> tuple[int, Path]:
+    """Checkpoint `step` of run folder `out` (the latest: None) as a HuggingFace folder `target`,
+    verified as `train`'s resume verifies it before a byte of it is parsed."""
+    from megatron_rl.errors import FlexFloorError
+    from megatron_rl.models.config import MoEModelConfig
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+    from megatron_rl.rl.checkpoint import (
+        CheckpointError,
+        latest_checkpoint,
+        load_model_weights,
+        read_state_json,
+        vet_checkpoint,
+    )
+    from megatron_rl.rl.checkpoint_reads import check_model_shapes
+    from megatron_rl.rl.model_setup import write_hf_atomically
+
+    path = checkpoint_at(out, step) if step is not None else latest_checkpoint(out)
+    if path is None:
+        raise FlexFloorError(f"--out {out}: holds no checkpoint yet")
+    metadata = vet_checkpoint(path, allow_unverified)
+    # The checkpoint alone says what to build: its shape (trainer_state.json, checked against the
+    # shards' metadata before anything is allocated) and its dtype (the metadata), so a config.yaml
+    # edited since cannot mislead the export.
+    state = read_state_json(path)
+    try:
+        model_cfg = MoEModelConfig(**state["model"])
+    except (TypeError, FlexFloorError) as e:
+        raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({str(e)[:200]})") from None
+    check_model_shapes(path, metadata, model_cfg)
+    dtypes = {m.properties.dtype for k, m in metadata.state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(m, "properties")}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{path}: expected model weights of one dtype, found {sorted(map(str, dtypes))}")
+    model = Qwen3MoeModel(model_cfg, None, dtypes.pop())
+    load_model_weights(path, model, allow_unverified)
+    write_hf_atomically(model, target)
+    return state["step"], path
 
 
 def checkpoint_at(out: Path, step: int) -> Path:

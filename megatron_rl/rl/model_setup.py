@@ -5,7 +5,6 @@ the other.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -76,30 +75,20 @@ def export_hf(model, model_cfg, path: str | Path, rank: int, world: int) -> None
         raise failed
 
 
-def write_hf_atomically(model, path: Path) -> None:
-    """`save_hf_checkpoint` into a temporary folder beside `path`, then renamed onto it: `path` is
-    either the previous export or the whole new one, never half of one (a full disk, a kill)."""
-    import shutil
-
+def write_hf_atomically(model, path: Path, **extras) -> None:
+    """`save_hf_checkpoint` into a temporary folder beside `path`, then swapped onto it
+    (owned_paths.replace_folder): `path` is either the previous export or the whole new one, never
+    half of one (a full disk, a kill). `extras`: what `save_hf_checkpoint` writes besides weights."""
     from megatron_rl.models.hf import save_hf_checkpoint
+    from megatron_rl.owned_paths import replace_folder
 
-    tmp, old = path.with_name(f"{path.name}.tmp"), path.with_name(f"{path.name}.old")
-    for leftover in (tmp, old):  # of an export that was interrupted
-        shutil.rmtree(leftover, ignore_errors=True)
     try:
-        save_hf_checkpoint(model, tmp)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
+        replace_folder(path, lambda tmp: save_hf_checkpoint(model, tmp, **extras))
     except Exception as e:  # noqa: BLE001  (safetensors reports a full disk as its own error type)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not path.exists():
-            os.replace(old, path)
         raise CheckpointError(f"{path}: cannot write the HuggingFace export ({_io_reason(e)}); "
                               f"{'the previous export is unchanged' if path.exists() else 'nothing was written'}; "
                               "once there is room, `flexfloor export --out DIR` writes it from the "
                               "last checkpoint") from None
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _io_reason(e: Exception) -> str:
