@@ -20,3 +20,29 @@ def tiny_train_config(folder: Path, **top) -> Path:
     cfg = folder / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({**TINY_TRAIN, "data": {"path": str(folder / "data.jsonl")}, **top}))
     return cfg
+
+
+def tiny_run_folder(folder: Path, steps=(1, 2)) -> Path:
+    """folder/out as `flexfloor train` leaves it after checkpoints of `steps` (TINY_TRAIN's model
+    on one rank, no training): a run folder to export or resume, without running the ranks.
+    Needs a one-rank process group (the `one_rank_group` fixture)."""
+    import json
+
+    from elastic.trace import Trace
+    from megatron_rl.cli.out_lock import LOCK_NAME
+    from megatron_rl.models.config import MoEModelConfig
+    from megatron_rl.rl.checkpoint import save_checkpoint
+    from megatron_rl.rl.model_setup import build_model
+    from megatron_rl.rl.train_step import make_optimizer
+    from megatron_rl.trainer_config import TrainerConfig
+
+    cfg = TrainerConfig(model=MoEModelConfig(**TINY_TRAIN["model"]), ranks=1, prompts_per_step=1)
+    model = build_model(cfg, 0, 1)
+    opt = make_optimizer(model, 1e-2)
+    out = folder / "out"
+    for step in steps:
+        state = {"data": {"epoch": 0, "position": 4 * step}, "seed": 0, "model": cfg.model.to_dict(), "ranks": 1}
+        save_checkpoint(out, step, model, opt, None, state, Trace([], "h"), 0)
+    (out / LOCK_NAME).write_text("")
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
+    return out

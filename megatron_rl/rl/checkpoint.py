@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     if not (name.startswith("step_") and name[5:].isdigit()):
         raise CheckpointError(f"{pointer}: names {name[:60]!r}, not a checkpoint such as step_000010")
     path = pointer.parent / name
-    if not (path / "trainer_state.json").exists():
+    if not os.path.lexists(path / "trainer_state.json"):  # (what it is, the reader checks)
         raise CheckpointError(f"{pointer}: names {path}, which holds no trainer_state.json")
     return path
 
