@@ -131,20 +131,16 @@ def write_file_atomically(path: Path, text: str) -> None:
 
 @contextlib.contextmanager
 def removed_if_refused(folder: str | Path, *inside: str):
-    """If the body raises, remove what it created of `folder` and of `folder/inside...` (the lock
-    file when `folder` itself is new) and only what is empty: a refused run leaves nothing behind
-    in a folder it created, and never touches what was there."""
-    from megatron_rl.cli.out_lock import LOCK_NAME
-
+    """If the body raises, remove what it created of `folder`, its parents and `folder/inside...`
+    (a file there only if it did not exist before, a folder only if it is empty): a refused run
+    leaves nothing behind, and never touches what was there."""
     folder = Path(folder)
-    new = [p for p in (*reversed([folder, *folder.parents]), *(folder / i for i in inside)) if not p.exists()]
+    made = [p for p in (*reversed([folder, *folder.parents]), *(folder / i for i in inside))
+            if not os.path.lexists(p)]
     try:
         yield
     except BaseException:
-        if folder in new:
+        for p in sorted(made, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
-                (folder / LOCK_NAME).unlink()
-        for p in sorted(new, key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(OSError):
-                p.rmdir()
+                p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
         raise

@@ -22,7 +22,7 @@ from elastic.planning.policies import POLICIES
 
 
 def run(args) -> int:
-    from megatron_rl.cli.out_lock import hold_out_dir
+    from megatron_rl.cli.out_lock import LOCK_NAME, hold_out_dir
     from megatron_rl.cli.outputs import check_out_dir, check_out_file
     from megatron_rl.cli.overrides import resolve
     from megatron_rl.config import config_yaml
@@ -40,7 +40,7 @@ def run(args) -> int:
         print(config_yaml(cfg), end="")
         return 0
     preflight(cfg.backend, cfg.dtype, cfg.leases)  # what this machine cannot run is refused before any output
-    with removed_if_refused(args.out, "checkpoints"):  # a refused run leaves no folder it made
+    with removed_if_refused(args.out, "checkpoints", LOCK_NAME):  # a refused run leaves nothing it made
         check_out_dir(args.out, "--out")
         check_out_dir(Path(args.out) / "checkpoints", "--out")  # read-only: found now, not at the first save
         check_out_file(args.json, "--json")

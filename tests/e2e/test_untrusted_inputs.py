@@ -375,3 +375,46 @@ def test_export_checks_the_sidecars_and_metadata_before_parsing_them(run_folder,
     _one_line_exit_2(capsys, ["export", "--out", run_folder], "more than the 16777216")
     reset()
     assert main(["export", "--out", str(run_folder)]) == 0
+
+
+def test_resume_step_moves_latest_before_anything_is_truncated(run_folder, tmp_path, capsys, monkeypatch):
+    """Issue 31 defect 5: a crash after `--resume-step 1` truncated metrics.jsonl left `latest` on
+    step 2, whose metrics line was then gone for good. The ranks are replaced by a crash."""
+    from megatron_rl.errors import FlexFloorError
+    from megatron_rl.metrics import _drop_steps_after
+    from tests.tiny_train import tiny_train_config
+
+    def crash(*a, **k):
+        raise FlexFloorError("the node died")
+
+    monkeypatch.setattr("megatron_rl.parallel.launch.run_ranks", crash)
+    cfg = tiny_train_config(tmp_path, steps=3)
+    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", run_folder, "--resume-step", "1"], "the node died")
+    assert (run_folder / "checkpoints" / "latest").read_text() == "step_000001"
+    metrics = run_folder / "metrics.jsonl"
+
+    def torn(*a):  # the rewrite dies before its rename: the old file stays whole
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("os.fsync", torn)
+    with pytest.raises(OSError):
+        _drop_steps_after(metrics, 1)
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2]
+    monkeypatch.undo()
+    _drop_steps_after(metrics, 1)
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1]
+    assert not [p for p in run_folder.iterdir() if ".tmp" in p.name]
+
+
+def test_a_refused_train_leaves_nothing_in_a_folder_it_created(cfg, tmp_path, capsys):
+    """Issue 31 defect 28: --out/checkpoints/ and .flexfloor.lock stayed behind."""
+    data = tmp_path / "noanswer.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(8)))
+    new, refused = tmp_path / "new" / "run", "no row has a reference answer"
+    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", new, f"data.path={data}"], refused)
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", mine, f"data.path={data}"], refused)
+    assert _listing(mine) == ["notes.txt"]

@@ -106,3 +106,44 @@ def test_the_real_metadata_reads_through_the_restricted_unpickler(saved):
     with pytest.raises(UntrustedCheckpoint):
         (saved / ".metadata").write_bytes(pickle.dumps(torch.nn.Linear(1, 1)))
         read_metadata(saved)
+
+
+@pytest.mark.parametrize("name", ["Enum", "__class__", "Any", "Sequence"])
+def test_the_allow_list_admits_no_class_factory_or_module_type(saved, name):
+    """Issue 31 defect 30: the metadata module's namespace also holds Enum (whose functional API
+    makes classes) and, through `__class__`, types.ModuleType."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    module = dcp_metadata.__name__.encode()
+    (saved / ".metadata").write_bytes(b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c"
+                                      + bytes([len(name)]) + name.encode() + b"\x93.")  # STACK_GLOBAL
+    _rehash(saved, ".metadata")
+    with pytest.raises(UntrustedCheckpoint, match=f"asks for {dcp_metadata.__name__}.{name}"):
+        read_metadata(saved)
+
+
+@pytest.mark.parametrize("planted", ["step", "file", "latest"])
+def test_a_save_never_follows_a_symlink_out_of_the_checkpoints_folder(one_rank_group, tmp_path, planted):
+    """Issue 31 defect 7: a planted `checkpoints/step_000002 -> elsewhere` wrote the checkpoint there."""
+    from test_checkpoint_faults import _save
+
+    model, opt = _model_and_optimizer()
+    first = _save(tmp_path / "run", 1, model, opt)
+    root, elsewhere = first.parent, tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = {"step": root / "step_000002", "file": root / "step_000002" / "__0_0.distcp",
+            "latest": root / "latest"}[planted]
+    if planted == "file":
+        link.parent.mkdir()
+    else:
+        link.unlink(missing_ok=True)
+    link.symlink_to(elsewhere / "x" if planted != "step" else elsewhere)
+    with pytest.raises(CheckpointError, match=f"^{link}: a symlink to {elsewhere}.*outside {root}"):
+        _save(tmp_path / "run", 2, model, opt)
+    assert not list(elsewhere.iterdir())
+    if planted != "latest":
+        assert (root / "latest").read_text() == "step_000001"
+    link.unlink()
+    inside = root / "step_000003"  # a link that stays inside the folder is the user's business
+    inside.symlink_to(first)
+    assert _save(tmp_path / "run", 3, model, opt) == inside
