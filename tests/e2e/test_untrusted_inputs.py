@@ -320,11 +320,16 @@ def test_export_reads_nothing_outside_the_checkpoint_or_unlisted(run_folder, cap
         sums = json.loads((step / "checksums.json").read_text())
         (step / "checksums.json").write_text(json.dumps({**sums, where: "0" * 64}))
     _with_storage(step, where)
+    def hung(*a):
+        raise TimeoutError("the export hung")
+
+    previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(60)  # a FIFO hung the export forever
     try:
         line = _one_line_exit_2(capsys, ["export", "--out", run_folder], str(step))
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     assert ("not a file of the checkpoint" in line if "/" in where else
             "does not list" in line if where == "extra.distcp" else "is a FIFO, not a regular file" in line), line
     assert not (run_folder / "hf").exists()
