@@ -83,29 +83,47 @@ def check_export_target(to: str | Path, out: str | Path) -> Path:
     return other if other is not None and other != run else None
 
 
+class FolderSwap:
+    """A folder written beside `path` under a name made here (`.tmp`), then swapped onto `path`
+    (`commit`): `path` is either what it was or the whole new folder; `abort` removes only `.tmp`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+
+    def commit(self) -> None:
+        (self.tmp / EXPORT_MARKER).write_text("written by flexfloor; a later export may replace this folder\n")
+        old = None
+        try:
+            if self.path.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.old-", dir=self.path.parent))
+                os.replace(self.path, old)  # onto the empty folder just made
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            if old is not None and not self.path.exists():
+                os.replace(old, self.path)
+            elif old is not None:
+                old.rmdir()
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def replace_folder(path: Path, write: Callable[[Path], None]) -> None:
-    """`write(tmp)` into a temporary folder beside `path`, marked as an export, then swapped onto
-    `path`: `path` is either what it was or the whole new folder. Only folders made here are
-    removed. Raises what `write` raised, with `path` as it was."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    old = None
+    """`write(tmp)` into a `FolderSwap` of `path`, then swapped in; raises what `write` raised,
+    with `path` as it was."""
+    swap = FolderSwap(path)
     try:
-        write(tmp)
-        (tmp / EXPORT_MARKER).write_text("written by flexfloor; a later export may replace this folder\n")
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old)  # onto the empty folder just made
-        os.replace(tmp, path)
+        write(swap.tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not path.exists():
-            os.replace(old, path)
-        elif old is not None:
-            old.rmdir()
+        swap.abort()
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    swap.commit()
 
 
 def refuse_symlinks_out(root: Path, *paths: Path) -> None:

@@ -268,7 +268,7 @@ class Trainer:
                     if stopped:
                         break
             if cfg.checkpoint.export_hf and not stopped:
-                export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world)
+                export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world, self.tok)
         finally:
             if self.logger is not None:
                 self.logger.close()

@@ -33,12 +33,14 @@ def run(args) -> int:
     with hold_out_dir(out, "export"), \
             (hold_out_dir(other_run, "export", "--to") if other_run else contextlib.nullcontext()):
         check_export_target(target, out)  # again, now that no run can change the folders
-        step, path = export_checkpoint(out, args.step, target, args.allow_unverified_checkpoint)
+        step, path = export_checkpoint(out, args.step, target, args.allow_unverified_checkpoint,
+                                       args.shard_gb and int(args.shard_gb * 1e9))
     print(f"exported step {step} ({path}) to {target}")
     return 0
 
 
-def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverified: bool) -> tuple[int, Path]:
+def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverified: bool,
+                      shard_bytes: int | None = None) -> tuple[int, Path]:
     """Checkpoint `step` of run folder `out` (the latest: None) as a HuggingFace folder `target`,
     verified as `train`'s resume verifies it before a byte of it is parsed."""
     from megatron_rl.errors import FlexFloorError
@@ -71,10 +73,28 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
               if k.startswith("model.") and hasattr(m, "properties")}
     if len(dtypes) != 1:
         raise CheckpointError(f"{path}: expected model weights of one dtype, found {sorted(map(str, dtypes))}")
+    tokenizer = run_tokenizer(out)
     model = Qwen3MoeModel(model_cfg, None, dtypes.pop())
     load_model_weights(path, model, allow_unverified)
-    write_hf_atomically(model, target)
+    write_hf_atomically(model, target, tokenizer=tokenizer, shard_bytes=shard_bytes)
     return state["step"], path
+
+
+def run_tokenizer(out: Path):
+    """The tokenizer `out/config.yaml` names (its bos/eos ids and, for an HF one, its files go into
+    the export); the default char tokenizer when the run folder has no config.yaml."""
+    from megatron_rl.data.tokenizer import TokenizerConfig, build_tokenizer
+    from megatron_rl.errors import FlexFloorError
+    from megatron_rl.yaml_input import parse
+
+    f = out / "config.yaml"
+    if not f.is_file():
+        return None
+    try:
+        section = (parse(f.read_text(encoding="utf-8")[:1 << 20], str(f)) or {}).get("tokenizer") or {}
+        return build_tokenizer(TokenizerConfig(**section))
+    except (OSError, UnicodeDecodeError, AttributeError, TypeError, FlexFloorError) as e:
+        raise FlexFloorError(f"{f}: no usable tokenizer section ({str(e)[:200]})") from None
 
 
 def checkpoint_at(out: Path, step: int) -> Path:
@@ -96,6 +116,8 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="the `flexfloor train --out` folder")
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     p.add_argument("--to", help="the HuggingFace folder to write (default: OUT/hf)")
+    p.add_argument("--shard-gb", type=float, default=None,
+                   help="largest safetensors file, in GB (default 5, as HuggingFace uploads use)")
     p.add_argument("--allow-unverified-checkpoint", action="store_true",
                    help="export a checkpoint that has no checksums.json (only one you trust)")
     p.set_defaults(func=run)

@@ -21,7 +21,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -236,26 +235,6 @@ def load_model_weights(path: Path, model, allow_unverified: bool = False) -> Non
     except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's is a BaseException)
         raise CheckpointError(f"{path}: cannot load the checkpoint shards ({_cause(e)})") from None
     model.load_state_dict(state["model"])
-
-
-def gather_full_state(model, rank: int, world: int) -> dict[str, torch.Tensor] | None:
-    """Every parameter on rank 0 (dense from rank 0, each expert from its owner), for HF export.
-
-    Rank 0 needs the whole model in host memory (about 61 GB for Qwen3-30B-A3B in bf16).
-    """
-    from megatron_rl.models.megatron_weights import canonical_state_dict
-    from megatron_rl.models.params import is_expert_param
-
-    mine = canonical_state_dict(model)  # either MoE backend, under the torch backend's names
-    local = {k: v.detach().cpu() for k, v in mine.items() if is_expert_param(k)}
-    parts: list = [None] * world if rank == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    if rank != 0:
-        return None
-    full = {k: v.detach().cpu() for k, v in mine.items()}
-    for p in parts:
-        full.update(p)
-    return full
 
 
 # ---- faults: optimizer state that was never created, corrupt shards, loader errors -------------
