@@ -45,6 +45,7 @@ from megatron_rl.rl.checkpoint import (
     save_checkpoint,
     vet_checkpoint,
 )
+from megatron_rl.rl.checkpoint_retention import check_room
 from megatron_rl.rl.grpo import group_advantages
 from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
@@ -264,7 +265,8 @@ class Trainer:
                     if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                         with step_faults(self, step, "checkpoint"):
                             save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
-                                            self.trainer_state(), self.history, self.rank)
+                                            self.trainer_state(), self.history, self.rank,
+                                            (cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
                     if stopped:
                         break
             if cfg.checkpoint.export_hf and not stopped:
@@ -413,6 +415,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
             point_latest(resume)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     if driver_process():
+        check_room(cfg, out_dir)  # a save that cannot fit is refused now, not half-way
         write_config(cfg, out_dir)
     return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
                      stop_grace_s=cfg.checkpoint.stop_grace_s, device=device)

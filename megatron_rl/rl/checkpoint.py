@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -87,7 +88,9 @@ def _sharded(optimizer) -> bool:
 
 
 def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
-                    trainer_state: dict, history: Trace, rank: int) -> Path:
+                    trainer_state: dict, history: Trace, rank: int, keep: tuple[int, int] | None = None) -> Path:
+    """`keep`: (keep_last, keep_every) of rl/checkpoint_retention.py, applied once this checkpoint
+    is verified and `latest` names it; None keeps every checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     from megatron_rl.owned_paths import refuse_symlinks_out
@@ -108,8 +111,18 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
         raise CheckpointError(f"{path}: cannot write the checkpoint ({_cause(e)}); the previous "
                               "checkpoint stays in force") from None
     dist.barrier()  # every shard and sidecar is on disk before `latest` moves
+    if keep is not None:  # what a resume reads first, read back, before anything older may go
+        verify_checksums(path, only=[".metadata", *SIDECARS])
     if rank == 0:
         point_latest(path)
+        if keep is not None:
+            from megatron_rl.rl.checkpoint_retention import prune
+
+            try:
+                prune(root, path, *keep)
+            except OSError as e:
+                print(f"[train] {root}: could not remove an old checkpoint ({_cause(e)}); "
+                      "the run goes on", file=sys.stderr)
     dist.barrier()
     return path
 
