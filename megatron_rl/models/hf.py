@@ -44,8 +44,15 @@ class _SafetensorsDir:
 
         index = path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            from megatron_rl.json_input import loads
+
+            try:
+                weight_map = loads(index.read_bytes())["weight_map"]
+                files = sorted(set(weight_map.values()))
+                if not all(isinstance(f, str) and Path(f).name == f for f in files):
+                    raise ValueError("weight_map names a file outside the folder")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: unreadable index ({str(e)[:200]})") from None
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
@@ -161,14 +168,18 @@ def read_hf_config(path: str | Path) -> MoEModelConfig:
         raise CheckpointError(f"{path}: expected a HuggingFace checkpoint directory "
                               f"(config.json and *.safetensors), but {found}")
     cfg_file = path / "config.json"
+    from megatron_rl.json_input import loads
+
     try:
-        hf = json.loads(cfg_file.read_text())
+        hf = loads(cfg_file.read_text())
     except OSError as e:
         raise CheckpointError(f"{cfg_file}: cannot read checkpoint config ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e.msg})") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not UTF-8 text (byte offset {e.start})") from None
+    except ValueError as e:  # (json_input: nested too deeply)
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
     return MoEModelConfig.from_hf(hf, str(cfg_file))
 
 

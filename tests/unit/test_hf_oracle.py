@@ -140,3 +140,16 @@ def test_sharded_export_with_index_rope_theta_and_generation_config(tmp_path):
     read = transformers.AutoConfig.from_pretrained(out)
     theta = getattr(read, "rope_theta", None) or read.rope_parameters["rope_theta"]
     assert theta == 1e6
+
+
+def test_deep_or_outside_index_and_config_are_one_line(tmp_path):
+    """Issue 31 item 2's depth cap, where HF JSON is read: a nested config.json or index was a
+    RecursionError traceback; an index naming a file outside the folder is refused."""
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(FlexFloorError, match="config.json: not valid JSON \\(nested deeper than 64"):
+        load_hf_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf().config.to_dict()))
+    for index in ("[" * 100_000 + "]" * 100_000, json.dumps({"weight_map": {"a": "../../etc/passwd"}})):
+        (tmp_path / "model.safetensors.index.json").write_text(index)
+        with pytest.raises(FlexFloorError, match="model.safetensors.index.json: unreadable index"):
+            load_hf_checkpoint(tmp_path)
