@@ -78,7 +78,10 @@ def _drop_steps_after(path: Path, step: int) -> None:
             continue  # a line cut by a crash mid-write: the step is recomputed anyway
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
             kept.append(line)
-    path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    from megatron_rl.owned_paths import write_file_atomically
+
+    # Rewritten beside itself and renamed: a crash now leaves the old file or the new one whole.
+    write_file_atomically(path, "".join(f"{line}\n" for line in kept))
 
 
 def read_run_state(path: Path) -> dict:

@@ -41,10 +41,12 @@ from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, mean_extras
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
     load_checkpoint,
+    point_latest,
     read_trainer_state,
     save_checkpoint,
     vet_checkpoint,
 )
+from megatron_rl.rl.checkpoint_retention import check_room
 from megatron_rl.rl.deadline import run_deadline, stopped_summary
 from megatron_rl.rl.grpo import group_advantages
 from megatron_rl.rl.leases import TrainingLeases
@@ -286,13 +288,14 @@ class Trainer:
                         with step_faults(self, step, "checkpoint"):
                             t_save = time.perf_counter()
                             save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
-                                            self.trainer_state(), self.history, self.rank)
+                                            self.trainer_state(), self.history, self.rank,
+                                            (cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
                             if self.deadline is not None:
                                 self.deadline.after_save(time.perf_counter() - t_save)
                     if stopped:
                         break
             if cfg.checkpoint.export_hf and not stopped:
-                export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world)
+                export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world, self.tok)
         finally:
             if self.logger is not None:
                 self.logger.close()
@@ -457,8 +460,8 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     else:
         resume = latest_checkpoint(out_dir)
     if resume is not None:
+        vet_checkpoint(resume, cfg.checkpoint.allow_unverified)  # before any of it is parsed
         state, _ = read_trainer_state(resume, cfg.model)
-        vet_checkpoint(resume, cfg.checkpoint.allow_unverified)
         check_resume_fit(cfg, data, tok, resume, state)
         if state["step"] >= cfg.steps:
             done = f"{resume}: already at step {state['step']} of steps={cfg.steps}"
@@ -471,8 +474,11 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
                 return None
             raise CheckpointError(f"{done}; raise `steps` to train further")
         print(f"[train] resuming from {resume} (step {state['step']})", file=sys.stderr)
+        if resume_step is not None and driver_process():  # before metrics.jsonl loses the later steps
+            point_latest(resume)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     if driver_process():
+        check_room(cfg, out_dir)  # a save that cannot fit is refused now, not half-way
         write_config(cfg, out_dir)
     return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
                      stop_grace_s=cfg.checkpoint.stop_grace_s, device=device)

@@ -159,9 +159,17 @@ class CheckpointConfig:
     # Resume from a checkpoint that has no checksums.json (written elsewhere, or by an old version).
     # Only for checkpoints from a trusted source (docs/training.md, "Checkpoints are data").
     allow_unverified: bool = False
+    # Retention (rl/checkpoint_retention.py): the newest keep_last checkpoints, and every
+    # keep_every-th step besides (0: none); older ones are removed once a newer one is verified.
+    keep_last: int = 3
+    keep_every: int = 0
 
     def __post_init__(self):
         require(self.every >= 0, f"checkpoint.every: expected >= 0, got {self.every}")
+        require(type(self.keep_last) is int and self.keep_last >= 1,
+                f"checkpoint.keep_last: expected an integer >= 1, got {self.keep_last!r}")
+        require(type(self.keep_every) is int and self.keep_every >= 0,
+                f"checkpoint.keep_every: expected an integer >= 0 (0: none), got {self.keep_every!r}")
         require_seconds(self.stop_grace_s, "checkpoint.stop_grace_s")
 
 

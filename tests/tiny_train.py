@@ -33,3 +33,41 @@ def laddered(plan_fn):
         p = plan_fn(*args, **kwargs)
         return p if len(p.stages) > 1 else ladder_plan(p, 1)
     return plan
+
+
+def tiny_run_folder(folder: Path, steps=(1, 2)) -> Path:
+    """folder/out as `flexfloor train` leaves it after checkpoints of `steps` (TINY_TRAIN's model
+    on one rank, no training): a run folder to export or resume, without running the ranks.
+    Needs a one-rank process group (the `one_rank_group` fixture)."""
+    import json
+
+    from elastic.trace import Trace
+    from megatron_rl.cli.out_lock import LOCK_NAME
+    from megatron_rl.models.config import MoEModelConfig
+    from megatron_rl.rl.checkpoint import save_checkpoint
+    from megatron_rl.rl.model_setup import build_model
+    from megatron_rl.rl.train_step import make_optimizer
+    from megatron_rl.trainer_config import TrainerConfig
+
+    cfg = TrainerConfig(model=MoEModelConfig(**TINY_TRAIN["model"]), ranks=1, prompts_per_step=1)
+    model = build_model(cfg, 0, 1)
+    opt = make_optimizer(model, 1e-2)
+    out = folder / "out"
+    for step in steps:
+        state = {"data": {"epoch": 0, "position": 4 * step}, "seed": 0, "model": cfg.model.to_dict(), "ranks": 1}
+        save_checkpoint(out, step, model, opt, None, state, Trace([], "h"), 0)
+    (out / LOCK_NAME).write_text("")
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
+    return out
+
+
+def rehash(step_dir: Path, *names: str) -> None:
+    """Re-sign files of a checkpoint a test changed on purpose, so that what it checks is the
+    change itself, not the checksum (checksums.json covers the shards and the sidecars)."""
+    import hashlib
+    import json
+
+    sums = json.loads((step_dir / "checksums.json").read_text())
+    for n in names:
+        sums[n] = hashlib.sha256((step_dir / n).read_bytes()).hexdigest()
+    (step_dir / "checksums.json").write_text(json.dumps(sums))

@@ -7,7 +7,10 @@
 full disk) or exports any earlier checkpoint. One process, no ranks: the model's weights are read
 from the checkpoint's shards (verified as a resume verifies them) into a model holding every expert,
 which needs the whole model in host memory. The folder is written beside its target and renamed
-onto it, so it is the previous export or the whole new one.
+onto it, so it is the previous export or the whole new one. `--to` replaces only an empty folder, a
+previous FlexFloor export (it holds `.flexfloor-export`) or OUT/hf; never OUT itself, a folder
+holding it, another folder inside it, a file, `.` or `/` (megatron_rl/owned_paths.py). Export
+holds OUT's lock: it waits for no `train` and refuses while one runs there.
 """
 from __future__ import annotations
 
@@ -16,38 +19,82 @@ from pathlib import Path
 
 
 def run(args) -> int:
+    import contextlib
+
     from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.errors import FlexFloorError
-    from megatron_rl.models.config import MoEModelConfig
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-    from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_model_weights, read_state_json
-    from megatron_rl.rl.checkpoint_trust import read_metadata
-    from megatron_rl.rl.model_setup import write_hf_atomically
+    from megatron_rl.owned_paths import check_export_target
 
     out = Path(args.out)
     if not (out / "checkpoints").is_dir():
         raise FlexFloorError(f"--out {out}: holds no checkpoints/ folder (not a `flexfloor train` --out)")
-    with hold_out_dir(out, "export"):
-        path = checkpoint_at(out, args.step) if args.step is not None else latest_checkpoint(out)
-        if path is None:
-            raise FlexFloorError(f"--out {out}: holds no checkpoint yet")
-        # The checkpoint alone says what to build: its shape (trainer_state.json) and its dtype
-        # (the shards' metadata), so a config.yaml edited since cannot mislead the export.
-        state = read_state_json(path)
-        try:
-            model_cfg = MoEModelConfig(**state["model"])
-        except (TypeError, FlexFloorError) as e:
-            raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({str(e)[:200]})") from None
-        dtypes = {m.properties.dtype for k, m in read_metadata(path).state_dict_metadata.items()
-                  if k.startswith("model.") and hasattr(m, "properties")}
-        if len(dtypes) != 1:
-            raise CheckpointError(f"{path}: expected model weights of one dtype, found {sorted(map(str, dtypes))}")
-        model = Qwen3MoeModel(model_cfg, None, dtypes.pop())
-        load_model_weights(path, model, args.allow_unverified_checkpoint)
-        target = Path(args.to) if args.to else out / "hf"
-        write_hf_atomically(model, target)
-    print(f"exported step {state['step']} ({path}) to {target}")
+    target = Path(args.to) if args.to else out / "hf"
+    other_run = check_export_target(target, out)  # before anything is read: what may be replaced
+    with hold_out_dir(out, "export"), \
+            (hold_out_dir(other_run, "export", "--to") if other_run else contextlib.nullcontext()):
+        check_export_target(target, out)  # again, now that no run can change the folders
+        step, path = export_checkpoint(out, args.step, target, args.allow_unverified_checkpoint,
+                                       args.shard_gb and int(args.shard_gb * 1e9))
+    print(f"exported step {step} ({path}) to {target}")
     return 0
+
+
+def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverified: bool,
+                      shard_bytes: int | None = None) -> tuple[int, Path]:
+    """Checkpoint `step` of run folder `out` (the latest: None) as a HuggingFace folder `target`,
+    verified as `train`'s resume verifies it before a byte of it is parsed."""
+    from megatron_rl.errors import FlexFloorError
+    from megatron_rl.models.config import MoEModelConfig
+    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+    from megatron_rl.rl.checkpoint import (
+        CheckpointError,
+        latest_checkpoint,
+        load_model_weights,
+        read_state_json,
+        vet_checkpoint,
+    )
+    from megatron_rl.rl.checkpoint_reads import check_model_shapes
+    from megatron_rl.rl.model_setup import write_hf_atomically
+
+    path = checkpoint_at(out, step) if step is not None else latest_checkpoint(out)
+    if path is None:
+        raise FlexFloorError(f"--out {out}: holds no checkpoint yet")
+    metadata = vet_checkpoint(path, allow_unverified)
+    # The checkpoint alone says what to build: its shape (trainer_state.json, checked against the
+    # shards' metadata before anything is allocated) and its dtype (the metadata), so a config.yaml
+    # edited since cannot mislead the export.
+    state = read_state_json(path)
+    try:
+        model_cfg = MoEModelConfig(**state["model"])
+    except (TypeError, FlexFloorError) as e:
+        raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({str(e)[:200]})") from None
+    check_model_shapes(path, metadata, model_cfg)
+    dtypes = {m.properties.dtype for k, m in metadata.state_dict_metadata.items()
+              if k.startswith("model.") and hasattr(m, "properties")}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{path}: expected model weights of one dtype, found {sorted(map(str, dtypes))}")
+    tokenizer = run_tokenizer(out)
+    model = Qwen3MoeModel(model_cfg, None, dtypes.pop())
+    load_model_weights(path, model, allow_unverified)
+    write_hf_atomically(model, target, tokenizer=tokenizer, shard_bytes=shard_bytes)
+    return state["step"], path
+
+
+def run_tokenizer(out: Path):
+    """The tokenizer `out/config.yaml` names (its bos/eos ids and, for an HF one, its files go into
+    the export); the default char tokenizer when the run folder has no config.yaml."""
+    from megatron_rl.data.tokenizer import TokenizerConfig, build_tokenizer
+    from megatron_rl.errors import FlexFloorError
+    from megatron_rl.yaml_input import parse
+
+    f = out / "config.yaml"
+    if not f.is_file():
+        return None
+    try:
+        section = (parse(f.read_text(encoding="utf-8")[:1 << 20], str(f)) or {}).get("tokenizer") or {}
+        return build_tokenizer(TokenizerConfig(**section))
+    except (OSError, UnicodeDecodeError, AttributeError, TypeError, FlexFloorError) as e:
+        raise FlexFloorError(f"{f}: no usable tokenizer section ({str(e)[:200]})") from None
 
 
 def checkpoint_at(out: Path, step: int) -> Path:
@@ -69,6 +116,8 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="the `flexfloor train --out` folder")
     p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
     p.add_argument("--to", help="the HuggingFace folder to write (default: OUT/hf)")
+    p.add_argument("--shard-gb", type=float, default=None,
+                   help="largest safetensors file, in GB (default 5, as HuggingFace uploads use)")
     p.add_argument("--allow-unverified-checkpoint", action="store_true",
                    help="export a checkpoint that has no checksums.json (only one you trust)")
     p.set_defaults(func=run)

@@ -22,10 +22,11 @@ from elastic.planning.policies import POLICIES
 
 
 def run(args) -> int:
-    from megatron_rl.cli.out_lock import hold_out_dir
+    from megatron_rl.cli.out_lock import LOCK_NAME, hold_out_dir
     from megatron_rl.cli.outputs import check_out_dir, check_out_file
     from megatron_rl.cli.overrides import resolve
     from megatron_rl.config import config_yaml
+    from megatron_rl.owned_paths import removed_if_refused
     from megatron_rl.rollout.preflight import preflight
     from megatron_rl.trainer import run_training
     from megatron_rl.trainer_config import TrainerConfig
@@ -40,11 +41,12 @@ def run(args) -> int:
         return 0
     # What this machine cannot run is refused before any output.
     preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
-    check_out_dir(args.out, "--out")
-    check_out_dir(Path(args.out) / "checkpoints", "--out")  # read-only: found now, not at the first save
-    check_out_file(args.json, "--json")
-    with hold_out_dir(args.out, "train"):
-        summary = run_training(cfg, args.out, preflight_done=True, resume_step=args.resume_step)
+    with removed_if_refused(args.out, "checkpoints", LOCK_NAME):  # a refused run leaves nothing it made
+        check_out_dir(args.out, "--out")
+        check_out_dir(Path(args.out) / "checkpoints", "--out")  # read-only: found now, not at the first save
+        check_out_file(args.json, "--json")
+        with hold_out_dir(args.out, "train"):
+            summary = run_training(cfg, args.out, preflight_done=True, resume_step=args.resume_step)
     if summary is None:  # a non-zero rank under torchrun
         return 0
     curve = summary["reward_curve"]

@@ -136,6 +136,7 @@ class MoEModelConfig:
             "vocab_size": self.vocab_size,
             "rms_norm_eps": self.layernorm_epsilon,
             "rope_parameters": {"rope_theta": self.rotary_base, "rope_type": "default"},
+            "rope_theta": self.rotary_base,  # transformers 4.x reads only this (else 10000)
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": not self.untie_embeddings_and_output_weights,
             "initializer_range": self.init_method_std,

@@ -44,8 +44,15 @@ class _SafetensorsDir:
 
         index = path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            from megatron_rl.json_input import loads
+
+            try:
+                weight_map = loads(index.read_bytes())["weight_map"]
+                files = sorted(set(weight_map.values()))
+                if not all(isinstance(f, str) and Path(f).name == f for f in files):
+                    raise ValueError("weight_map names a file outside the folder")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(f"{index}: unreadable index ({str(e)[:200]})") from None
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
@@ -126,7 +133,8 @@ def hf_to_megatron(src, cfg: MoEModelConfig, experts: Iterable[int]) -> dict[str
 
 
 def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: MoEModelConfig) -> dict[str, torch.Tensor]:
-    """Our full state dict -> HF per-expert names (the layout of released checkpoints)."""
+    """Our state dict -> HF per-expert names (the layout of released checkpoints); the experts `sd`
+    holds (all of them for a whole model)."""
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
            "model.norm.weight": sd["decoder.final_layernorm.weight"]}
     if cfg.untie_embeddings_and_output_weights:
@@ -144,6 +152,8 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: MoEModelConfig) -> dict[str
         out[hf + "self_attn.o_proj.weight"] = sd[mg + "self_attention.linear_proj.weight"]
         out[hf + "mlp.gate.weight"] = sd[mg + "mlp.router.weight"]
         for e in range(cfg.num_moe_experts):
+            if mg + f"mlp.experts.local_experts.{e}.linear_fc1.weight" not in sd:
+                continue  # another rank's expert (an EP rank converts what it holds)
             fc1 = sd[mg + f"mlp.experts.local_experts.{e}.linear_fc1.weight"]
             out[hf + f"mlp.experts.{e}.gate_proj.weight"] = fc1[:F_]
             out[hf + f"mlp.experts.{e}.up_proj.weight"] = fc1[F_:]
@@ -158,14 +168,18 @@ def read_hf_config(path: str | Path) -> MoEModelConfig:
         raise CheckpointError(f"{path}: expected a HuggingFace checkpoint directory "
                               f"(config.json and *.safetensors), but {found}")
     cfg_file = path / "config.json"
+    from megatron_rl.json_input import loads
+
     try:
-        hf = json.loads(cfg_file.read_text())
+        hf = loads(cfg_file.read_text())
     except OSError as e:
         raise CheckpointError(f"{cfg_file}: cannot read checkpoint config ({e.strerror})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e.msg})") from None
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{cfg_file}: not UTF-8 text (byte offset {e.start})") from None
+    except ValueError as e:  # (json_input: nested too deeply)
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from None
     return MoEModelConfig.from_hf(hf, str(cfg_file))
 
 
@@ -235,11 +249,13 @@ def _convert(path: Path, src, cfg: MoEModelConfig, held: Iterable[int], want: di
     return sd
 
 
-def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtype | None = None) -> None:
+def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtype | None = None,
+                       tokenizer=None, shard_bytes: int | None = None) -> None:
     """Export a model holding every expert as a HuggingFace checkpoint directory (either MoE
-    backend: the megatron one's weights are read under the torch backend's names)."""
-    from safetensors.torch import save_file
-
+    backend: the megatron one's weights are read under the torch backend's names), in one process:
+    the same files as the ranks' export (rl/model_setup.py export_hf; models/hf_writer.py).
+    `tokenizer`: the run's (data/tokenizer.py), for the bos/eos ids and an HF tokenizer's files."""
+    from megatron_rl.models.hf_writer import SHARD_BYTES, write_index_and_configs, write_shards
     from megatron_rl.models.megatron_weights import canonical_state_dict
 
     cfg = model.config
@@ -253,7 +269,9 @@ def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtyp
     tensors = megatron_to_hf({k: v.detach() for k, v in sd.items()}, cfg)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    hf_cfg = cfg.to_hf()
-    hf_cfg["dtype"] = str(dtype or model.dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    layout = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    shard_bytes = shard_bytes or SHARD_BYTES
+    failed = write_shards(tensors, layout, path, shard_bytes, dict.fromkeys(range(cfg.num_moe_experts), 0), 0, 1)
+    if failed is not None:
+        raise failed
+    write_index_and_configs(path, layout, shard_bytes, cfg, dtype or model.dtype, tokenizer)

@@ -19,15 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic.trace import Trace, TraceError, read_trace, write_trace
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.rl.checkpoint_reads import CAPS, read_capped, read_listing, regular_file
+
+SIDECARS = ("trainer_state.json", "length_history.jsonl")  # written by rank 0, hashed with the shards
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -35,14 +38,17 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     if not pointer.exists():
         return None
     try:
+        regular_file(pointer, 200)  # (a FIFO would hang the read)
         name = pointer.read_bytes()[:200].decode("ascii").strip()
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; it should hold a name such as step_000010") from None
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{pointer}: unreadable ({getattr(e, 'strerror', None) or 'not a step name'}); "
                               "it should hold a name such as step_000010") from None
     if not (name.startswith("step_") and name[5:].isdigit()):
         raise CheckpointError(f"{pointer}: names {name[:60]!r}, not a checkpoint such as step_000010")
     path = pointer.parent / name
-    if not (path / "trainer_state.json").exists():
+    if not os.path.lexists(path / "trainer_state.json"):  # (what it is, the reader checks)
         raise CheckpointError(f"{pointer}: names {path}, which holds no trainer_state.json")
     return path
 
@@ -82,30 +88,50 @@ def _sharded(optimizer) -> bool:
 
 
 def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
-                    trainer_state: dict, history: Trace, rank: int) -> Path:
+                    trainer_state: dict, history: Trace, rank: int, keep: tuple[int, int] | None = None) -> Path:
+    """`keep`: (keep_last, keep_every) of rl/checkpoint_retention.py, applied once this checkpoint
+    is verified and `latest` names it; None keeps every checkpoint."""
     import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.owned_paths import refuse_symlinks_out
 
     root = Path(out_dir) / "checkpoints"
     path = root / f"step_{step:06d}"
+    refuse_symlinks_out(root, path, root / "latest")
     try:
         dcp.save(_state(model, optimizer, ref_model), checkpoint_id=str(path))
         if _megatron(optimizer):
             optimizer.save(path, rank)
-            dist.barrier()  # every rank's optimizer file is whole before the checksums hash it
-        write_checksums(path, rank)
-        if rank == 0:
+        if rank == 0:  # before the checksums, which cover them (they are read before the shards)
             (path / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
             write_trace(history.records, path / "length_history.jsonl")
+        dist.barrier()  # every rank's files are whole before the checksums hash them
+        write_checksums(path, rank)
     except (OSError, CheckpointException) as e:
         raise CheckpointError(f"{path}: cannot write the checkpoint ({_cause(e)}); the previous "
                               "checkpoint stays in force") from None
     dist.barrier()  # every shard and sidecar is on disk before `latest` moves
+    if keep is not None:  # what a resume reads first, read back, before anything older may go
+        verify_checksums(path, only=[".metadata", *SIDECARS])
     if rank == 0:
-        tmp = root / "latest.tmp"
-        tmp.write_text(path.name)
-        os.replace(tmp, root / "latest")
+        point_latest(path)
+        if keep is not None:
+            from megatron_rl.rl.checkpoint_retention import prune
+
+            try:
+                prune(root, path, *keep)
+            except OSError as e:
+                print(f"[train] {root}: could not remove an old checkpoint ({_cause(e)}); "
+                      "the run goes on", file=sys.stderr)
     dist.barrier()
     return path
+
+
+def point_latest(path: Path) -> None:
+    """`checkpoints/latest` names checkpoint `path`, replaced atomically (never a torn name)."""
+    from megatron_rl.owned_paths import write_file_atomically
+
+    write_file_atomically(path.parent / "latest", path.name)
 
 
 def read_trainer_state(path: Path, model_cfg: MoEModelConfig) -> tuple[dict, Trace]:
@@ -127,13 +153,13 @@ def read_trainer_state(path: Path, model_cfg: MoEModelConfig) -> tuple[dict, Tra
 def read_state_json(path: Path) -> dict:
     """Checkpoint `path`'s trainer_state.json, with the fields a resume reads checked (one line
     naming the file for anything else: torn, binary, nested without end, fields of the wrong type)."""
+    from megatron_rl.json_input import loads
+
     f = path / "trainer_state.json"
     try:
-        state = json.loads(f.read_bytes()[:1 << 24].decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as e:  # (JSON and UTF-8 errors are ValueErrors)
-        reason = "nested too deeply" if isinstance(e, RecursionError) else (getattr(e, "strerror", None)
-                                                                             or str(e)[:200])
-        raise CheckpointError(f"{f}: unreadable ({reason})") from None
+        state = loads(read_capped(f))  # a regular file of at most 16 MiB, checked before reading
+    except ValueError as e:  # (JSON and UTF-8 errors are ValueErrors)
+        raise CheckpointError(f"{f}: unreadable ({str(e)[:200]})") from None
     # A stopped SFT warm start (rl/sft.py) saves step 0 with its own position instead of the data's.
     sft = isinstance(state, dict) and "sft_step" in state
     types = {"step": int, "model": dict, **({"sft_step": int, "sft_data": dict} if sft else {"data": dict})}
@@ -195,12 +221,16 @@ def load_checkpoint(path: Path, model, optimizer, ref_model, allow_unverified: b
         ref_model.load_state_dict(state["ref"])
 
 
-def vet_checkpoint(path: Path, allow_unverified: bool = False) -> None:
-    """What the driver checks before any rank starts: the checksum listing is there (or waived) and
-    covers the metadata, and the metadata reads through the restricted unpickler. The shards' hashes
-    are left to the ranks, which hash them in parallel as they load."""
-    verify_checksums(path, allow_unverified, only=[".metadata"])
-    _saved_keys(path)
+def vet_checkpoint(path: Path, allow_unverified: bool = False):
+    """What `train`'s driver and `export` check before anything of the checkpoint is parsed: the
+    checksum listing is there (or waived) and matches the metadata and the sidecars, and the
+    metadata reads through the restricted unpickler with every file it names confined to the
+    folder (rl/checkpoint_reads.py). The shards' hashes are left to the loaders (the ranks hash them
+    in parallel as they load). Returns the metadata."""
+    from megatron_rl.rl.checkpoint_trust import read_metadata
+
+    verify_checksums(path, allow_unverified, only=[".metadata", *SIDECARS])
+    return read_metadata(path, read_listing(path))
 
 
 def load_model_weights(path: Path, model, allow_unverified: bool = False) -> None:
@@ -225,40 +255,14 @@ def load_model_weights(path: Path, model, allow_unverified: bool = False) -> Non
     model.load_state_dict(state["model"])
 
 
-def gather_full_state(model, rank: int, world: int) -> dict[str, torch.Tensor] | None:
-    """Every parameter on rank 0 (dense from rank 0, each expert from its owner), for HF export.
-
-    Rank 0 needs the whole model in host memory (about 61 GB for Qwen3-30B-A3B in bf16).
-    """
-    from megatron_rl.models.megatron_weights import canonical_state_dict
-    from megatron_rl.models.params import is_expert_param
-
-    mine = canonical_state_dict(model)  # either MoE backend, under the torch backend's names
-    local = {k: v.detach().cpu() for k, v in mine.items() if is_expert_param(k)}
-    parts: list = [None] * world if rank == 0 else None
-    dist.gather_object(local, parts, dst=0)
-    if rank != 0:
-        return None
-    full = {k: v.detach().cpu() for k, v in mine.items()}
-    for p in parts:
-        full.update(p)
-    return full
-
-
 # ---- faults: optimizer state that was never created, corrupt shards, loader errors -------------
 CHECKSUMS = "checksums.json"
 
 
 def _saved_keys(path: Path) -> set[str]:
-    from megatron_rl.rl.checkpoint_trust import UntrustedCheckpoint, read_metadata
+    from megatron_rl.rl.checkpoint_trust import read_metadata
 
-    try:
-        return set(read_metadata(path).state_dict_metadata)
-    except UntrustedCheckpoint:
-        raise
-    except Exception as e:  # noqa: BLE001  (a torn pickle raises whatever it hits)
-        raise CheckpointError(f"{path / '.metadata'}: unreadable checkpoint metadata "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return set(read_metadata(path, read_listing(path)).state_dict_metadata)
 
 
 def _drop_unsaved_optimizer_state(state: dict, saved_keys: set[str]) -> list[str]:
@@ -303,7 +307,8 @@ def write_checksums(path: Path, rank: int) -> None:
     dist.all_gather_object(parts, mine)
     if rank == 0:
         sums = {k: v for part in parts for k, v in part.items()}
-        sums[".metadata"] = _sha256(path / ".metadata")
+        for name in (".metadata", *SIDECARS):
+            sums[name] = _sha256(path / name)
         (path / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
 
 
@@ -312,28 +317,27 @@ def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str]
     does not cover (every rank checks its share; all raise the same one-line error). A checkpoint
     without `checksums.json` is refused unless `allow_unverified`. `only`: check just these files."""
     listing = path / CHECKSUMS
-    if not listing.exists():
+    sums = read_listing(path)
+    if sums is None:
         if allow_unverified:
             return
         raise CheckpointError(f"{listing}: missing, so the checkpoint cannot be verified; if you trust "
                               "where it came from, load it anyway with --allow-unverified-checkpoint "
                               "(checkpoint.allow_unverified=true)")
-    try:
-        sums = json.loads(listing.read_text())
-        if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
-            raise ValueError("expected a mapping of file name to sha256")
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{listing}: unreadable ({str(e)[:200]})") from None
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     covered = [path / n for n in only] if only is not None else [path / ".metadata", *_shards(path)]
     bad = [f"{f}: not covered by {listing}" for f in covered if f.name not in sums][:1] if rank == 0 else []
     for name in sorted(n for n in sums if only is None or n in only)[rank::world]:
         f = path / name
-        if Path(name).name != name:
+        if Path(name).name != name or name in (".", ".."):
             bad.append(f"{listing}: names {name[:100]!r}, which is not a file of the checkpoint")
-        elif not f.exists():
-            bad.append(f"{f}: missing")
-        elif _sha256(f) != sums[name]:
+            continue
+        try:
+            regular_file(f, CAPS.get(name))  # (a FIFO would hang the hash, /dev/zero never end it)
+        except CheckpointError as e:
+            bad.append(str(e))
+            continue
+        if _sha256(f) != sums[name]:
             bad.append(f"{f}: checksum mismatch (the file changed after it was written)")
     found = [bad]
     if world > 1:

@@ -32,18 +32,24 @@ class UntrustedCheckpoint(CheckpointError):
     """A checkpoint file asks for something a checkpoint never needs (code, an unknown class)."""
 
 
+# The classes of DCP's metadata module a `.metadata` pickle is made of, by name: a namespace lookup
+# would also admit what the module imports (Enum, whose functional API makes classes) and its
+# `__class__` (types.ModuleType).
+_METADATA_CLASSES = ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                     "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+
+
 def _allowed(module: str, name: str):
     """The object DCP metadata may name, or None. Every entry is a data class or a constructor of
     plain values: nothing here runs a command, opens a file or imports a module."""
     from torch.distributed.checkpoint import filesystem
 
-    if module == dcp_metadata.__name__:
-        obj = getattr(dcp_metadata, name, None)
-        return obj if isinstance(obj, type) else None
+    if module == dcp_metadata.__name__ and name in _METADATA_CLASSES:
+        return getattr(dcp_metadata, name, None)
     if (module, name) == (filesystem.__name__, "_StorageInfo"):
         return filesystem._StorageInfo
     if module == "torch":
-        obj = getattr(torch, name, None)
+        obj = getattr(torch, name, None) if not name.startswith("_") else None
         return obj if isinstance(obj, torch.dtype) or obj is torch.Size else None
     if (module, name) == ("torch.serialization", "_get_layout"):
         return torch.serialization._get_layout  # a name -> torch.layout lookup
@@ -72,24 +78,36 @@ class MetadataUnpickler(pickle.Unpickler):
         return obj
 
 
-def read_metadata(path: Path):
-    """DCP's `Metadata` of checkpoint folder `path`, read without running anything it names."""
+def read_metadata(path: Path, listed: dict | None = None):
+    """DCP's `Metadata` of checkpoint folder `path`, read without running anything it names, from a
+    regular file of bounded size, with every file it names confined to `path` (rl/checkpoint_reads.py):
+    one line naming the file for anything else. `listed`: checksums.json's names (None: not checked)."""
+    from megatron_rl.rl.checkpoint_reads import confine_storage, read_capped
+
     where = Path(path) / ".metadata"
-    with open(where, "rb") as fh:
-        return MetadataUnpickler(fh, where).load()
+    data = read_capped(where)
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(data), where).load()
+    except UntrustedCheckpoint:
+        raise
+    except Exception as e:  # noqa: BLE001  (a torn or foreign pickle raises whatever it hits)
+        text = str(e).splitlines()[0][:200] if str(e) else ""
+        raise CheckpointError(f"{where}: unreadable checkpoint metadata ({type(e).__name__}: {text})") from None
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise UntrustedCheckpoint(f"{where}: holds a {type(metadata).__name__[:80]}, not DCP metadata")
+    confine_storage(metadata, Path(path), listed)
+    return metadata
 
 
 class SafeReader(FileSystemReader):
-    """`FileSystemReader` whose metadata goes through `MetadataUnpickler`."""
+    """`FileSystemReader` whose metadata goes through `read_metadata` above."""
 
     def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        where = Path(self.path) / name
-        with open(where, "rb") as fh:
-            metadata = MetadataUnpickler(fh, where).load()
-        if not isinstance(metadata, dcp_metadata.Metadata):
-            raise UntrustedCheckpoint(f"{where}: holds a {type(metadata).__name__[:80]}, not DCP metadata")
+        from megatron_rl.rl.checkpoint_reads import read_listing
+
+        if kwargs.get("rank") is not None:  # per-rank metadata: FlexFloor never writes it
+            raise UntrustedCheckpoint(f"{self.path}: asks for per-rank metadata, which FlexFloor never writes")
+        metadata = read_metadata(Path(self.path), read_listing(Path(self.path)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id

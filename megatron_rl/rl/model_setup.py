@@ -5,16 +5,14 @@ the other.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from elastic.planning.plan import block_owners
-from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.qwen3_moe import DTYPES
-from megatron_rl.rl.checkpoint import CheckpointError, gather_full_state
+from megatron_rl.rl.checkpoint import CheckpointError
 from megatron_rl.trainer_config import TrainerConfig
 
 
@@ -58,48 +56,67 @@ def build_model(cfg: TrainerConfig, rank: int, world: int, device: torch.device 
     return model
 
 
-def export_hf(model, model_cfg, path: str | Path, rank: int, world: int) -> None:
-    """Write the whole model (every rank's experts) as a HuggingFace checkpoint from rank 0."""
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+def export_hf(model, model_cfg, path: str | Path, rank: int, world: int, tokenizer=None,
+              shard_bytes: int | None = None) -> None:
+    """Write the whole model as a HuggingFace folder at `path` from every rank at once
+    (models/hf_writer.py): each shard by one rank, the experts it lacks sent to it one tensor at a
+    time; nothing gathers every expert onto one device. The same files as `flexfloor export`."""
+    from megatron_rl.models.hf import megatron_to_hf
+    from megatron_rl.models.hf_writer import SHARD_BYTES, hf_layout, write_index_and_configs, write_shards
+    from megatron_rl.models.megatron_weights import canonical_state_dict
+    from megatron_rl.owned_paths import FolderSwap
 
-    full = gather_full_state(model, rank, world)
-    failed = None
+    shard_bytes = shard_bytes or SHARD_BYTES
+    owners = {e: rs[0] for e, rs in block_owners(model_cfg.num_moe_experts, range(world)).items()}
+    local = megatron_to_hf({k: v.detach() for k, v in canonical_state_dict(model).items()}, model_cfg)
+    layout = hf_layout(model_cfg, model.dtype)
+    swap, failed = None, None
     if rank == 0:
-        whole = Qwen3MoeModel(model_cfg, None, model.dtype)
-        whole.load_state_dict(full, strict=True)
         try:
-            write_hf_atomically(whole, Path(path))
-        except FlexFloorError as e:
+            swap = FolderSwap(Path(path))
+        except OSError as e:
             failed = e
-    dist.barrier()
-    if failed is not None:
-        raise failed
+    where = [str(swap.tmp) if swap else None]
+    dist.broadcast_object_list(where, src=0)
+    if where[0] is not None:
+        failed = write_shards(local, layout, Path(where[0]), shard_bytes, owners, rank, world,
+                              device=next(model.parameters()).device)
+        if rank == 0 and failed is None:
+            try:
+                write_index_and_configs(swap.tmp, layout, shard_bytes, model_cfg, model.dtype, tokenizer)
+            except Exception as e:  # noqa: BLE001
+                failed = e
+    reasons = [None] * world
+    dist.all_gather_object(reasons, None if failed is None else _io_reason(failed))
+    reason = next((r for r in reasons if r is not None), None)
+    if rank == 0 and swap is not None:
+        try:
+            swap.abort() if reason else swap.commit()
+        except OSError as e:
+            reason = _io_reason(e)
+    reasons = [reason]
+    dist.broadcast_object_list(reasons, src=0)
+    if reasons[0] is not None:
+        raise _export_failed(Path(path), reasons[0])
 
 
-def write_hf_atomically(model, path: Path) -> None:
-    """`save_hf_checkpoint` into a temporary folder beside `path`, then renamed onto it: `path` is
-    either the previous export or the whole new one, never half of one (a full disk, a kill)."""
-    import shutil
-
+def write_hf_atomically(model, path: Path, **extras) -> None:
+    """`save_hf_checkpoint` into a temporary folder beside `path`, then swapped onto it
+    (owned_paths.replace_folder): `path` is either the previous export or the whole new one, never
+    half of one (a full disk, a kill). `extras`: `save_hf_checkpoint`'s tokenizer and shard_bytes."""
     from megatron_rl.models.hf import save_hf_checkpoint
+    from megatron_rl.owned_paths import replace_folder
 
-    tmp, old = path.with_name(f"{path.name}.tmp"), path.with_name(f"{path.name}.old")
-    for leftover in (tmp, old):  # of an export that was interrupted
-        shutil.rmtree(leftover, ignore_errors=True)
     try:
-        save_hf_checkpoint(model, tmp)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
+        replace_folder(path, lambda tmp: save_hf_checkpoint(model, tmp, **extras))
     except Exception as e:  # noqa: BLE001  (safetensors reports a full disk as its own error type)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not path.exists():
-            os.replace(old, path)
-        raise CheckpointError(f"{path}: cannot write the HuggingFace export ({_io_reason(e)}); "
-                              f"{'the previous export is unchanged' if path.exists() else 'nothing was written'}; "
-                              "once there is room, `flexfloor export --out DIR` writes it from the "
-                              "last checkpoint") from None
-    shutil.rmtree(old, ignore_errors=True)
+        raise _export_failed(path, _io_reason(e)) from None
+
+
+def _export_failed(path: Path, reason: str) -> CheckpointError:
+    return CheckpointError(f"{path}: cannot write the HuggingFace export ({reason}); "
+                           f"{'the previous export is unchanged' if path.exists() else 'nothing was written'}; "
+                           "once there is room, `flexfloor export --out DIR` writes it from the last checkpoint")
 
 
 def _io_reason(e: Exception) -> str:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.tiny_train import rehash
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 LEARNING = ("reward/", "response_length/", "actor/", "partial/", "mismatch/")
@@ -90,5 +92,6 @@ def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     bad[0, 0, 0] = 8
     state["partial"]["routes"][0][2] = encode(bad)
     f.write_text(json.dumps(state))
+    rehash(f.parent, f.name)  # the tampered field is what is refused, not the checksum
     proc = _train(config, part, ok=False)
     assert f"{f}: field partial.routes[0]: expert id 8 outside 0..7" in proc.stderr, proc.stderr[-2000:]

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_rl.cli import main
 from tests.process_tree import one_line_exit_2 as _one_line_exit_2
+from tests.tiny_train import rehash as _rehash
 from tests.tiny_train import tiny_train_config
 
 
@@ -236,3 +237,202 @@ def test_checkpoints_are_data_export_and_resume_step(cfg, tmp_path, capsys, monk
     data.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(8)))
     _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", tmp_path / "o2", f"data.path={data}"],
                      "no row has a reference answer")
+
+
+# ---- issue 31: `export --to` replaces only what FlexFloor owns; reads stay inside the checkpoint ----
+@pytest.fixture
+def run_folder(one_rank_group, tmp_path):
+    from tests.tiny_train import tiny_run_folder
+
+    return tiny_run_folder(tmp_path)
+
+
+def _listing(out):
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+
+
+def test_export_to_the_run_itself_or_what_holds_it_is_refused_and_deletes_nothing(run_folder, tmp_path, capsys,
+                                                                                 monkeypatch):
+    out = run_folder
+    before = _listing(tmp_path)
+    for to, expect in ((out, "is --out"), (tmp_path, "is --out"), (out / "checkpoints", "is inside --out"),
+                       (out / "checkpoints" / "step_000001", "is inside --out"), (out / "new", "is inside --out")):
+        _one_line_exit_2(capsys, ["export", "--out", out, "--to", to], f"--to {to}: {expect}")
+    monkeypatch.chdir(tmp_path)
+    for to in (".", "/", ".."):
+        _one_line_exit_2(capsys, ["export", "--out", out, "--to", to], f"--to {to}: not a folder an export")
+    _one_line_exit_2(capsys, ["export", "--out", out, "--to", tmp_path / ("x" * 300)],
+                     "a path component is 300 bytes long")
+    assert _listing(tmp_path) == before
+
+
+def test_export_to_a_folder_or_file_it_did_not_write_is_refused(run_folder, tmp_path, capsys):
+    out = run_folder
+    theirs = tmp_path / "base-model"
+    theirs.mkdir()
+    (theirs / "config.json").write_text("{}")
+    _one_line_exit_2(capsys, ["export", "--out", out, "--to", theirs], "not a FlexFloor export")
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    _one_line_exit_2(capsys, ["export", "--out", out, "--to", afile], "is an existing file")
+    link = tmp_path / "link"
+    link.symlink_to(theirs)
+    _one_line_exit_2(capsys, ["export", "--out", out, "--to", link], "is a symlink")
+    assert (theirs / "config.json").read_text() == "{}" and afile.read_text() == "mine"
+
+    # An empty folder, then the export it became, may be written; the user's .old/.tmp never go.
+    ours = tmp_path / "hf-empty"
+    ours.mkdir()
+    for leftover in ("hf-empty.old", "hf-empty.tmp"):
+        (tmp_path / leftover).mkdir()
+        (tmp_path / leftover / "keep").write_text("user data")
+    for _ in range(2):
+        assert main(["export", "--out", str(out), "--to", str(ours)]) == 0
+    assert (ours / ".flexfloor-export").is_file() and (ours / "config.json").is_file()
+    assert all((tmp_path / n / "keep").read_text() == "user data" for n in ("hf-empty.old", "hf-empty.tmp"))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf-empty")]  # no temporaries left
+
+
+def test_export_refuses_while_a_train_holds_the_run_or_the_target_run(run_folder, tmp_path, capsys):
+    from megatron_rl.cli.out_lock import hold_out_dir
+    from tests.tiny_train import tiny_run_folder
+
+    out = run_folder
+    with hold_out_dir(out, "train"):
+        _one_line_exit_2(capsys, ["export", "--out", out], f"--out {out}: in use by pid {os.getpid()}")
+    other = tiny_run_folder(tmp_path / "b", steps=(1,))
+    _one_line_exit_2(capsys, ["export", "--out", out, "--to", other / "checkpoints"], "inside the run folder")
+    with hold_out_dir(other, "train"):
+        _one_line_exit_2(capsys, ["export", "--out", out, "--to", other / "hf"], f"--to {other}: in use by")
+    assert not (other / "hf").exists() and not (out / "hf").exists()
+
+
+
+def _with_storage(path, relative_path):
+    """Rewrite step `path`'s metadata so its first tensor is read from `relative_path`, checksums
+    rewritten to match (what someone who can write the folder can do)."""
+    import pickle
+
+    from megatron_rl.rl.checkpoint_trust import read_metadata
+
+    meta = read_metadata(path)
+    first = next(iter(meta.storage_data))
+    meta.storage_data[first].relative_path = relative_path
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
+    _rehash(path, ".metadata")
+
+
+@pytest.mark.parametrize("where", ["../step_000001/__0_0.distcp", "/etc/passwd", "/dev/zero", "extra.distcp",
+                                   "fifo.distcp"])
+def test_export_reads_nothing_outside_the_checkpoint_or_unlisted(run_folder, capsys, where):
+    step = run_folder / "checkpoints" / "step_000002"
+    if where == "extra.distcp":
+        (step / where).write_bytes((step / "__0_0.distcp").read_bytes())
+    if where == "fifo.distcp":
+        os.mkfifo(step / where)
+        sums = json.loads((step / "checksums.json").read_text())
+        (step / "checksums.json").write_text(json.dumps({**sums, where: "0" * 64}))
+    _with_storage(step, where)
+    def hung(*a):
+        raise TimeoutError("the export hung")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)  # a FIFO hung the export forever
+    try:
+        line = _one_line_exit_2(capsys, ["export", "--out", run_folder], str(step))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert ("not a file of the checkpoint" in line if "/" in where else
+            "does not list" in line if where == "extra.distcp" else "is a FIFO, not a regular file" in line), line
+    assert not (run_folder / "hf").exists()
+
+
+def test_export_checks_the_sidecars_and_metadata_before_parsing_them(run_folder, tmp_path, capsys):
+    import pickle
+    import shutil
+
+    step = run_folder / "checkpoints" / "step_000002"
+    good = {n: (step / n).read_bytes() for n in (".metadata", "trainer_state.json", "checksums.json")}
+
+    def reset():
+        for n, b in good.items():
+            (step / n).unlink()
+            (step / n).write_bytes(b)
+
+    state = json.loads(good["trainer_state.json"])
+    cases = [  # (file, new bytes, rehash, the line names)
+        ("trainer_state.json", json.dumps({**state, "model": {**state["model"], "num_layers": 200000}}).encode(),
+         True, "(200000 layers) implies 3000003 weight tensors; the shards hold 18"),
+        ("trainer_state.json", json.dumps({**state, "step": 3}).encode(), False, "checksum mismatch"),
+        (".metadata", good[".metadata"][:100], True, "unreadable checkpoint metadata"),
+        (".metadata", b"", True, "unreadable checkpoint metadata"),
+        (".metadata", pickle.dumps({"not": "metadata"}), True, "holds a dict, not DCP metadata"),
+        (".metadata", b"\x80\x02K\x01Q.", True, "unreadable checkpoint metadata (UnpicklingError"),  # PERSID
+        (".metadata", b"\x80\x02\x82\x01.", True, "unreadable checkpoint metadata"),  # EXT1
+        ("checksums.json", b"[" * 100_000 + b"]" * 100_000, False, "nested deeper than 64 levels"),
+        ("trainer_state.json", b'{"a":' * 1000 + b"1" + b"}" * 1000, True, "nested deeper than 64 levels"),
+    ]
+    for name, data, rehash, expect in cases:
+        (step / name).write_bytes(data)
+        if rehash:
+            _rehash(step, name)
+        line = _one_line_exit_2(capsys, ["export", "--out", run_folder], f"{step / name}", expect)
+        assert "\n" not in line
+        reset()
+    for name in (".metadata", "trainer_state.json"):  # a symlink loop, /dev/zero: never opened
+        (step / name).unlink()
+        (step / name).symlink_to(step / name)
+        _one_line_exit_2(capsys, ["export", "--out", run_folder], f"{step / name}: is a symlink")
+        (step / name).unlink()
+        (step / name).symlink_to("/dev/zero")
+        _one_line_exit_2(capsys, ["export", "--out", run_folder], f"{step / name}: is a symlink")
+        reset()
+    shutil.copy(step / "trainer_state.json", tmp_path / "s")
+    (step / "trainer_state.json").write_bytes(b" " * (1 << 24) + good["trainer_state.json"])
+    _one_line_exit_2(capsys, ["export", "--out", run_folder], "more than the 16777216")
+    reset()
+    assert main(["export", "--out", str(run_folder)]) == 0
+
+
+def test_resume_step_moves_latest_before_anything_is_truncated(run_folder, tmp_path, capsys, monkeypatch):
+    """Issue 31 defect 5: a crash after `--resume-step 1` truncated metrics.jsonl left `latest` on
+    step 2, whose metrics line was then gone for good. The ranks are replaced by a crash."""
+    from megatron_rl.errors import FlexFloorError
+    from megatron_rl.metrics import _drop_steps_after
+    from tests.tiny_train import tiny_train_config
+
+    def crash(*a, **k):
+        raise FlexFloorError("the node died")
+
+    monkeypatch.setattr("megatron_rl.parallel.launch.run_ranks", crash)
+    cfg = tiny_train_config(tmp_path, steps=3)
+    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", run_folder, "--resume-step", "1"], "the node died")
+    assert (run_folder / "checkpoints" / "latest").read_text() == "step_000001"
+    metrics = run_folder / "metrics.jsonl"
+
+    def torn(*a):  # the rewrite dies before its rename: the old file stays whole
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("os.fsync", torn)
+    with pytest.raises(OSError):
+        _drop_steps_after(metrics, 1)
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2]
+    monkeypatch.undo()
+    _drop_steps_after(metrics, 1)
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1]
+    assert not [p for p in run_folder.iterdir() if ".tmp" in p.name]
+
+
+def test_a_refused_train_leaves_nothing_in_a_folder_it_created(cfg, tmp_path, capsys):
+    """Issue 31 defect 28: --out/checkpoints/ and .flexfloor.lock stayed behind."""
+    data = tmp_path / "noanswer.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(8)))
+    new, refused = tmp_path / "new" / "run", "no row has a reference answer"
+    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", new, f"data.path={data}"], refused)
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", mine, f"data.path={data}"], refused)
+    assert _listing(mine) == ["notes.txt"]

@@ -83,16 +83,26 @@ def test_torn_shard_and_metadata_are_one_line_errors_naming_the_file(saved):
     (path / ".metadata").write_bytes(meta)
     shard = sorted(path.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match=f"^{path}: cannot load the checkpoint shards") as e:
+    with pytest.raises(CheckpointError, match=f"^{shard}: the metadata names bytes 0\\+") as e:
         load_checkpoint(path, *_model_and_optimizer(), None, allow_unverified=True)
     assert "\n" not in str(e.value)
 
 
-def test_a_full_disk_says_no_space_left_and_keeps_the_last_checkpoint(saved):
+def test_a_full_disk_says_no_space_left_and_keeps_the_last_checkpoint(saved, monkeypatch):
+    import contextlib
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
     out, first, model, opt = saved
     target = out / "checkpoints" / "step_000002"
-    target.mkdir()
-    (target / "__0_0.distcp").symlink_to("/dev/full")  # every write there fails with ENOSPC
+    opened = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def full(self, path, mode):  # every shard write fails with ENOSPC, as on a full disk
+        with opened(self, "/dev/full" if str(path).endswith(".distcp") else path, mode) as stream:
+            yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", full)
     with pytest.raises(CheckpointError, match="No space left on device") as e:
         _save(out, 2, model, opt)
     assert str(e.value).startswith(str(target)) and "\n" not in str(e.value)
@@ -105,3 +115,64 @@ def test_non_finite_loss_or_grad_stops_naming_the_step_and_the_last_good_checkpo
     for bad in ({"loss": float("nan"), "grad_norm": 1.0}, {"loss": 0.1, "grad_norm": float("inf")}):
         with pytest.raises(TrainingDiverged, match=f"^step 2: non-finite .*last good checkpoint: {first}"):
             check_finite(2, bad, out)
+
+
+# ---- retention (issue 29 item 5) ----------------------------------------------------------------
+def test_retention_keeps_the_newest_every_nth_and_steps_above_latest():
+    from megatron_rl.rl.checkpoint_retention import kept_steps
+
+    steps = list(range(1, 11))
+    assert kept_steps(steps, 10, 3, 0) == {8, 9, 10}
+    assert kept_steps(steps, 10, 3, 4) == {4, 8, 9, 10}
+    assert kept_steps(steps, 10, 1, 0) == {10}
+    assert kept_steps(steps, 5, 2, 0) == {4, 5, 6, 7, 8, 9, 10}  # after --resume-step 5: later ones stay
+    assert kept_steps([2, 7], 7, 5, 3) == {2, 7}
+
+
+def test_saves_remove_old_checkpoints_only_after_latest_moves_and_a_crash_never_strands_latest(saved, monkeypatch):
+    import shutil
+
+    from megatron_rl.rl import checkpoint_retention
+
+    out, _, model, opt = saved
+    root = out / "checkpoints"
+    (root / "step_000000").symlink_to(root / "step_000001")  # a link is the user's: never removed
+    for step in (2, 3, 4):
+        state = {"data": {}}
+        save_checkpoint(out, step, model, opt, None, state, Trace([], "h"), 0, keep=(2, 0))
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000", "step_000003", "step_000004"]
+
+    real_rmtree = shutil.rmtree
+
+    def dies_half_way(path, *a, **k):  # the removal is cut short (a kill, an I/O error)
+        next(p for p in sorted(path.iterdir()) if p.is_file()).unlink()
+        raise OSError(5, "Input/output error", str(path))
+
+    monkeypatch.setattr(checkpoint_retention.shutil, "rmtree", dies_half_way)
+    save_checkpoint(out, 5, model, opt, None, {"data": {}}, Trace([], "h"), 0, keep=(2, 0))
+    assert latest_checkpoint(out) == root / "step_000005"
+    load_checkpoint(latest_checkpoint(out), *_model_and_optimizer(), None)  # latest is whole
+    assert (root / ".deleting-step_000003").is_dir() and not (root / "step_000003").exists()
+    monkeypatch.setattr(checkpoint_retention.shutil, "rmtree", real_rmtree)
+    save_checkpoint(out, 6, model, opt, None, {"data": {}}, Trace([], "h"), 0, keep=(2, 0))
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000", "step_000005", "step_000006"]
+
+
+def test_a_save_that_cannot_fit_is_refused_at_start(tmp_path, monkeypatch, capsys):
+    import collections
+    from dataclasses import replace
+
+    from megatron_rl.rl import checkpoint_retention
+    from megatron_rl.rl.checkpoint_retention import check_room, save_bytes
+
+    cfg = replace(CFG, dtype="bfloat16")
+    n = sum(p.numel() for p in build_model(CFG, 0, 1).parameters())
+    assert save_bytes(cfg) == n * 14  # bf16 weights, fp32 masters and two fp32 moments
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoint_retention.shutil, "disk_usage", lambda p: usage(0, 0, 10**12))
+    check_room(cfg, tmp_path / "run")
+    err = capsys.readouterr().err
+    assert f"about {n * 14 / 1e9:.3g} GB a save, keep_last 3" in err and f"1e+03 GB free in {tmp_path}" in err
+    monkeypatch.setattr(checkpoint_retention.shutil, "disk_usage", lambda p: usage(0, 0, n))
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'run' / 'checkpoints'}: a checkpoint takes about"):
+        check_room(cfg, tmp_path / "run")

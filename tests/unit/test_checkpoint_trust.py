@@ -1,7 +1,6 @@
 """Issue 23 item 1: a checkpoint is data. A pickle in `.metadata` or in a shard's byte entries that
 asks for code is refused, naming the file and the global, and never runs, whether checksums.json
 was updated to match it, removed, or left stale; a checkpoint without checksums needs a flag."""
-import hashlib
 import json
 import os
 import pickle
@@ -12,6 +11,7 @@ from test_checkpoint_faults import _model_and_optimizer, _save, _step_without_ex
 
 from megatron_rl.rl.checkpoint import CheckpointError, load_checkpoint, verify_checksums
 from megatron_rl.rl.checkpoint_trust import UntrustedCheckpoint, read_metadata
+from tests.tiny_train import rehash as _rehash
 
 
 class _Payload:
@@ -28,11 +28,6 @@ def saved(one_rank_group, tmp_path):
     _step_without_expert_3(model, opt)
     return _save(tmp_path / "run", 1, model, opt)
 
-
-def _rehash(path, name):
-    sums = json.loads((path / "checksums.json").read_text())
-    sums[name] = hashlib.sha256((path / name).read_bytes()).hexdigest()
-    (path / "checksums.json").write_text(json.dumps(sums))
 
 
 @pytest.mark.parametrize("checksums", ["updated", "removed", "stale"])
@@ -106,3 +101,44 @@ def test_the_real_metadata_reads_through_the_restricted_unpickler(saved):
     with pytest.raises(UntrustedCheckpoint):
         (saved / ".metadata").write_bytes(pickle.dumps(torch.nn.Linear(1, 1)))
         read_metadata(saved)
+
+
+@pytest.mark.parametrize("name", ["Enum", "__class__", "Any", "Sequence"])
+def test_the_allow_list_admits_no_class_factory_or_module_type(saved, name):
+    """Issue 31 defect 30: the metadata module's namespace also holds Enum (whose functional API
+    makes classes) and, through `__class__`, types.ModuleType."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    module = dcp_metadata.__name__.encode()
+    (saved / ".metadata").write_bytes(b"\x80\x04\x8c" + bytes([len(module)]) + module + b"\x8c"
+                                      + bytes([len(name)]) + name.encode() + b"\x93.")  # STACK_GLOBAL
+    _rehash(saved, ".metadata")
+    with pytest.raises(UntrustedCheckpoint, match=f"asks for {dcp_metadata.__name__}.{name}"):
+        read_metadata(saved)
+
+
+@pytest.mark.parametrize("planted", ["step", "file", "latest"])
+def test_a_save_never_follows_a_symlink_out_of_the_checkpoints_folder(one_rank_group, tmp_path, planted):
+    """Issue 31 defect 7: a planted `checkpoints/step_000002 -> elsewhere` wrote the checkpoint there."""
+    from test_checkpoint_faults import _save
+
+    model, opt = _model_and_optimizer()
+    first = _save(tmp_path / "run", 1, model, opt)
+    root, elsewhere = first.parent, tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = {"step": root / "step_000002", "file": root / "step_000002" / "__0_0.distcp",
+            "latest": root / "latest"}[planted]
+    if planted == "file":
+        link.parent.mkdir()
+    else:
+        link.unlink(missing_ok=True)
+    link.symlink_to(elsewhere / "x" if planted != "step" else elsewhere)
+    with pytest.raises(CheckpointError, match=f"^{link}: a symlink to {elsewhere}.*outside {root}"):
+        _save(tmp_path / "run", 2, model, opt)
+    assert not list(elsewhere.iterdir())
+    if planted != "latest":
+        assert (root / "latest").read_text() == "step_000001"
+    link.unlink()
+    inside = root / "step_000003"  # a link that stays inside the folder is the user's business
+    inside.symlink_to(first)
+    assert _save(tmp_path / "run", 3, model, opt) == inside

@@ -97,3 +97,59 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(FlexFloorError, match="unreadable safetensors file"):
         load_hf_checkpoint(tmp_path)
+
+
+def test_sharded_export_with_index_rope_theta_and_generation_config(tmp_path):
+    """Issue 29 item 6: shards of at most `shard_bytes`, an index listing every tensor exactly
+    once, rope_theta 1e6 for a transformers 4.x reader (the field it reads alone), the bos/eos ids
+    and generation_config.json; transformers loads the sharded export to the same logits."""
+    from safetensors import safe_open
+
+    from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+
+    cfg = MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                         num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16, vocab_size=96)
+    ours = Qwen3MoeModel(cfg)
+    ours.init_weights(0)
+    out = tmp_path / "sharded"
+    save_hf_checkpoint(ours, out, shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    held, total = [], 0
+    for f in files:
+        with safe_open(str(out / f), framework="pt") as h:
+            held += [(k, f) for k in h.keys()]
+            nbytes = sum(h.get_tensor(k).numel() * 4 for k in h.keys())
+            assert nbytes <= 20_000 or len(list(h.keys())) == 1
+            total += nbytes
+    assert sorted(held) == sorted(index["weight_map"].items())  # every tensor once, where the index says
+    assert len({k for k, _ in held}) == len(held) and index["metadata"]["total_size"] == total
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_theta"] == 1e6 and config["rope_parameters"]["rope_theta"] == 1e6
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        again = transformers.Qwen3MoeForCausalLM.from_pretrained(out).eval()
+        assert (again(ids).logits - ours(ids)).abs().max().item() < 1e-4
+    # A 4.x reader knows only `rope_theta`: with it alone, the RoPE base is still 1e6.
+    del config["rope_parameters"]
+    (out / "config.json").write_text(json.dumps(config))
+    read = transformers.AutoConfig.from_pretrained(out)
+    theta = getattr(read, "rope_theta", None) or read.rope_parameters["rope_theta"]
+    assert theta == 1e6
+
+
+def test_deep_or_outside_index_and_config_are_one_line(tmp_path):
+    """Issue 31 item 2's depth cap, where HF JSON is read: a nested config.json or index was a
+    RecursionError traceback; an index naming a file outside the folder is refused."""
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(FlexFloorError, match="config.json: not valid JSON \\(nested deeper than 64"):
+        load_hf_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf().config.to_dict()))
+    for index in ("[" * 100_000 + "]" * 100_000, json.dumps({"weight_map": {"a": "../../etc/passwd"}})):
+        (tmp_path / "model.safetensors.index.json").write_text(index)
+        with pytest.raises(FlexFloorError, match="model.safetensors.index.json: unreadable index"):
+            load_hf_checkpoint(tmp_path)

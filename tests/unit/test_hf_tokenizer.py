@@ -43,3 +43,22 @@ def test_a_verl_prompt_goes_through_the_chat_template_whole(tokenizer_dir):
     p = Prompt("q", "2+2 ?", "4", messages=messages)
     assert HFTokenizer(tokenizer_dir, chat_template=True).encode_prompt(p) == [2, 4, 5, 2, 6, 7, 3]
     assert HFTokenizer(tokenizer_dir, chat_template=False).encode_prompt(p) == [6, 7]
+
+
+def test_an_export_carries_the_hf_tokenizer_and_its_ids(tokenizer_dir, tmp_path):
+    """Issue 29 item 6: the export holds the run's tokenizer files and its eos/pad ids."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from megatron_rl.models import MoEModelConfig, Qwen3MoeModel, save_hf_checkpoint
+
+    model = Qwen3MoeModel(MoEModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_query_groups=1,
+                                         kv_channels=8, num_moe_experts=2, moe_router_topk=1,
+                                         moe_ffn_hidden_size=8, vocab_size=9))
+    tok = HFTokenizer(tokenizer_dir)
+    save_hf_checkpoint(model, tmp_path / "hf", tokenizer=tok)
+    again = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert again.encode("what is 2+2 ?") == tok._tok.encode("what is 2+2 ?")
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.eos_id == 1 and gen["pad_token_id"] == 0 and "bos_token_id" not in gen
