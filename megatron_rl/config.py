@@ -159,7 +159,7 @@ def load_dataclass(cls: type[T], path: str | Path | None, overrides: dict | None
     # check run (`partial.end=budget partial.token_budget=0` is the budget's fault, not the end's).
     body = str(err)[len(where):].lstrip(".: ")
     named = [k for k in overrides if re.search(rf"(?<![\w.]){re.escape(k)}(?=[: ])", body)]
-    if named:
+    if len(named) == 1:  # several named (`backend megatron ... ranks 12`): the one that brings it in, below
         raise ConfigError(f"{sources.get(named[0], f'{named[0]}={overrides[named[0]]}')}: {body}") from None
     items = list(overrides.items())
     for i in range(len(items) + 1):  # the file alone (i = 0), then one override more at a time

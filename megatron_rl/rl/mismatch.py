@@ -41,8 +41,10 @@ class MismatchTally:
         mask = mask.double()
         old, roll = old_logp.double(), rollout_logp.double()
         k3 = (kl_k3(roll, old) * mask).sum()
-        clipped = ((torch.exp(old - roll) > tis_cap).double() * mask).sum() if tis_cap is not None else k3 * 0
-        masked = ((1 - keep.double()) * mask).sum() if keep is not None else k3 * 0
+        # A zero, not k3 * 0: a non-finite step's k3 is NaN, and the counts must stay counts.
+        zero = mask.new_zeros(())
+        clipped = ((torch.exp(old - roll) > tis_cap).double() * mask).sum() if tis_cap is not None else zero
+        masked = ((1 - keep.double()) * mask).sum() if keep is not None else zero
         self.sums[5:] += torch.stack([mask.sum(), k3, clipped, masked])
 
     def finish(self, world: int) -> dict[str, float]:

@@ -48,7 +48,7 @@ def launch_line(tmp_path: Path, script: str, *args: str) -> list[str]:
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FLEXFLOOR_DRY_RUN": "1",
            "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "twohosts",
            "SLURM_JOB_NODELIST": "ffhost[0-1]", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_PER_NODE": "",
-           "NPROC_PER_NODE": "2", "FF_RUN_DIR": str(tmp_path / "run"),
+           "NPROC_PER_NODE": "2", "FF_RUN_DIR": str(tmp_path / "run"), "FF_DEVICE": "cpu",
            "FLEXFLOOR": f"{sys.executable} -m megatron_rl.cli",
            "FF_TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
     out = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / script), *args], env=env, cwd=tmp_path,
@@ -105,6 +105,7 @@ def slurm_rollout(hosts: TwoHosts, config: Path, tmp_path: Path) -> dict:
     try:
         env = {"FLEXFLOOR_HOME": str(ROOT), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                "GLOO_SOCKET_IFNAME": hosts.iface, "NPROC_PER_NODE": "2", "FF_RUN_DIR": str(tmp_path / "run"),
+               "FF_DEVICE": "cpu",  # gloo ranks: no GPU is asked for (launch.sh refuses a silent CPU run)
                "FLEXFLOOR": f"{sys.executable} -m megatron_rl.cli",
                "FF_TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
         rc, _ = cluster.sbatch(ROOT / "examples" / "slurm" / "rollout.sbatch", str(config), "--quiet",
