@@ -80,6 +80,14 @@ def _real_memory_mb() -> int:
     return max(1, int(kib / 1024 * 0.95))
 
 
+def without_gpus(script: Path, folder: Path) -> Path:
+    """A copy of an example sbatch script less its `--gpus-per-node` line, in `folder`: this cluster
+    has no GPUs (the jobs run gloo ranks with FF_DEVICE=cpu), and Slurm refuses a job asking for some."""
+    copy = folder / script.name
+    copy.write_text(script.read_text().replace("#SBATCH --gpus-per-node=8\n", ""))
+    return copy
+
+
 class LocalSlurm:
     """munged + slurmctld + slurmd on this machine, in a fresh folder under /tmp.
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 from conftest import running
-from slurm_cluster import LocalSlurm, SlurmUnavailable
+from slurm_cluster import LocalSlurm, SlurmUnavailable, without_gpus
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "examples" / "slurm"
@@ -73,11 +73,10 @@ def _python_env(tmp_path: Path) -> dict[str, str]:
 def _cpu_train_sbatch(tmp_path: Path, signal: bool = True) -> Path:
     """train.sbatch less its `--gpus-per-node` line (this cluster has no GPUs; FF_DEVICE=cpu runs it),
     and, with `signal=False`, without its USR1 before the time limit, as a user could edit it."""
-    text = (SLURM_DIR / "train.sbatch").read_text().replace("#SBATCH --gpus-per-node=8\n", "")
+    script = without_gpus(SLURM_DIR / "train.sbatch", tmp_path)
     if not signal:
-        text = text.replace("#SBATCH --signal=B:USR1@300\n", "").replace("FF_SIGNAL_LEAD_S=300", "FF_SIGNAL_LEAD_S=0")
-    script = tmp_path / "train.sbatch"
-    script.write_text(text)
+        script.write_text(script.read_text().replace("#SBATCH --signal=B:USR1@300\n", "")
+                          .replace("FF_SIGNAL_LEAD_S=300", "FF_SIGNAL_LEAD_S=0"))
     return script
 
 

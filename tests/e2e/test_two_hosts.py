@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import running
 from netns_hosts import NetnsUnavailable, TwoHosts
-from slurm_cluster import LocalSlurm, SlurmUnavailable
+from slurm_cluster import LocalSlurm, SlurmUnavailable, without_gpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +108,8 @@ def slurm_rollout(hosts: TwoHosts, config: Path, tmp_path: Path) -> dict:
                "FF_DEVICE": "cpu",  # gloo ranks: no GPU is asked for (launch.sh refuses a silent CPU run)
                "FLEXFLOOR": f"{sys.executable} -m megatron_rl.cli",
                "FF_TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
-        rc, _ = cluster.sbatch(ROOT / "examples" / "slurm" / "rollout.sbatch", str(config), "--quiet",
+        rc, _ = cluster.sbatch(without_gpus(ROOT / "examples" / "slurm" / "rollout.sbatch", tmp_path), str(config),
+                               "--quiet",
                                options=("--nodes=2", "--time=30", f"--output={tmp_path}/%x-%j.out"),
                                cwd=tmp_path, env=env, timeout_s=300)
         log = next(tmp_path.glob("*.out"), None)
@@ -180,7 +181,9 @@ def test_a_host_lost_mid_rollout_ends_the_other_hosts_ranks_and_keeps_finished_r
     print(f"host 0 ended {took:.1f} s after host 1 was killed (rc {rc})")
     assert rc != 0 and took < 15.0 + 10, stderr[-3000:]
     # Each of host 0's ranks ends with one line naming its rank, stage and phase; no traceback.
-    lines = [line for line in stderr.splitlines() if line.startswith("flexfloor")]
+    # (torchrun's --tee prefixes each rank's lines with [defaultN]:)
+    lines = [t for t in (re.sub(r"^\[default\d+\]:", "", line) for line in stderr.splitlines())
+             if t.startswith("flexfloor")]
     print("\n".join(lines))
     assert sorted(re.match(r"flexfloor rollout: error: rank (\d) failed: rank \1, stage \d+, phase \w+: .+",
                            line).group(1) for line in lines) == ["0", "1"], stderr[-3000:]
