@@ -144,15 +144,20 @@ def refuse_symlinks_out(root: Path, *paths: Path, flag: str | None = None) -> No
 
 
 def refuse_held_run(path: Path, flag: str) -> None:
-    """`path` (a file or folder an output flag names) is not inside a run folder a running
-    `flexfloor train` (or rollout, export) holds: its metrics, config and checkpoints are that run's.
-    The run folder itself is left to `hold_out_dir`, which the command takes next."""
+    """`path` (a file or folder an output flag names) is not, nor is inside, a run folder that a
+    running `flexfloor train` (or rollout, export) holds: its metrics, config and checkpoints are that
+    run's. Asked before the command takes its own lock, by the launching process alone (under
+    torchrun the other ranks would find their own rank 0 holding it)."""
     from megatron_rl.cli.out_lock import OutDirInUse, in_use_by
+    from megatron_rl.parallel.launch import driver_process
 
-    run = run_folder_of(path.resolve().parent)
-    if run is not None and run != path.resolve() and (holder := in_use_by(run)):
-        raise OutDirInUse(f"{flag} {path}: is inside the run folder {run}, in use by {holder}; "
-                          f"write it elsewhere, or wait for that run to end")
+    run = run_folder_of(path.resolve().parent) or run_folder_of(path.resolve())
+    if run is None or not driver_process() or not (holder := in_use_by(run)):
+        return
+    if run == path.resolve():  # the words `hold_out_dir` says it in
+        raise OutDirInUse(f"{flag} {path}: in use by {holder}; wait for it to end, or choose another {flag}")
+    raise OutDirInUse(f"{flag} {path}: is inside the run folder {run}, in use by {holder}; "
+                      f"write it elsewhere, or wait for that run to end")
 
 
 def write_file_atomically(path: Path, text: str) -> None:
