@@ -103,7 +103,7 @@ class CheckpointWriter:
                 ckpt.write_checksums(path, rank, self.group)
                 dist.barrier(group=self.group)
                 if keep is not None:
-                    ckpt.verify_checksums(path, only=[".metadata", *ckpt.SIDECARS])
+                    ckpt.verify_checksums(path, only=[".metadata", *ckpt.SIDECARS], group=self.group)
             except (OSError, CheckpointException) as e:
                 message = ckpt.save_failure(path, e)
             except CheckpointError as e:

@@ -325,7 +325,8 @@ def write_checksums(path: Path, rank: int, group=None) -> None:
         (path / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
 
 
-def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str] | None = None) -> None:
+def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str] | None = None,
+                     group=None) -> None:
     """Refuse a checkpoint whose files differ from what was written, or that has a file the listing
     does not cover (every rank checks its share; all raise the same one-line error). A checkpoint
     without `checksums.json` is refused unless `allow_unverified`. `only`: check just these files."""
@@ -337,7 +338,7 @@ def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str]
         raise CheckpointError(f"{listing}: missing, so the checkpoint cannot be verified; if you trust "
                               "where it came from, load it anyway with --allow-unverified-checkpoint "
                               "(checkpoint.allow_unverified=true)")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     covered = [path / n for n in only] if only is not None else [path / ".metadata", *_shards(path)]
     bad = [f"{f}: not covered by {listing}" for f in covered if f.name not in sums][:1] if rank == 0 else []
     for name in sorted(n for n in sums if only is None or n in only)[rank::world]:
@@ -355,7 +356,7 @@ def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str]
     found = [bad]
     if world > 1:
         found = [None] * world
-        dist.all_gather_object(found, bad)
+        dist.all_gather_object(found, bad, group=group)
     bad = sorted(b for part in found for b in part)
     if bad:
         raise CheckpointError(f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
