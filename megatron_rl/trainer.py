@@ -38,6 +38,7 @@ from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.provenance import provenance
 from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, mean_extras
+from megatron_rl.rl.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -45,7 +46,6 @@ from megatron_rl.rl.checkpoint import (
     read_trainer_state,
     vet_checkpoint,
 )
-from megatron_rl.rl.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint_retention import check_room
 from megatron_rl.rl.deadline import run_deadline, stopped_summary
 from megatron_rl.rl.grpo import group_advantages

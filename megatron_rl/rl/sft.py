@@ -120,9 +120,9 @@ def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
 
     from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.owned_paths import check_export_target
     from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.owned_paths import check_export_target
     from megatron_rl.rl.model_setup import check_init
 
     other_run = check_export_target(out_dir, None, "--out")
