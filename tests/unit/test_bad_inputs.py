@@ -215,5 +215,6 @@ def test_sft_warmstart_replaces_only_its_own_export(tmp_path, capsys):
         runpy.run_path("tools/sft_warmstart.py", run_name="__main__")
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"sft_warmstart: error: --out {theirs}: is a non-empty folder that is not a FlexFloor export")
+    assert err[0].startswith(f"sft_warmstart: error: --out {theirs}: "
+                             "is a non-empty folder that is not a FlexFloor export")
     assert sorted(p.name for p in theirs.iterdir()) == ["config.json"] and not live_children()
