@@ -54,21 +54,24 @@ def run_folder_of(path: Path) -> Path | None:
     return None
 
 
-def check_export_target(to: str | Path, out: str | Path) -> Path:
-    """`to` as an export of run folder `out` may write it, or one line naming it. Returns the
-    run folder whose lock the export must hold besides `out`'s (`to` inside another run), or None."""
-    raw, flag = Path(to), f"--to {to}"
-    check_name_lengths(raw, "--to")
-    target, run = raw.resolve(), Path(out).resolve()
+def check_export_target(to: str | Path, out: str | Path | None, flag: str = "--to") -> Path | None:
+    """`to` as an export of run folder `out` (None: of no run, `tools/sft_warmstart.py --out`) may
+    write it, or one line naming `flag` and it. Returns the run folder whose lock the export must
+    hold besides `out`'s (`to` inside another run), or None."""
+    raw, flag = Path(to), f"{flag} {to}"
+    check_name_lengths(raw, flag.split()[0])
+    target = raw.resolve()
+    run = Path(out).resolve() if out is not None else None
+    example = Path(out) / "hf" if out is not None else Path(to).parent / "model"
     if raw.name in ("", ".", "..") or target == target.parent:
         raise FlexFloorError(f"{flag}: not a folder an export can be written to; name a new folder, "
-                             f"e.g. {Path(out) / 'hf'}")
-    if _inside(run, target):
+                             f"e.g. {example}")
+    if run is not None and _inside(run, target):
         raise FlexFloorError(f"{flag}: is --out {out} or a folder holding it; the export would replace "
-                             f"the run; name a new folder, e.g. {Path(out) / 'hf'}")
-    own = run / "hf"
-    if _inside(target, run) and target != own:
-        raise FlexFloorError(f"{flag}: is inside --out {out}, where only {Path(out) / 'hf'} is an export")
+                             f"the run; name a new folder, e.g. {example}")
+    own = run / "hf" if run is not None else None
+    if run is not None and _inside(target, run) and target != own:
+        raise FlexFloorError(f"{flag}: is inside --out {out}, where only {example} is an export")
     other = run_folder_of(target.parent)
     if other is not None and other != run and target != other / "hf":
         raise FlexFloorError(f"{flag}: is inside the run folder {other}, where only {other / 'hf'} is an export")
@@ -126,15 +129,35 @@ def replace_folder(path: Path, write: Callable[[Path], None]) -> None:
     swap.commit()
 
 
-def refuse_symlinks_out(root: Path, *paths: Path) -> None:
-    """A save writes only inside `root` (`DIR/checkpoints`): any of `paths`, or a file directly in
-    one of them, that is a symlink resolving outside `root` is refused, naming it."""
+def refuse_symlinks_out(root: Path, *paths: Path, flag: str | None = None) -> None:
+    """A writer writes only inside `root` (`DIR/checkpoints`, a `--out` or `--plot` folder): any of
+    `paths`, or a file directly in one of them, that is a symlink resolving outside `root` is
+    refused, naming it (and `flag`, for a folder the user named)."""
     base = root.resolve()
     for p in paths:
-        for q in (p, *(p.iterdir() if p.is_dir() and not p.is_symlink() else ())):
+        for q in (p, *sorted(p.iterdir() if p.is_dir() and not p.is_symlink() else ())):
             if q.is_symlink() and not _inside(q.resolve(), base):
-                raise CheckpointError(f"{q}: a symlink to {os.readlink(q)[:120]}, outside {root}; a "
-                                      "checkpoint is written only inside it: remove the link")
+                where = f"{flag} {root}: {q.name}" if flag else str(q)
+                error = FlexFloorError if flag else CheckpointError
+                raise error(f"{where}: a symlink to {os.readlink(q)[:120]}, outside {root}; "
+                            f"FlexFloor writes only inside it: remove the link")
+
+
+def refuse_held_run(path: Path, flag: str) -> None:
+    """`path` (a file or folder an output flag names) is not, nor is inside, a run folder that a
+    running `flexfloor train` (or rollout, export) holds: its metrics, config and checkpoints are that
+    run's. Asked before the command takes its own lock, by the launching process alone (under
+    torchrun the other ranks would find their own rank 0 holding it)."""
+    from megatron_rl.cli.out_lock import OutDirInUse, in_use_by
+    from megatron_rl.parallel.launch import driver_process
+
+    run = run_folder_of(path.resolve().parent) or run_folder_of(path.resolve())
+    if run is None or not driver_process() or not (holder := in_use_by(run)):
+        return
+    if run == path.resolve():  # the words `hold_out_dir` says it in
+        raise OutDirInUse(f"{flag} {path}: in use by {holder}; wait for it to end, or choose another {flag}")
+    raise OutDirInUse(f"{flag} {path}: is inside the run folder {run}, in use by {holder}; "
+                      f"write it elsewhere, or wait for that run to end")
 
 
 def write_file_atomically(path: Path, text: str) -> None:

@@ -38,12 +38,12 @@ from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.provenance import provenance
 from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, mean_extras
+from megatron_rl.rl.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint import (
     CheckpointError,
     load_checkpoint,
     point_latest,
     read_trainer_state,
-    save_checkpoint,
     vet_checkpoint,
 )
 from megatron_rl.rl.checkpoint_retention import check_room
@@ -114,6 +114,7 @@ class Trainer:
         self.update = PolicyUpdate(cfg, self.model, self.optimizer, self.ref_model, self.tok.pad_id,
                                    rank, world)
         self.deadline = run_deadline(cfg.end_by, rank)  # the job's end: stop and save before it
+        self.saver = CheckpointWriter(cfg.checkpoint.async_save, self.deadline and self.deadline.after_save)
         self.logger = None
         if rank == 0:
             self.logger = MetricsLogger(self.out_dir, cfg.logging,
@@ -286,17 +287,16 @@ class Trainer:
                         stopped = step if stop.requested(late) and step < cfg.steps else None
                     if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
                         with step_faults(self, step, "checkpoint"):
-                            t_save = time.perf_counter()
-                            save_checkpoint(self.out_dir, step, self.model, self.optimizer, self.ref_model,
+                            self.saver.save(self.out_dir, step, self.model, self.optimizer, self.ref_model,
                                             self.trainer_state(), self.history, self.rank,
-                                            (cfg.checkpoint.keep_last, cfg.checkpoint.keep_every))
-                            if self.deadline is not None:
-                                self.deadline.after_save(time.perf_counter() - t_save)
+                                            (cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
+                                            last=step == cfg.steps or bool(stopped))
                     if stopped:
                         break
             if cfg.checkpoint.export_hf and not stopped:
                 export_hf(self.model, cfg.model, self.out_dir / "hf", self.rank, self.world, self.tok)
         finally:
+            self.saver.close()  # a failed step: the pending save still ends (it was a good step's)
             if self.logger is not None:
                 self.logger.close()
         summary = {"start_step": self.start_step, "steps": cfg.steps, "reward_curve": curve,

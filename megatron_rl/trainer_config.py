@@ -163,8 +163,13 @@ class CheckpointConfig:
     # keep_every-th step besides (0: none); older ones are removed once a newer one is verified.
     keep_last: int = 3
     keep_every: int = 0
+    # Write checkpoints in the background (rl/async_save.py) while the next step runs, after a host
+    # copy of the state (host memory: one more copy of this rank's share of the state).
+    async_save: bool = False
 
     def __post_init__(self):
+        require(type(self.async_save) is bool,
+                f"checkpoint.async_save: expected true or false, got {self.async_save!r}")
         require(self.every >= 0, f"checkpoint.every: expected >= 0, got {self.every}")
         require(type(self.keep_last) is int and self.keep_last >= 1,
                 f"checkpoint.keep_last: expected an integer >= 1, got {self.keep_last!r}")

@@ -45,6 +45,27 @@ def _holder(fh) -> str:
         return "another process (its lock file names no holder)"
 
 
+def in_use_by(path: str | Path) -> str | None:
+    """Who holds `path`'s lock now (one line), or None: probed without taking it for longer than
+    the probe (a shared flock, released at once)."""
+    lock = Path(path) / LOCK_NAME
+    if (Path(path) / EXCL_NAME).is_file():
+        return f"the holder of {Path(path) / EXCL_NAME}"
+    try:
+        fh = open(lock, encoding="utf-8")
+    except OSError:
+        return None
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder(fh)
+        except OSError:
+            return None
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return None
+
+
 @contextlib.contextmanager
 def hold_out_dir(path: str | Path | None, command: str, flag: str = "--out"):
     """Hold `path`'s lock while the body runs; a second holder is refused at once, in one line."""

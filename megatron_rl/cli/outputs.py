@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from megatron_rl.errors import FlexFloorError
+from megatron_rl.owned_paths import refuse_held_run, refuse_symlinks_out
 
 # A file name's longest component on Linux file systems (NAME_MAX): ext4, xfs, btrfs, tmpfs, NFS.
 NAME_MAX = 255
@@ -45,6 +46,9 @@ def check_out_dir(path: str | Path | None, flag: str) -> None:
     _check_path(p, label)
     if p.exists() and not p.is_dir():
         raise FlexFloorError(f"{label}: exists and is not a folder")
+    refuse_held_run(p, flag)
+    if p.is_dir():
+        refuse_symlinks_out(p, p, flag=flag)
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -60,6 +64,7 @@ def check_out_file(path: str | Path | None, flag: str) -> None:
     _check_path(p, label)
     if p.is_dir():
         raise FlexFloorError(f"{label}: is a folder, expected a file name")
+    refuse_held_run(p, flag)
     if not p.parent.is_dir():
         raise FlexFloorError(f"{label}: folder {p.parent} does not exist")
     _probe(p.parent, label)

@@ -103,28 +103,41 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
         if _megatron(optimizer):
             optimizer.save(path, rank)
         if rank == 0:  # before the checksums, which cover them (they are read before the shards)
-            (path / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=2))
-            write_trace(history.records, path / "length_history.jsonl")
+            write_sidecars(path, {"step": step, **trainer_state}, history.records)
         dist.barrier()  # every rank's files are whole before the checksums hash them
         write_checksums(path, rank)
     except (OSError, CheckpointException) as e:
-        raise CheckpointError(f"{path}: cannot write the checkpoint ({_cause(e)}); the previous "
-                              "checkpoint stays in force") from None
+        raise CheckpointError(save_failure(path, e)) from None
     dist.barrier()  # every shard and sidecar is on disk before `latest` moves
     if keep is not None:  # what a resume reads first, read back, before anything older may go
         verify_checksums(path, only=[".metadata", *SIDECARS])
+    publish(path, rank, keep)
+    return path
+
+
+def write_sidecars(path: Path, trainer_state: dict, records: list) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+    write_trace(records, path / "length_history.jsonl")
+
+
+def save_failure(path: Path, e: BaseException) -> str:
+    return f"{path}: cannot write the checkpoint ({_cause(e)}); the previous checkpoint stays in force"
+
+
+def publish(path: Path, rank: int, keep: tuple[int, int] | None, group=None) -> None:
+    """Rank 0 points `latest` at the verified checkpoint `path`, then applies retention."""
     if rank == 0:
         point_latest(path)
         if keep is not None:
             from megatron_rl.rl.checkpoint_retention import prune
 
             try:
-                prune(root, path, *keep)
+                prune(path.parent, path, *keep)
             except OSError as e:
-                print(f"[train] {root}: could not remove an old checkpoint ({_cause(e)}); "
+                print(f"[train] {path.parent}: could not remove an old checkpoint ({_cause(e)}); "
                       "the run goes on", file=sys.stderr)
-    dist.barrier()
-    return path
+    dist.barrier(group=group)
 
 
 def point_latest(path: Path) -> None:
@@ -299,12 +312,12 @@ def _shards(path: Path) -> list[Path]:
     return sorted(path.glob("*.distcp")) + sorted(path.glob("megatron_optim.rank*.pt"))
 
 
-def write_checksums(path: Path, rank: int) -> None:
+def write_checksums(path: Path, rank: int, group=None) -> None:
     """Every rank hashes its share of the shards (in parallel); rank 0 writes `checksums.json`."""
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     mine = {p.name: _sha256(p) for p in _shards(path)[rank::world]}
     parts = [None] * world
-    dist.all_gather_object(parts, mine)
+    dist.all_gather_object(parts, mine, group=group)
     if rank == 0:
         sums = {k: v for part in parts for k, v in part.items()}
         for name in (".metadata", *SIDECARS):
@@ -312,7 +325,8 @@ def write_checksums(path: Path, rank: int) -> None:
         (path / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
 
 
-def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str] | None = None) -> None:
+def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str] | None = None,
+                     group=None) -> None:
     """Refuse a checkpoint whose files differ from what was written, or that has a file the listing
     does not cover (every rank checks its share; all raise the same one-line error). A checkpoint
     without `checksums.json` is refused unless `allow_unverified`. `only`: check just these files."""
@@ -324,7 +338,7 @@ def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str]
         raise CheckpointError(f"{listing}: missing, so the checkpoint cannot be verified; if you trust "
                               "where it came from, load it anyway with --allow-unverified-checkpoint "
                               "(checkpoint.allow_unverified=true)")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     covered = [path / n for n in only] if only is not None else [path / ".metadata", *_shards(path)]
     bad = [f"{f}: not covered by {listing}" for f in covered if f.name not in sums][:1] if rank == 0 else []
     for name in sorted(n for n in sums if only is None or n in only)[rank::world]:
@@ -342,7 +356,7 @@ def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str]
     found = [bad]
     if world > 1:
         found = [None] * world
-        dist.all_gather_object(found, bad)
+        dist.all_gather_object(found, bad, group=group)
     bad = sorted(b for part in found for b in part)
     if bad:
         raise CheckpointError(f"{bad[0]}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")

@@ -133,10 +133,13 @@ class MegatronOptimizer:
     # megatron-core's `save_parameter_state`: it gathers over gloo groups, which megatron-core does
     # not create when process groups are passed. A resume needs the same rank count.
     def save(self, path: Path, rank: int) -> None:
-        state = {str(i): {"optimizer": opt.state_dict(),
-                          "masters": [p.detach() for g in opt.param_groups for p in g["params"]]}
-                 for i, opt in enumerate(self._inner())}
-        torch.save(state, path / OPTIM_FILE.format(rank=rank))
+        torch.save(self.saved_state(), path / OPTIM_FILE.format(rank=rank))
+
+    def saved_state(self) -> dict:
+        """What `save` writes (rl/async_save.py copies it to the host and writes it in the background)."""
+        return {str(i): {"optimizer": opt.state_dict(),
+                         "masters": [p.detach() for g in opt.param_groups for p in g["params"]]}
+                for i, opt in enumerate(self._inner())}
 
     def load(self, path: Path, rank: int) -> None:
         from megatron_rl.errors import CheckpointError

@@ -114,13 +114,20 @@ def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
 
 
 def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
-    """SFT-only run on `cfg.ranks` ranks; writes a HuggingFace checkpoint usable as `init:`."""
+    """SFT-only run on `cfg.ranks` ranks; writes a HuggingFace checkpoint usable as `init:`. The
+    export replaces `out_dir` only where `flexfloor export --to` may (owned_paths.check_export_target)."""
+    import contextlib
+
+    from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.owned_paths import check_export_target
     from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.rl.model_setup import check_init
 
+    other_run = check_export_target(out_dir, None, "--out")
     device = resolve_device(cfg.device)
     check_init(cfg)
     data = load_prompts(cfg.data)
-    return run_ranks(_sft_rank, cfg.ranks, cfg, data, out_dir, timeout_s=cfg.timeout_s, device=device)
+    with hold_out_dir(other_run, "sft_warmstart") if other_run else contextlib.nullcontext():
+        return run_ranks(_sft_rank, cfg.ranks, cfg, data, out_dir, timeout_s=cfg.timeout_s, device=device)

@@ -1,5 +1,6 @@
 """Bad input to every command (rollout, train, plan, predict, simulate, demo) is one line naming the
 file, field or flag, exit 2, before any rank starts (issue 15 items 4.6-4.10). In-process: `main()`."""
+import fcntl
 import json
 import sys
 
@@ -17,6 +18,15 @@ TINY_TRAIN = {
     "tokenizer": {"kind": "char", "alphabet": "0123456789+-*=() "},
     "grpo": {"group_size": 2}, "generation": {"max_response_len": 4}, "prompts_per_step": 2, "ranks": 2,
 }
+
+_HELD = []  # the lock files a test holds for "a running train"
+
+
+@pytest.fixture(autouse=True)
+def _release_held():
+    yield
+    while _HELD:
+        _HELD.pop().close()
 
 
 def _cases(tmp):
@@ -46,6 +56,16 @@ def _cases(tmp):
     loop.symlink_to(tmp / "loop2")
     (tmp / "loop2").symlink_to(loop)
     too_long = "bytes, over the file system's limit of 255"
+    # a planted link in an output folder, out to a file of someone else's (issue 31, every writer)
+    planted, theirs = tmp / "planted", w("theirs.txt", "keep me")
+    planted.mkdir()
+    (planted / "report.json").symlink_to(theirs)
+    (planted / "timeline.png").symlink_to(theirs)
+    # a run folder a running train holds: its lock held here, as the train would
+    held = tmp / "held"
+    (held / "checkpoints").mkdir(parents=True)
+    _HELD.append(open(held / ".flexfloor.lock", "a+", encoding="utf-8"))
+    fcntl.flock(_HELD[-1], fcntl.LOCK_EX)
     return {
         # command -> [(argv, fragments of the one error line)]
         "rollout": [
@@ -62,6 +82,11 @@ def _cases(tmp):
             (["--json", f"{long}.json"], [too_long]),
             (["--out", f"{loop}/sub"], [f"--out {loop}/sub: a symlink loop"]),
             (["--out", long], [too_long]),
+            (["--out", str(planted)], [f"--out {planted}: report.json: a symlink to {theirs}, outside"]),
+            (["--plot", str(planted)], [f"--plot {planted}: report.json: a symlink to {theirs}, outside"]),
+            (["--json", str(held / "metrics.jsonl")], [f"--json {held / 'metrics.jsonl'}: is inside the run "
+                                                       f"folder {held}, in use by"]),
+            (["--out", str(held / "rollout")], [f"--out {held / 'rollout'}: is inside the run folder {held}"]),
         ],
         "train": [
             (["--config", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
@@ -108,6 +133,7 @@ def _cases(tmp):
             (["--trace", trace, "--cost", latin1_yaml], [f"{latin1_yaml}:2: not UTF-8 text"]),
             (["--trace", trace, "--plot", a_file], [f"--plot {a_file}: exists and is not a folder"]),
             (["--trace", trace, "--plot", str(loop)], [f"--plot {loop}: a symlink loop"]),
+            (["--trace", trace, "--plot", str(planted)], [f"--plot {planted}: report.json: a symlink to"]),
             (["--trace", trace, "--plot", f"{long}/figs"], [too_long]),
             (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..16"]),
         ],
@@ -168,3 +194,27 @@ def test_offload_without_a_working_deepspeed_is_one_line_before_any_rank(tmp_pat
     monkeypatch.setitem(sys.modules, "deepspeed.ops.op_builder", types.SimpleNamespace(CPUAdamBuilder=Builder))
     one_line("optim.offload: cpu: DeepSpeed's CPU Adam did not build (RuntimeError: cpu_adam.cpp:12:5: error: "
              "'simd_load' was not declared | cpu_adam.cpp:40:1: error: expected ';' before '}' token)")
+
+
+def test_sft_warmstart_replaces_only_its_own_export(tmp_path, capsys):
+    """Issue 31: `tools/sft_warmstart.py --out` exports under `export --to`'s rule: a non-empty
+    folder that is not a FlexFloor export (a base model, `.`) is refused before any rank starts,
+    and left as it was (it was replaced whole)."""
+    import runpy
+
+    rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+    (tmp_path / "d.jsonl").write_text(rows)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY_TRAIN, "data": {"path": str(tmp_path / "d.jsonl")},
+                                   "warmstart": {"sft_steps": 1}}))
+    theirs = tmp_path / "base_model"
+    theirs.mkdir()
+    (theirs / "config.json").write_text("{}")
+    sys.argv = ["sft_warmstart.py", "--config", str(cfg), "--out", str(theirs)]
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path("tools/sft_warmstart.py", run_name="__main__")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"sft_warmstart: error: --out {theirs}: "
+                             "is a non-empty folder that is not a FlexFloor export")
+    assert sorted(p.name for p in theirs.iterdir()) == ["config.json"] and not live_children()
