@@ -249,6 +249,13 @@ def _convert(path: Path, src, cfg: MoEModelConfig, held: Iterable[int], want: di
     return sd
 
 
+def hf_layout(cfg: MoEModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every HF tensor of a model of shape `cfg`, in the order the shards hold them: name -> (shape, dtype)."""
+    with torch.device("meta"):
+        full = Qwen3MoeModel(cfg, None, dtype).state_dict()
+    return {k: (tuple(v.shape), v.dtype) for k, v in megatron_to_hf(full, cfg).items()}
+
+
 def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtype | None = None,
                        tokenizer=None, shard_bytes: int | None = None) -> None:
     """Export a model holding every expert as a HuggingFace checkpoint directory (either MoE

@@ -28,16 +28,6 @@ SHARD_BYTES = 5 * 10**9
 INDEX = "model.safetensors.index.json"
 
 
-def hf_layout(cfg: MoEModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every HF tensor of a model of shape `cfg`, in the order the shards hold them: name -> (shape, dtype)."""
-    from megatron_rl.models.hf import megatron_to_hf
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-
-    with torch.device("meta"):
-        full = Qwen3MoeModel(cfg, None, dtype).state_dict()
-    return {k: (tuple(v.shape), v.dtype) for k, v in megatron_to_hf(full, cfg).items()}
-
-
 def plan_shards(layout: dict, shard_bytes: int) -> list[list[str]]:
     """Tensor names packed in order into shards of at most `shard_bytes` (a larger tensor alone)."""
     shards, size = [[]], 0

@@ -61,8 +61,8 @@ def export_hf(model, model_cfg, path: str | Path, rank: int, world: int, tokeniz
     """Write the whole model as a HuggingFace folder at `path` from every rank at once
     (models/hf_writer.py): each shard by one rank, the experts it lacks sent to it one tensor at a
     time; nothing gathers every expert onto one device. The same files as `flexfloor export`."""
-    from megatron_rl.models.hf import megatron_to_hf
-    from megatron_rl.models.hf_writer import SHARD_BYTES, hf_layout, write_index_and_configs, write_shards
+    from megatron_rl.models.hf import hf_layout, megatron_to_hf
+    from megatron_rl.models.hf_writer import SHARD_BYTES, write_index_and_configs, write_shards
     from megatron_rl.models.megatron_weights import canonical_state_dict
     from megatron_rl.owned_paths import FolderSwap
 
