@@ -340,7 +340,11 @@ def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str]
                               "(checkpoint.allow_unverified=true)")
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     covered = [path / n for n in only] if only is not None else [path / ".metadata", *_shards(path)]
-    bad = [f"{f}: not covered by {listing}" for f in covered if f.name not in sums][:1] if rank == 0 else []
+    # Uncovered files pass only with explicit trust: a checkpoint written before checksums.json
+    # listed the sidecars (trainer_state.json, length_history.jsonl) resumes that way.
+    bad = [f"{f}: not covered by {listing}; if you trust where it came from, load it anyway with "
+           "--allow-unverified-checkpoint (checkpoint.allow_unverified=true)"
+           for f in covered if f.name not in sums][:1] if rank == 0 and not allow_unverified else []
     for name in sorted(n for n in sums if only is None or n in only)[rank::world]:
         f = path / name
         if Path(name).name != name or name in (".", ".."):
