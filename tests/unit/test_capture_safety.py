@@ -67,7 +67,10 @@ def test_the_graph_key_changes_exactly_when_what_the_graph_reads_does():
     def evict_rope():
         qwen3_moe._rope_table.cache_clear()
 
+    held = []  # the old copies stay alive, so a new one cannot take an old one's address by chance
+
     def move_router():  # the weight moved: its fp32 copy is made anew
+        held.append(eng.model.moe_layers[0].router._fp32)
         del eng.model.moe_layers[0].router._fp32
 
     def expert_out_and_back():
