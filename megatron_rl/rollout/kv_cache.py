@@ -56,9 +56,28 @@ def kv_cache_slots(device: torch.device, per_slot: int, fraction: float, max_slo
                            stats.get("allocated_bytes.all.current", 0), fraction, per_slot, max_slots)
 
 
-class RouteRows:
-    """Where a forward's routes go, for either cache (slot or paged): both name a sequence by its
-    slot and say in `prefill`/`decode` which slots and positions the next forward covers."""
+class CacheTensors:
+    """What the slot and the paged cache share: per-layer K/V tensors of `shape` that a detached
+    rank frees and reclaims, and where a forward's routes go (both name a sequence by its slot and
+    say in `prefill`/`decode` which slots and positions the next forward covers)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def release_memory(self) -> int:
+        """Free the K/V tensors (no live request may remain); returns the bytes freed."""
+        if len(self.free) != self.slots:
+            raise RuntimeError(f"KV cache released with {self.slots - len(self.free)} live sequences")
+        freed = self.nbytes
+        self.k, self.v = [], []
+        return freed
+
+    def reclaim_memory(self) -> None:
+        """(Re)allocate the K/V tensors: at construction, and before a detached rank rejoins."""
+        self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.generation += 1
 
     def route_rows(self, T: int) -> torch.Tensor:
         """The forward's T rows as flat (slot x max_len + position) indices, for the route buffer
@@ -77,7 +96,7 @@ class RouteRows:
         return self._route_rows[1]
 
 
-class SlotKVCache(RouteRows):
+class SlotKVCache(CacheTensors):
     """Per layer K and V of [slots + 1, G, L_max, C]: the last slot is scratch, where the padding
     rows of a CUDA-graph bucket write (no request ever holds it).
 
@@ -115,24 +134,6 @@ class SlotKVCache(RouteRows):
     def capacity(self) -> int:
         """The most positions one sequence can ever hold."""
         return self.max_len
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def release_memory(self) -> int:
-        """Free the K/V tensors (no live request may remain); returns the bytes freed."""
-        if len(self.free) != self.slots:
-            raise RuntimeError(f"KV cache released with {self.slots - len(self.free)} live sequences")
-        freed = self.nbytes
-        self.k, self.v = [], []
-        return freed
-
-    def reclaim_memory(self) -> None:
-        """(Re)allocate the K/V tensors: at construction, and before a detached rank rejoins."""
-        self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.generation += 1
 
     def admissible(self, now: list[int], total: list[int], live: int, shared: list[int]) -> int:
         """How many of the waiting requests (at most one per free slot) to admit: all of them

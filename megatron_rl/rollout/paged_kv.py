@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.config import require, require_size
-from megatron_rl.rollout.kv_cache import RouteRows, SlotKVCache
+from megatron_rl.rollout.kv_cache import CacheTensors, SlotKVCache
 from megatron_rl.rollout.pages import PageAllocator
 
 KV_KINDS = ("slots", "paged")
@@ -52,7 +52,7 @@ def build_kv_cache(kind: str, mcfg, slots: int, max_len: int, dtype: torch.dtype
                         mcfg.kv_channels, dtype, device, reserve)
 
 
-class PagedKVCache(RouteRows):
+class PagedKVCache(CacheTensors):
     shares_prefix = True
 
     def __init__(self, num_layers: int, slots: int, pages: int, page_size: int, groups: int, max_len: int,
@@ -84,22 +84,6 @@ class PagedKVCache(RouteRows):
     def capacity(self) -> int:
         """The most positions one sequence can ever hold: its block table, or the whole pool."""
         return min(self.max_len, self.pool.pages * self.page_size)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def release_memory(self) -> int:
-        if len(self.free) != self.slots:
-            raise RuntimeError(f"KV cache released with {self.slots - len(self.free)} live sequences")
-        freed = self.nbytes
-        self.k, self.v = [], []
-        return freed
-
-    def reclaim_memory(self) -> None:
-        self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.generation += 1
 
     # -- sequences and pages ------------------------------------------------------------------
 
