@@ -67,19 +67,25 @@ def test_the_graph_key_changes_exactly_when_what_the_graph_reads_does():
     def evict_rope():
         qwen3_moe._rope_table.cache_clear()
 
-    held = []  # the old copies stay alive, so a new one cannot take an old one's address by chance
+    held = []  # old tensors stay alive, so a new one cannot take an old one's address by chance
 
     def move_router():  # the weight moved: its fp32 copy is made anew
         held.append(eng.model.moe_layers[0].router._fp32)
         del eng.model.moe_layers[0].router._fp32
 
-    def expert_out_and_back():
+    def expert_out_and_back():  # the stacked copies are rebuilt: hold the old ones
+        held.extend(m.experts._buffers_EE for m in eng.model.moe_layers)
         flat = el.export_expert(3).clone()
         el.drop_expert(3)
         el.import_expert(3, flat)
 
+    def kv_out_and_back():  # the old K/V stay alive too: the reclaimed ones get new addresses
+        held.append(eng.cache.k + eng.cache.v)
+        el.release_memory()
+        el.reclaim_memory()
+
     changes = [("nothing", lambda: None), ("RoPE table evicted", evict_rope), ("router weight moved", move_router),
-               ("KV released and reclaimed", lambda: (el.release_memory(), el.reclaim_memory())),
+               ("KV released and reclaimed", kv_out_and_back),
                ("expert out and back", expert_out_and_back), ("nothing again", lambda: None)]
     before_reads, before_key = capture_safety.reads(runner), runner._key()
     for name, change in changes:
