@@ -2,8 +2,9 @@
 # The GPU path's checks on one H100/H200, within one time budget; one summary table at the end, exit
 # status 1 if any check failed or never reported (docs/gpu.md, "The checks"):
 #   bash tools/gpu_check.sh                                   # the default profile
-#   FF_GPU_PROFILE=megatron-train bash tools/gpu_check.sh     # megatron-core, training, the step table
-#   FF_GPU_DRYRUN=1 bash tools/gpu_check.sh                   # both profiles on CPU, tiny shapes (CI)
+#   FF_GPU_PROFILE=megatron-train bash tools/gpu_check.sh     # megatron-core and training
+#   FF_GPU_PROFILE=slice bash tools/gpu_check.sh              # the 30B-A3B slice and its step table
+#   FF_GPU_DRYRUN=1 bash tools/gpu_check.sh                   # every profile on CPU, tiny shapes (CI)
 #   FF_GPU_STAGES='^(w|c): ' bash tools/gpu_check.sh         # only the stages whose names match (a rerun)
 # Profiles and their stages: tools/gpu_timeline.py (with each stage's H200 time and the rows it
 # reports); the bodies: tools/gpu_checks.py, tools/gpu_decode_checks.py, tools/bench_gpu.py,
@@ -28,10 +29,10 @@ H200_BUDGET_S=${FF_GPU_BUDGET_S:-285}  # what the projected timeline is held to
 # The budget this run's stages start within: the H200's, or in the dry run a CPU bound of its own
 # (a 2-core CI machine is slower than an H200 at tiny shapes too).
 BUDGET_S=$([[ $DRYRUN == 1 ]] && echo "${FF_GPU_DRYRUN_BUDGET_S:-1800}" || echo "$H200_BUDGET_S")
-profiles=${FF_GPU_PROFILE:-$([[ $DRYRUN == 1 ]] && echo "default megatron-train" || echo default)}
+profiles=${FF_GPU_PROFILE:-$([[ $DRYRUN == 1 ]] && echo "default megatron-train slice" || echo default)}
 for p in $profiles; do
     if ! python -c "import sys; from tools.gpu_timeline import PROFILES; sys.exit('$p' not in PROFILES)"; then
-        echo "gpu_check: FF_GPU_PROFILE: unknown profile '$p', expected default or megatron-train" >&2
+        echo "gpu_check: FF_GPU_PROFILE: unknown profile '$p', expected one of: $(python -c 'from tools.gpu_timeline import PROFILES; print(*PROFILES)')" >&2
         exit 2
     fi
 done

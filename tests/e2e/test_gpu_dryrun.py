@@ -1,5 +1,5 @@
-"""`FF_GPU_DRYRUN=1 bash tools/gpu_check.sh` as CI runs it: every stage and Python path of both
-profiles on CPU at tiny shapes, under the import blocker of the bare H200 image (tools/gpu_dryrun/),
+"""`FF_GPU_DRYRUN=1 bash tools/gpu_check.sh` as CI runs it: every stage and Python path of every
+profile on CPU at tiny shapes, under the import blocker of the bare H200 image (tools/gpu_dryrun/),
 with the carried wheels' names standing for them. A change that would break the first GPU run (an
 import the image lacks, a row that never reports, results outside $OUT, a profile over its budget,
 a captured region that reads the host) breaks this test. Negative controls: the wheels folder
@@ -43,7 +43,7 @@ def rows(out: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_dry_run_records_every_row_of_both_profiles_under_out(tmp_path):
+def test_the_dry_run_records_every_row_of_every_profile_under_out(tmp_path):
     res, out = dry_run(tmp_path, 1800)
     assert res.returncode == 0, res.stdout[-6000:]
     got = rows(out)
