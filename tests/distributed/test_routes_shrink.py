@@ -1,5 +1,5 @@
 """Routes recorded through an EP shrink equal a vanilla run's: `train` with the megatron backend (the
-megatron-core CPU harness) on 2 gloo ranks and the torch backend on 4, `natural` floor 1 (the other
+megatron-core CPU harness) on 2 and 4 gloo ranks and the torch backend on 4, `natural` floor 1 (the other
 ranks leave, their experts move to rank 0; megatron-core's layers are rebuilt on the smaller group
 and get new router hooks) against `vanilla`, float32, routing replay on: the same routes for every
 response, and the same step (the natural run's plan is forced to shrink: `_shrinking`)."""
@@ -55,7 +55,7 @@ def _train(ctx, backend: str, data: str, out: str):
         json.dump(results, f)
 
 
-@pytest.mark.parametrize("backend,world", [("megatron", 2), ("torch", 4)])
+@pytest.mark.parametrize("backend,world", [("megatron", 2), ("megatron", 4), ("torch", 4)])
 def test_routes_through_a_shrink_equal_vanilla(request, backend, world, tmp_path):
     from megatron_rl.data.arith import make_problems, write_jsonl
     from megatron_rl.parallel.launch import run_ranks
