@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.backends import Backend, backend
+from megatron_rl.backends import BACKENDS, Backend, backend
 from megatron_rl.config import (
     require,
     require_rollout_size,
@@ -236,7 +236,7 @@ class TrainerConfig:
     # MoE implementation for generation and training: `torch` (plain PyTorch, CPU or GPU) or
     # `megatron` (megatron-core's MoELayer, DDP and DistributedOptimizer; GPUs only, see
     # megatron_rl/rl/megatron_train.py).
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal[BACKENDS] = "torch"
     timeout_s: float = 300.0  # every collective's timeout
     verify_replicas: bool = True  # after each update, check the replicated weights agree bitwise
     # `cuda`: one GPU per rank over NCCL; `cpu`: gloo ranks; `auto`: cuda when CUDA is available.
