@@ -34,7 +34,6 @@ from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.metrics import MetricsLogger, gpu_memory, length_stats, require_matplotlib
-from megatron_rl.models.megatron_backend import backend_report
 from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.provenance import provenance
 from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, mean_extras
@@ -56,7 +55,7 @@ from megatron_rl.rl.partial import PartialRollouts
 from megatron_rl.rl.resume_fit import check_resume_fit
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.sft import sft_pending, sft_stopped, sft_warmstart
-from megatron_rl.rl.train_step import check_replicas, frozen_copy, training_optimizer
+from megatron_rl.rl.train_step import check_replicas, frozen_copy
 from megatron_rl.rl.update import PolicyUpdate
 from megatron_rl.rl.validation import Validator, load_heldout
 from megatron_rl.trainer_config import TrainerConfig
@@ -87,15 +86,7 @@ class Trainer:
             self.sft_stopped = sft_stopped(losses) and (sft_stopped(losses), stop.signum)
             resume = None  # the RL run starts at step 1 from the warm-started weights
         self.ref_model = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
-        o = cfg.optim
-        if cfg.backend == "megatron":
-            from megatron_rl.models.qwen3_moe import DTYPES
-            from megatron_rl.rl.megatron_train import MegatronOptimizer, training_groups
-
-            self.optimizer = MegatronOptimizer(self.model, cfg.model, o, DTYPES[cfg.dtype],
-                                               training_groups(rank, world))
-        else:
-            self.optimizer = training_optimizer(self.model, o, rank, world)
+        self.optimizer = cfg.moe_backend.optimizer(self.model, cfg, rank, world)
         if resume is not None:
             state, self.history = read_trainer_state(resume, cfg.model)
             load_checkpoint(resume, self.model, self.optimizer, self.ref_model,
@@ -118,7 +109,7 @@ class Trainer:
         self.logger = None
         if rank == 0:
             self.logger = MetricsLogger(self.out_dir, cfg.logging,
-                                        run_config={**asdict(cfg), "moe": backend_report(cfg.backend),
+                                        run_config={**asdict(cfg), "moe": cfg.moe_backend.describe(),
                                                     "provenance": provenance()},
                                         resume_step=self.start_step if resume is not None else None,
                                         tags=policy_tags(cfg.elastic.policy, cfg.elastic.floor))
@@ -433,7 +424,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     from megatron_rl.rollout.preflight import preflight
 
     if not preflight_done:
-        preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
+        preflight(cfg.moe_backend, cfg.dtype, cfg.leases, cfg.optim.offload)
     if cfg.logging.plot_every:
         require_matplotlib("logging.plot_every")
     device = resolve_device(cfg.device)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
+from megatron_rl.backends import BACKENDS, Backend, backend
 from megatron_rl.config import (
     require,
     require_rollout_size,
@@ -235,7 +236,7 @@ class TrainerConfig:
     # MoE implementation for generation and training: `torch` (plain PyTorch, CPU or GPU) or
     # `megatron` (megatron-core's MoELayer, DDP and DistributedOptimizer; GPUs only, see
     # megatron_rl/rl/megatron_train.py).
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal[BACKENDS] = "torch"
     timeout_s: float = 300.0  # every collective's timeout
     verify_replicas: bool = True  # after each update, check the replicated weights agree bitwise
     # `cuda`: one GPU per rank over NCCL; `cpu`: gloo ranks; `auto`: cuda when CUDA is available.
@@ -287,17 +288,14 @@ class TrainerConfig:
         require(not self.partial.enabled or self.grpo.tis_cap is not None,
                 "partial.enabled: carried responses mix tokens of older policies; set grpo.tis_cap "
                 "(truncated importance sampling from each token's behaviour log-prob)")
-        if self.backend == "megatron":
-            from megatron_rl.models.megatron_backend import MEGATRON_DTYPES
-
-            require(self.dtype in MEGATRON_DTYPES,
-                    f"backend megatron: dtype must be bfloat16 or float32, got {self.dtype}")
-            require(self.grpo.kl_coef == 0, "backend megatron: grpo.kl_coef > 0 (a frozen reference model) "
-                                            "is not supported yet; use kl_coef: 0 or backend: torch")
-            require(self.optim.offload == "none", "optim.offload: cpu is for backend torch (megatron-core's "
-                                                  "DistributedOptimizer keeps its own state)")
+        self.moe_backend.require_training(self)
         require(self.optim.offload == "none" or self.dtype != "float64",
                 "optim.offload: cpu steps fp32 masters with DeepSpeed's CPU Adam; dtype must be bfloat16 or float32")
+
+    @property
+    def moe_backend(self) -> Backend:
+        """The MoE backend `backend` names, asked instead of the name (megatron_rl/backends)."""
+        return backend(self.backend)
 
     @property
     def rows_per_rank(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastic.planning.shape import QWEN3_30B_A3B_H100
+from megatron_rl.backends import BACKENDS
 from megatron_rl.config import require, require_seed
 from megatron_rl.errors import FlexFloorError
 
@@ -35,7 +36,7 @@ class PlanConfig:
     alpha: float = 0.05
     oracle: bool = False
     objective: Literal["occupied", "rollout"] = "occupied"
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal[BACKENDS] = "torch"
     model: str = QWEN3_30B_A3B_H100.name
     max_response_len: int | None = None
     seed: int = 0
@@ -75,7 +76,7 @@ def register(subparsers) -> None:
     p.add_argument("--objective", choices=("occupied", "rollout"),
                    help="pick the chain with the fewest occupied rank-seconds (default) or the "
                         "shortest predicted rollout")
-    p.add_argument("--backend", choices=("torch", "megatron"),
+    p.add_argument("--backend", choices=BACKENDS,
                    help="MoE backend the plan must suit: megatron (megatron-core's contiguous expert "
                         "blocks) allows only group sizes that divide the expert count (default: torch)")
     p.add_argument("--model", choices=sorted(SHAPES),

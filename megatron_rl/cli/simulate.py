@@ -6,6 +6,7 @@ import json
 import sys
 
 from elastic.planning.policies import SIM_POLICIES
+from megatron_rl.backends import BACKENDS
 from megatron_rl.errors import FlexFloorError
 
 
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", choices=["occupied", "rollout"],
                    help="how the planner picks the chain of stages: fewest occupied rank-seconds "
                         "(capacity, default) or shortest predicted rollout (latency)")
-    p.add_argument("--backend", choices=["torch", "megatron"],
+    p.add_argument("--backend", choices=BACKENDS,
                    help="MoE backend the plans must suit: megatron (megatron-core's contiguous expert "
                         "blocks) allows only group sizes that divide the expert count (default torch)")
     p.add_argument("--ranks", type=int, help="ranks (accelerators) W (default 16)")

@@ -40,7 +40,7 @@ def run(args) -> int:
         print(config_yaml(cfg), end="")
         return 0
     # What this machine cannot run is refused before any output.
-    preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
+    preflight(cfg.moe_backend, cfg.dtype, cfg.leases, cfg.optim.offload)
     with removed_if_refused(args.out, "checkpoints", LOCK_NAME):  # a refused run leaves nothing it made
         check_out_dir(args.out, "--out")
         check_out_dir(Path(args.out) / "checkpoints", "--out")  # read-only: found now, not at the first save

@@ -15,7 +15,7 @@ contiguous blocks: EP rank i of n holds experts [i*E/n, (i+1)*E/n), so a shrink 
 `elastic.planning.plan.block_owners` and E must divide by the group size.
 
 megatron-core 0.16.1's router and alltoall/flex dispatchers call CUDA directly, so the backend runs
-on GPUs only; `require_backend("megatron")` says so on a CPU machine. The experts are TEGroupedMLP
+on GPUs only; `require_backend()` says so on a CPU machine. The experts are TEGroupedMLP
 when TransformerEngine imports and our grouped-GEMM module otherwise (`expert_kernel`,
 `megatron_layers.EXPERTS`; SequentialMLP on request); in the H100 image (FLEXFLOOR_IMAGE=h100) a
 TransformerEngine that does not import is an error. The layer can be *built* on CPU
@@ -36,9 +36,6 @@ from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.moe import MoELayer as TorchMoELayer
 
-BACKENDS = ("torch", "megatron")
-# The dtypes megatron-core runs (its layers and optimizer): the rule configs and preflight ask.
-MEGATRON_DTYPES = ("bfloat16", "float32")
 DISPATCHERS = ("alltoall", "flex", "allgather")
 
 # (fc1 [2F, D], fc2 [D, F]) of one expert in one layer.
@@ -84,12 +81,10 @@ def expert_kernel(choice: str = "auto") -> str:
     return "GroupedMM"
 
 
-def backend_report(name: str) -> dict:
+def backend_report() -> dict:
     """What hosts the MoE layers, for the rollout report and the training run's W&B config: the
-    expert module the backend builds here (`expert_kernel`)."""
-    if name != "megatron":
-        return {"backend": name}
-    return {"backend": name, "experts": expert_kernel(), "transformer_engine": transformer_engine()[0]}
+    expert module this backend builds here (`expert_kernel`)."""
+    return {"backend": "megatron", "experts": expert_kernel(), "transformer_engine": transformer_engine()[0]}
 
 
 # The device megatron-core's layers are built on when CUDA is absent. None in the product (backend
@@ -102,12 +97,8 @@ def megatron_device() -> str:
     return "cuda" if TEST_DEVICE is None else TEST_DEVICE
 
 
-def require_backend(name: str) -> None:
-    """Fail with a user-facing message when backend `name` cannot run on this machine."""
-    if name == "torch":
-        return
-    if name != "megatron":
-        raise FlexFloorError(f"backend: expected one of {', '.join(BACKENDS)}, got {name!r}")
+def require_backend() -> None:
+    """Fail with a user-facing message when this backend cannot run on this machine."""
     if TEST_DEVICE is None and not torch.cuda.is_available():
         raise FlexFloorError(
             "backend 'megatron' builds megatron-core's MoELayer, whose router and token dispatchers "

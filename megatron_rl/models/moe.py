@@ -49,11 +49,9 @@ def grouped_mm_ok(dtype: torch.dtype, device: torch.device) -> bool:
     return False
 
 
-def expert_report(backend: str, dtype: torch.dtype, device: torch.device) -> dict:
+def expert_report(dtype: torch.dtype, device: torch.device) -> dict:
     """How the torch backend's rollout computes its experts here, for the rollout report: the
     grouped GEMM, or the per-expert loop (one host read of the counts per layer) where none runs."""
-    if backend != "torch":
-        return {}
     if grouped_mm_ok(dtype, device):
         return {"experts": "grouped GEMM (torch._grouped_mm)"}
     return {"experts": f"per-expert loop (no grouped GEMM for {str(dtype).removeprefix('torch.')} on {device.type})"}

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.backends import backend
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.models.megatron_backend import MEGATRON_DTYPES
 from megatron_rl.trainer_config import OptimConfig
 
 
@@ -33,8 +33,7 @@ def optimizer_config(optim: OptimConfig, dtype: torch.dtype):
     """megatron-core's OptimizerConfig for `optim`: Adam(W) with fp32 masters and fp32 state."""
     from megatron.core.optimizer import OptimizerConfig
 
-    if dtype not in tuple(getattr(torch, d) for d in MEGATRON_DTYPES):
-        raise FlexFloorError(f"backend 'megatron' trains in bfloat16 or float32, got {dtype}")
+    backend("megatron").require_dtype(str(dtype).removeprefix("torch."))
     return OptimizerConfig(
         optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from elastic.planning.plan import block_owners
-from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.rl.checkpoint import CheckpointError
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -26,33 +25,19 @@ def check_init(cfg: TrainerConfig) -> None:
 
 
 def build_model(cfg: TrainerConfig, rank: int, world: int, device: torch.device | None = None):
-    """This rank's model on `device`: dense weights and the experts Megatron's contiguous blocks give
-    it. On the device before the megatron backend is installed, which needs it on CUDA."""
+    """This rank's model on `device` as its backend trains it (`Backend.build_model`, then
+    `for_training`): dense weights and the experts Megatron's contiguous blocks give it. On the
+    device before the megatron backend is installed, which needs it on CUDA."""
     from megatron_rl.models.moe import LocalDispatcher
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
     from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 
     owners = block_owners(cfg.model.num_moe_experts, range(world))
     held = [e for e, rs in owners.items() if rank in rs]
-    dtype = DTYPES[cfg.dtype]
-    if cfg.init is not None:
-        from megatron_rl.models.hf import load_hf_checkpoint
-
-        model = load_hf_checkpoint(cfg.init, dtype, experts=held)
-    else:
-        model = Qwen3MoeModel(cfg.model, held, dtype)
-        model.init_weights(cfg.seed)
-    if device is not None:
-        model.to(device)
+    model = cfg.moe_backend.build_model(cfg.model, held, cfg.dtype, cfg.init, cfg.seed, device)
     model.recompute_activations = cfg.recompute_activations
     model.set_dispatcher(LocalDispatcher() if world == 1 else
                          AllToAllDispatcher(dist.group.WORLD, [owners[e][0] for e in sorted(owners)]))
-    if cfg.backend == "megatron":
-        from megatron_rl.models.megatron_backend import install_megatron_moe, megatron_options, require_cuda_model
-        from megatron_rl.rl.megatron_train import training_groups
-
-        require_cuda_model(model)
-        install_megatron_moe(model, training_groups(rank, world), **megatron_options(dtype))
+    cfg.moe_backend.for_training(model, rank, world)
     return model
 
 

@@ -255,12 +255,8 @@ class RolloutPhase:
         engine.progress = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine),
                                    "tokens", enabled=self.rank == 0)
         engine.recorder.start({w.key: w.routes for w in work if w.routes is not None})
-        if cfg.backend == "megatron":
-            # A shrink rebuilds megatron-core's layers; the optimizer holds the originals' parameters.
-            originals = [layer.mlp for layer in self.model.decoder.layers]
-        else:
-            originals = [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in self.model.moe_layers]
-        spec = RankRollout(plan, self.rank, self.world, self.store, backend=cfg.backend,
+        kept = cfg.moe_backend.keep_experts(self.model)
+        spec = RankRollout(plan, self.rank, self.world, self.store, backend=cfg.moe_backend,
                            rule=self._online_rule(plan, items, history, known_prefix),
                            status_interval=cfg.elastic.status_interval, stop=stop)
         leases = self.leases
@@ -274,10 +270,7 @@ class RolloutPhase:
                 "logprobs": engine.logprobs[r.key]}, kept=lease_rewards)
         # The recorded log-probs and routes travel with a migrated request.
         outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=CarriedValues(engine))
-        if cfg.backend == "megatron":
-            self._reinstall_megatron(originals)
-        else:
-            self._reinstall(originals)
+        cfg.moe_backend.restore_experts(self.model, kept)
         routes = engine.recorder.routes(engine.live + engine.pending)
         local = [(r.key, r.tokens, engine.logprobs.get(r.key, []), done, routes.get(r.key))
                  for done, rs in ((True, engine.finished), (False, engine.live + engine.pending)) for r in rs]
@@ -325,35 +318,6 @@ class RolloutPhase:
         return online_rule(plan, items, history, shape=shape, status_interval=cfg.elastic.status_interval,
                            max_batch=cfg.generation.max_batch_per_rank,
                            max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix)
-
-    def _reinstall(self, originals: list[dict]) -> None:
-        """Put the pre-rollout expert modules back, holding the restored weights."""
-        for moe, before in zip(self.model.moe_layers, originals):
-            assert moe.experts.held() == sorted(before), "restore left a different set of experts"
-            for e, module in before.items():
-                now = moe.experts.get(e)
-                if now is not module:
-                    with torch.no_grad():
-                        for p_old, p_new in zip(module.parameters(), now.parameters()):
-                            p_old.copy_(p_new)
-                    moe.experts.local_experts[str(e)] = module
-
-    def _reinstall_megatron(self, originals: list) -> None:
-        """Put the pre-rollout MegatronMoE blocks back, holding the restored weights (the runtime
-        has checked their checksums against the pre-rollout ones)."""
-        for layer, before in zip(self.model.decoder.layers, originals):
-            now = layer.mlp
-            if now is before:
-                continue
-            assert now.local_experts == before.local_experts, "restore left a different block of experts"
-            with torch.no_grad():
-                before.router_weight.copy_(now.router_weight)
-                old = before.expert_weights()  # one walk of the layer's experts, not one per expert
-                for e, (fc1, fc2) in now.expert_weights().items():
-                    old1, old2 = old[e]
-                    old1.copy_(fc1)
-                    old2.copy_(fc2)
-            layer.mlp = before
 
 
 def history_records(result: RolloutResult, epoch: int) -> list[TraceRecord]:

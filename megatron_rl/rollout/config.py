@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
+from megatron_rl.backends import BACKENDS, Backend, backend
 from megatron_rl.config import require, require_seed, require_size, require_timeout
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
@@ -46,7 +47,7 @@ class RolloutConfig:
     checkpoint: str | None = None  # a HuggingFace Qwen3-MoE directory; else random init from `seed`
     # MoE implementation: `torch` (plain PyTorch, CPU or GPU) or `megatron` (megatron-core's
     # MoELayer with TransformerEngine kernels; GPUs only, see megatron_rl/models/megatron_backend.py).
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal[BACKENDS] = "torch"
     seed: int = 0
     dtype: Literal["float32", "float64", "bfloat16"] = "float64"
     ranks: int = 4
@@ -104,6 +105,11 @@ class RolloutConfig:
         if self.floor is not None:
             require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")
         self.partial.require_groups("rollout")
+
+    @property
+    def moe_backend(self) -> Backend:
+        """The MoE backend `backend` names, asked instead of the name (megatron_rl/backends)."""
+        return backend(self.backend)
 
     @staticmethod
     def upgrade(data: dict) -> dict:

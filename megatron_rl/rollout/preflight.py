@@ -4,19 +4,15 @@ so a run that cannot start stops with one line instead of inside W ranks.
 """
 from __future__ import annotations
 
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.backends import Backend
 from megatron_rl.rollout.lease_jobs import LeaseConfig
 
 
-def preflight(backend: str, dtype: str, leases: LeaseConfig, offload: str = "none") -> None:
-    """The backend's libraries and device, a dtype it runs, sglang for an `sglang` lease, a
-    sidecar's checkpoint headers and queries, and DeepSpeed's CPU Adam for `optim.offload: cpu`."""
-    # Imported here: tests stand in for the CUDA check (`megatron_backend.require_backend`).
-    from megatron_rl.models import megatron_backend
-
-    megatron_backend.require_backend(backend)
-    if backend == "megatron" and dtype not in megatron_backend.MEGATRON_DTYPES:
-        raise FlexFloorError(f"backend 'megatron': megatron-core runs bfloat16 or float32, not dtype {dtype}")
+def preflight(backend: Backend, dtype: str, leases: LeaseConfig, offload: str = "none") -> None:
+    """The backend's libraries and device and a dtype it runs (`Backend.preflight`), sglang for an
+    `sglang` lease, a sidecar's checkpoint headers and queries, and DeepSpeed's CPU Adam for
+    `optim.offload: cpu`."""
+    backend.preflight(dtype)
     if "sglang" in leases.jobs:
         from megatron_rl.rollout.sglang_lease import require_sglang
 

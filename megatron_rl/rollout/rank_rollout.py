@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from elastic.planning.plan import Plan
+from megatron_rl.backends import Backend
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.faults import fault_rank
 
@@ -41,7 +42,7 @@ class RankRollout:
     rank: int
     world: int
     store: Any  # the job's key-value store: the runtime's restore message goes through it
-    backend: str = "torch"  # `megatron`: megatron-core's engine (its blocks; no online rule)
+    backend: Backend  # which elastic engine runs (`Backend.elastic_engine`)
     transport: str = "direct"  # `elastic.runtime.transport.TRANSPORTS`
     rule: Any = None  # `adaptive`: the online rule (`elastic.planning.replan.OnlineRule`)
     # Run tokens per trace token (a trace replayed at a length scale); the plan and rule reason in
@@ -105,26 +106,11 @@ class ResponseStream:
 
 
 def elastic_engine(spec: RankRollout, engine: RolloutEngine, carried: dict | None = None):
-    """The engine `elastic/` drives, by backend and policy; with the online driver when a rule
-    re-plans (torch backend only: megatron-core holds contiguous blocks and runs no rule)."""
-    from elastic.runtime.transport import make_transport
-    from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingRolloutEngine
+    """The engine `elastic/` drives, by backend and policy (`Backend.elastic_engine`; with the
+    online driver when a rule re-plans), failing its exports on the fault rank when asked."""
     from megatron_rl.rollout.faults import FailingExport
 
-    online = None
-    if spec.backend == "megatron":
-        from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
-
-        elastic = MegatronElasticEngine.on_gpu(engine, spec.rank, spec.world)  # NCCL only, no host staging
-    elif spec.rule is not None:
-        from elastic.runtime.online import OnlineDriver
-
-        elastic = MigratingRolloutEngine(engine, spec.world, make_transport(spec.transport), carried=carried)
-        keys = [(a.prompt_id, a.sample) for a in spec.plan.assignments]
-        online = OnlineDriver(spec.rule, keys, [a.rank for a in spec.plan.assignments], spec.rank,
-                              spec.token_scale)
-    else:
-        elastic = ElasticRolloutEngine(engine, spec.world, make_transport(spec.transport))
+    elastic, online = spec.backend.elastic_engine(spec, engine, carried)
     if spec.fault == "fail-transfer" and spec.fault_here:
         elastic = FailingExport(elastic)
     return elastic, online

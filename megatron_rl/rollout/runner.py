@@ -17,8 +17,6 @@ from pathlib import Path
 from elastic.planning.plan import Plan
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.models.megatron_backend import backend_report
-from megatron_rl.models.moe import expert_report
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import dist_backend, resolve_device
 from megatron_rl.parallel.dims import ranks_on_this_host
@@ -58,18 +56,9 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     from elastic.runtime.pool import IdlePool
     from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
 
-    rank, dtype = ctx.rank, DTYPES[cfg.dtype]
+    rank, dtype, backend = ctx.rank, DTYPES[cfg.dtype], cfg.moe_backend
     held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]
-    if cfg.checkpoint is not None:
-        from megatron_rl.models.hf import load_hf_checkpoint
-
-        model = load_hf_checkpoint(cfg.checkpoint, dtype, experts=held)
-    else:
-        from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-
-        model = Qwen3MoeModel(mcfg, held, dtype)
-        model.init_weights(cfg.seed)
-    model.to(ctx.device).eval()
+    model = backend.build_model(mcfg, held, cfg.dtype, cfg.checkpoint, cfg.seed, ctx.device).eval()
     # Fresh Request objects: the engine appends tokens to them, and the caller's may be shared
     # between rollouts of one world.
     mine = [replace(r, tokens=[]) for r, a in zip(requests, plan.assignments) if a.rank == rank]
@@ -84,7 +73,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         slots = kv_cache_slots(ctx.device, per_slot, cfg.kv_memory_fraction, cfg.max_batch_per_rank)
         engine = RolloutEngine(model, cfg.sampling, slots, max_len)
     engine.add(mine)
-    spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=cfg.backend, transport=cfg.transport,
+    spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=backend, transport=cfg.transport,
                        rule=rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
                        fault=cfg.fault, progress=None if quiet else _progress(time.perf_counter()))
     stops = []
@@ -120,7 +109,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         migrated=sum(o.migrated for o in outcomes),
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
-        moe=backend_report(cfg.backend) | expert_report(cfg.backend, DTYPES[cfg.dtype], ctx.device),
+        moe=backend.rollout_report(dtype, ctx.device),
         device=ctx.device.type, transport=cfg.transport,
         freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
         hosts={str(o.ledger.rank): o.host for o in outcomes}, ranks_per_node=ranks_on_this_host(ctx.world),
@@ -169,16 +158,13 @@ class RolloutJob:
 
 
 def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
-    preflight(cfg.backend, cfg.dtype, cfg.leases)
+    preflight(cfg.moe_backend, cfg.dtype, cfg.leases)
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
     budget = rollout_budget(cfg, mcfg)
     plan = build_plan(cfg, mcfg, batch, history, budget)
-    if cfg.backend == "megatron":
-        from megatron_rl.rollout.megatron_elastic_engine import check_plan
-
-        check_plan(plan)
+    cfg.moe_backend.check_plan(plan)
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]

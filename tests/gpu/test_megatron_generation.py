@@ -35,7 +35,7 @@ def test_megatron_greedy_tokens_match_the_torch_backend_where_the_margin_is_larg
                          **megatron_options(torch.bfloat16))
     prompts = torch.randint(1, CHECK_CONFIG.vocab_size, (16, 12), generator=torch.Generator().manual_seed(0)).cuda()
     out = greedy_agreement(torch_bf16, megatron, prompts, steps=32, margin=GENERATION_MARGIN_STD)
-    print(f"[megatron generation, {backend_report('megatron')['experts']}] greedy tokens agree with the torch "
+    print(f"[megatron generation, {backend_report()['experts']}] greedy tokens agree with the torch "
           f"backend on {out['agreement']:.1%} of {out['steps']}; on {out['large_margin_agreement']:.1%} of the "
           f"{out['large_margin_steps']} with margin > {GENERATION_MARGIN_STD} logit std")
     assert out["ok"], out

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.backends import backend
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.megatron_backend import (
@@ -32,10 +33,12 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refus
 @no_cuda
 def test_megatron_backend_on_cpu_points_to_the_torch_backend():
     with pytest.raises(FlexFloorError, match=r"no CUDA device; use `backend: torch`"):
-        require_backend("megatron")
-    require_backend("torch")
+        require_backend()
+    with pytest.raises(FlexFloorError, match=r"no CUDA device; use `backend: torch`"):
+        backend("megatron").preflight("bfloat16")
+    backend("torch").preflight("float64")
     with pytest.raises(FlexFloorError, match=r"expected one of torch, megatron, got 'tpu'"):
-        require_backend("tpu")
+        backend("tpu")
 
 
 @no_cuda
@@ -101,7 +104,7 @@ def test_experts_are_te_grouped_gemm_where_te_imports_and_te_is_required_in_the_
     monkeypatch.delenv(mb.IMAGE_ENV, raising=False)
     monkeypatch.setattr(mb, "transformer_engine", lambda: ("2.9.0", ""))
     assert mb.expert_kernel() == "TEGroupedMLP" == mb.megatron_options(torch.bfloat16)["expert_module"]
-    assert mb.backend_report("megatron") == {"backend": "megatron", "experts": "TEGroupedMLP",
+    assert mb.backend_report() == {"backend": "megatron", "experts": "TEGroupedMLP",
                                              "transformer_engine": "2.9.0"}
     monkeypatch.setattr(mb, "transformer_engine", lambda: (None, "OSError: libcudnn.so.9: cannot open"))
     # Without TE: torch._grouped_mm experts, not megatron-core's per-expert loop, unless asked for.
@@ -113,7 +116,7 @@ def test_experts_are_te_grouped_gemm_where_te_imports_and_te_is_required_in_the_
     with pytest.raises(FlexFloorError, match=r"FLEXFLOOR_IMAGE=h100 but TransformerEngine does not import "
                                              r"\(OSError: libcudnn.so.9: cannot open\)"):
         mb.expert_kernel()
-    assert mb.backend_report("torch") == {"backend": "torch"}  # the torch backend never asks for TE
+    assert backend("torch").describe() == {"backend": "torch"}  # the torch backend never asks for TE
 
 
 @no_cuda

@@ -1,7 +1,7 @@
 """`backend: megatron` in `flexfloor train` and `flexfloor rollout`, on a CPU machine: the one-line
 refusals, and everything of the GPU path that is construction (megatron-core's optimizer and DDP
 configurations, the training process groups as megatron-core itself checks them, the expert/dense
-split, the rollout phase's reinstall of the trained layers, the rollout's blocks plan).
+split, the backend's reinstall of the trained layers after a rollout, the rollout's blocks plan).
 
 The GPU path itself (DDP + DistributedOptimizer stepping, generation through megatron-core's
 dispatcher) is tests/gpu/test_megatron_*.py, not yet run on a GPU.
@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_rl.backends import backend
 from megatron_rl.config import ConfigError
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
@@ -58,7 +59,7 @@ def test_optimizer_and_ddp_configs_keep_fp32_masters_and_reduce_in_fp32():
     assert oc.bf16 and oc.params_dtype == torch.bfloat16 and oc.use_distributed_optimizer
     assert oc.main_params_dtype == oc.main_grads_dtype == oc.exp_avg_dtype == oc.exp_avg_sq_dtype == torch.float32
     assert not optimizer_config(o, torch.float32).bf16
-    with pytest.raises(FlexFloorError, match="trains in bfloat16 or float32"):
+    with pytest.raises(FlexFloorError, match="backend megatron: dtype must be bfloat16 or float32, got float64"):
         optimizer_config(o, torch.float64)
     dc = ddp_config()
     assert dc.grad_reduce_in_fp32 and dc.overlap_grad_reduce and dc.use_distributed_optimizer
@@ -99,8 +100,6 @@ def test_megatron_optimizer_and_engine_refuse_a_cpu_model():
 
 
 def test_rollout_phase_puts_the_trained_megatron_layers_back(one_rank_group):
-    from megatron_rl.rl.rollout_phase import RolloutPhase
-
     model = Qwen3MoeModel(MoEModelConfig(), dtype=torch.float32)
     model.init_weights(1)
     pgc = moe_pg_collection(one_rank_group, one_rank_group)
@@ -112,9 +111,7 @@ def test_rollout_phase_puts_the_trained_megatron_layers_back(one_rank_group):
         model.decoder.layers[1].mlp.expert_weights()[3][0].add_(1.0)
     want = model.decoder.layers[1].mlp.expert_weights()[3][0].clone()
     assert model.decoder.layers[0].mlp is not originals[0]
-    phase = RolloutPhase.__new__(RolloutPhase)
-    phase.model = model
-    phase._reinstall_megatron(originals)
+    backend("megatron").restore_experts(model, originals)
     assert [layer.mlp for layer in model.decoder.layers] == originals
     assert [id(p) for p in model.parameters()] == params  # the optimizer's parameters, not copies
     assert torch.equal(originals[1].expert_weights()[3][0], want)
@@ -144,8 +141,8 @@ def test_rollout_prepares_a_blocks_plan_for_megatron(monkeypatch):
     from megatron_rl.rollout.config import RolloutConfig
     from megatron_rl.rollout.runner import prepare
 
-    monkeypatch.setattr(megatron_backend, "require_backend", lambda name: None)
-    with pytest.raises(FlexFloorError, match="megatron-core runs bfloat16 or float32, not dtype float64"):
+    monkeypatch.setattr(megatron_backend, "require_backend", lambda: None)
+    with pytest.raises(FlexFloorError, match="backend megatron: dtype must be bfloat16 or float32, got float64"):
         prepare(RolloutConfig(backend="megatron"))
     job = prepare(RolloutConfig(backend="megatron", dtype="float32", policy="planned", floor=1))
     assert job.plan.ownership == "blocks"
