@@ -48,6 +48,7 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
     from megatron_rl.rl.checkpoint import (
         CheckpointError,
+        checkpoint_at,
         latest_checkpoint,
         load_model_weights,
         read_state_json,
@@ -95,19 +96,6 @@ def run_tokenizer(out: Path):
         return build_tokenizer(TokenizerConfig(**section))
     except (OSError, UnicodeDecodeError, AttributeError, TypeError, FlexFloorError) as e:
         raise FlexFloorError(f"{f}: no usable tokenizer section ({str(e)[:200]})") from None
-
-
-def checkpoint_at(out: Path, step: int) -> Path:
-    """`out`'s checkpoint of step `step`, or one line listing the steps it has."""
-    from megatron_rl.errors import FlexFloorError
-
-    path = out / "checkpoints" / f"step_{step:06d}"
-    if not (path / "trainer_state.json").is_file():
-        have = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_[0-9]*")
-                      if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
-        raise FlexFloorError(f"{path}: no checkpoint of step {step} (checkpoints of steps: "
-                             f"{', '.join(map(str, have[-20:])) or 'none'})")
-    return path
 
 
 def register(sub) -> None:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from megatron_rl.errors import FlexFloorError, Interrupted
 from megatron_rl.parallel.device import dist_backend, nccl_environment, rank_device
-from megatron_rl.parallel.groups import ProcessGroups
 from megatron_rl.parallel.rank_start import rank_context, worker_environment
 from megatron_rl.parallel.signals import GRACE_S, Supervisor, default_signals, rank_signals
 
@@ -36,7 +35,6 @@ class RankFailed(FlexFloorError):
 class ParallelContext:
     rank: int
     world: int
-    pgs: ProcessGroups
     timeout_s: float
     store: object  # the job's key-value store (control messages that must not block a rank)
     device: torch.device  # where this rank computes (parallel/device.py)
@@ -49,12 +47,10 @@ def _free_port() -> int:
 
 
 def _make_context(timeout_s: float, device: torch.device) -> ParallelContext:
-    world_group = dist.group.WORLD
-    pgs = ProcessGroups(world=world_group, ep=world_group, dp=world_group)
     # The default group's store: torch keeps it private, but every launcher (spawn, torchrun,
     # Slurm) creates one, and it is the only channel a rank can poll without blocking.
     store = dist.distributed_c10d._get_default_store()
-    return ParallelContext(dist.get_rank(), dist.get_world_size(), pgs, timeout_s, store, device)
+    return ParallelContext(dist.get_rank(), dist.get_world_size(), timeout_s, store, device)
 
 
 def _init(rank: int, world: int, timeout_s: float, device: str, transport: str) -> torch.device:

@@ -33,6 +33,22 @@ from megatron_rl.rl.checkpoint_reads import CAPS, read_capped, read_listing, reg
 SIDECARS = ("trainer_state.json", "length_history.jsonl")  # written by rank 0, hashed with the shards
 
 
+def step_dir(out_dir: str | Path, step: int) -> Path:
+    """The folder of step `step`'s checkpoint in run folder `out_dir` (every writer and reader names it here)."""
+    return Path(out_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def checkpoint_at(out_dir: str | Path, step: int) -> Path:
+    """`out_dir`'s checkpoint of step `step`, or one line listing the steps it has."""
+    path = step_dir(out_dir, step)
+    if not (path / "trainer_state.json").is_file():
+        have = sorted(int(p.name[5:]) for p in path.parent.glob("step_[0-9]*")
+                      if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+        raise CheckpointError(f"{path}: no checkpoint of step {step} (checkpoints of steps: "
+                              f"{', '.join(map(str, have[-20:])) or 'none'})")
+    return path
+
+
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
     pointer = Path(out_dir) / "checkpoints" / "latest"
     if not pointer.exists():
@@ -95,8 +111,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
 
     from megatron_rl.owned_paths import refuse_symlinks_out
 
-    root = Path(out_dir) / "checkpoints"
-    path = root / f"step_{step:06d}"
+    path = step_dir(out_dir, step)
+    root = path.parent
     refuse_symlinks_out(root, path, root / "latest")
     try:
         dcp.save(_state(model, optimizer, ref_model), checkpoint_id=str(path))
