@@ -37,6 +37,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from elastic.errors import shorten
 from elastic.ledger import Ledger, RankLedger
 from elastic.planning.plan import Plan
 from elastic.runtime.groups import first_use, process_group
@@ -49,8 +50,7 @@ _rollout_ids = itertools.count()  # every rank builds its runtimes in the same o
 
 def _short(cause: BaseException | str) -> str:
     """gloo's errors carry a source path and advice; keep the sentence that says what happened."""
-    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    text = re.sub(r"^\[[^\]]*\]\s*", "", shorten(cause, 500))
     return text.split(". This is typically")[0]
 
 

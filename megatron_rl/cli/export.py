@@ -43,6 +43,7 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
                       shard_bytes: int | None = None) -> tuple[int, Path]:
     """Checkpoint `step` of run folder `out` (the latest: None) as a HuggingFace folder `target`,
     verified as `train`'s resume verifies it before a byte of it is parsed."""
+    from elastic.errors import shorten
     from megatron_rl.errors import FlexFloorError
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
@@ -68,7 +69,7 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
     try:
         model_cfg = MoEModelConfig(**state["model"])
     except (TypeError, FlexFloorError) as e:
-        raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({str(e)[:200]})") from None
+        raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({shorten(e)})") from None
     check_model_shapes(path, metadata, model_cfg)
     dtypes = {m.properties.dtype for k, m in metadata.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(m, "properties")}
@@ -84,6 +85,7 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
 def run_tokenizer(out: Path):
     """The tokenizer `out/config.yaml` names (its bos/eos ids and, for an HF one, its files go into
     the export); the default char tokenizer when the run folder has no config.yaml."""
+    from elastic.errors import shorten
     from megatron_rl.data.tokenizer import TokenizerConfig, build_tokenizer
     from megatron_rl.errors import FlexFloorError
     from megatron_rl.yaml_input import parse
@@ -95,7 +97,7 @@ def run_tokenizer(out: Path):
         section = (parse(f.read_text(encoding="utf-8")[:1 << 20], str(f)) or {}).get("tokenizer") or {}
         return build_tokenizer(TokenizerConfig(**section))
     except (OSError, UnicodeDecodeError, AttributeError, TypeError, FlexFloorError) as e:
-        raise FlexFloorError(f"{f}: no usable tokenizer section ({str(e)[:200]})") from None
+        raise FlexFloorError(f"{f}: no usable tokenizer section ({shorten(e)})") from None
 
 
 def register(sub) -> None:

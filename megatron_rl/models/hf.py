@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.params import expert_weight
@@ -53,7 +54,7 @@ class _SafetensorsDir:
                 if not all(isinstance(f, str) and Path(f).name == f for f in files):
                     raise ValueError("weight_map names a file outside the folder")
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"{index}: unreadable index ({str(e)[:200]})") from None
+                raise CheckpointError(f"{index}: unreadable index ({shorten(e)})") from None
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from elastic.errors import InputError, shorten
 from megatron_rl.errors import FlexFloorError, Interrupted
 from megatron_rl.parallel.device import dist_backend, nccl_environment, rank_device
 from megatron_rl.parallel.rank_start import rank_context, worker_environment
@@ -70,12 +71,12 @@ def _init(rank: int, world: int, timeout_s: float, device: str, transport: str) 
     return here
 
 
-def user_error(e: BaseException) -> FlexFloorError | None:
+def user_error(e: BaseException) -> InputError | None:
     """The user's mistake behind `e`, if any: the runtime wraps what a rank raises (`ElasticFault`
-    names rank, stage and phase), so a `FlexFloorError` may sit in the cause chain."""
+    names rank, stage and phase), so an `InputError` may sit in the cause chain."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, FlexFloorError):
+        if isinstance(e, InputError):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
@@ -168,9 +169,8 @@ def _join_torchrun(rank: int, size: int, timeout_s: float, device: str, transpor
         return _init(rank, size, timeout_s, device, transport)
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError: a rendezvous timeout
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        text = str(e).strip().splitlines()
         raise RankFailed(f"rank {rank} of {size} could not join the torchrun world at {where} within "
-                         f"timeout_s {timeout_s:g} ({text[0][:200] if text else type(e).__name__}); if this "
+                         f"timeout_s {timeout_s:g} ({shorten(e)}); if this "
                          f"is not a torchrun job, `unset {' '.join(TORCHRUN_VARS)}`") from None
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic.errors import shorten
 from elastic.trace import Trace, TraceError, read_trace, write_trace
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.config import MoEModelConfig
@@ -62,7 +63,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
         raise CheckpointError(f"{pointer}: unreadable ({getattr(e, 'strerror', None) or 'not a step name'}); "
                               "it should hold a name such as step_000010") from None
     if not (name.startswith("step_") and name[5:].isdigit()):
-        raise CheckpointError(f"{pointer}: names {name[:60]!r}, not a checkpoint such as step_000010")
+        raise CheckpointError(f"{pointer}: names {shorten(repr(name), 60)}, not a checkpoint such as step_000010")
     path = pointer.parent / name
     if not os.path.lexists(path / "trainer_state.json"):  # (what it is, the reader checks)
         raise CheckpointError(f"{pointer}: names {path}, which holds no trainer_state.json")
@@ -188,7 +189,7 @@ def read_state_json(path: Path) -> dict:
     try:
         state = loads(read_capped(f))  # a regular file of at most 16 MiB, checked before reading
     except ValueError as e:  # (JSON and UTF-8 errors are ValueErrors)
-        raise CheckpointError(f"{f}: unreadable ({str(e)[:200]})") from None
+        raise CheckpointError(f"{f}: unreadable ({shorten(e)})") from None
     # A stopped SFT warm start (rl/sft.py) saves step 0 with its own position instead of the data's.
     sft = isinstance(state, dict) and "sft_step" in state
     types = {"step": int, "model": dict, **({"sft_step": int, "sft_data": dict} if sft else {"data": dict})}
@@ -364,7 +365,7 @@ def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str]
     for name in sorted(n for n in sums if only is None or n in only)[rank::world]:
         f = path / name
         if Path(name).name != name or name in (".", ".."):
-            bad.append(f"{listing}: names {name[:100]!r}, which is not a file of the checkpoint")
+            bad.append(f"{listing}: names {shorten(repr(name), 100)}, which is not a file of the checkpoint")
             continue
         try:
             regular_file(f, CAPS.get(name))  # (a FIFO would hang the hash, /dev/zero never end it)
