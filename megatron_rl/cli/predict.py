@@ -30,8 +30,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from elastic.planning.guard import report
-    from elastic.planning.online import SiblingFit
     from elastic.planning.predict import infer_cap
+    from elastic.planning.remaining import SiblingFit
     from elastic.trace import read_trace
 
     if not 0 < args.alpha < 1:

@@ -78,7 +78,7 @@ class PartialRollouts:
     # ---- the step ------------------------------------------------------------------------------
     def step(self, step: int, phase, history):
         """One partial rollout through the rollout phase (`RolloutPhase.generate`), then `settle`.
-        Returns (prompts, `RolloutResult` of the groups that train, their history records, the
+        Returns (prompts, `TrainingRollout` of the groups that train, their history records, the
         `partial` metrics)."""
 
         groups, work = self.launch()
