@@ -108,7 +108,7 @@ class GenerationConfig:
         require(self.max_response_len > 0, "generation.max_response_len: expected > 0")
         require(self.temperature > 0, f"generation.temperature: expected > 0, got {self.temperature}")
         require(0 < self.top_p <= 1, f"generation.top_p: expected in (0, 1], got {self.top_p}")
-        # 0 would leave every request waiting for a slot forever (the run hangs, issue 23).
+        # 0 would leave every request waiting for a slot forever (the run hangs).
         require(self.max_batch_per_rank > 0,
                 f"generation.max_batch_per_rank: expected > 0, got {self.max_batch_per_rank}")
         require_size(self.max_batch_per_rank, "generation.max_batch_per_rank")

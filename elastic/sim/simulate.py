@@ -1,6 +1,6 @@
 """Cluster simulator: carry out a `Plan` on a cost model instead of GPUs, one decode step at a time.
 
-Semantics (docs/design.md, issue 7), the same the runtime follows:
+Semantics (docs/design.md), the same the runtime follows, so that a simulated ledger predicts a real one:
 - Tick 0 is the prefill of every rank's batch (it emits each response's first token); then one
   tick per synchronous decode step of the active EP group, so a response of L tokens is live for
   L - 1 decode steps. A step lasts `step_overhead + max over members(own compute) + all-to-all(group)`.
