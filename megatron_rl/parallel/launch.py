@@ -155,9 +155,9 @@ def under_torchrun() -> bool:
         rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         port = int(os.environ["MASTER_PORT"])
     except ValueError:
-        raise FlexFloorError("torchrun environment: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be "
-                             f"integers, got {', '.join(f'{v}={os.environ[v][:20]!r}' for v in TORCHRUN_VARS)}"
-                             ) from None
+        got = ", ".join(f"{v}={shorten(repr(os.environ[v]), 20)}" for v in TORCHRUN_VARS)
+        raise FlexFloorError(f"torchrun environment: expected integers in RANK, WORLD_SIZE, LOCAL_RANK and "
+                             f"MASTER_PORT, got {got}") from None
     if not (0 <= rank < world and 0 <= local <= rank and 0 < port < 65536):
         raise FlexFloorError(f"torchrun environment: expected 0 <= LOCAL_RANK <= RANK < WORLD_SIZE and a "
                              f"port, got RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local} MASTER_PORT={port}")
