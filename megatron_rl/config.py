@@ -11,6 +11,7 @@ import math
 import re
 import types
 import typing
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -238,6 +239,20 @@ def require_seconds(value: float, name: str, low: float = 0.0) -> None:
 def require_timeout(value: float, name: str = "timeout_s") -> None:
     """A collective's timeout: at least 1 s (a rendezvous takes that long), at most a week."""
     require(1.0 <= value <= WEEK_S, f"{name}: expected seconds in [1, {WEEK_S:g}], got {value:g}")
+
+
+def parse_time(value: str, where: str) -> float:
+    """Unix seconds from an ISO 8601 time (no zone: local time) or a number of Unix seconds."""
+    text = str(value).strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ConfigError(f"{where}: expected an ISO 8601 time (2026-12-01T23:00:00Z) or Unix seconds, "
+                          f"got {shorten(repr(value))}") from None
 
 
 def _plain(value):

@@ -47,7 +47,7 @@ def _inside(path: Path, folder: Path) -> bool:
 def run_folder_of(path: Path) -> Path | None:
     """The nearest folder at or above `path` that is a `flexfloor train --out` (its lock file and
     checkpoints/ folder), or None."""
-    from megatron_rl.cli.out_lock import LOCK_NAME
+    from megatron_rl.out_lock import LOCK_NAME
 
     for folder in (path, *path.parents):
         if (folder / LOCK_NAME).is_file() and (folder / "checkpoints").is_dir():
@@ -149,7 +149,7 @@ def refuse_held_run(path: Path, flag: str) -> None:
     running `flexfloor train` (or rollout, export) holds: its metrics, config and checkpoints are that
     run's. Asked before the command takes its own lock, by the launching process alone (under
     torchrun the other ranks would find their own rank 0 holding it)."""
-    from megatron_rl.cli.out_lock import OutDirInUse, in_use_by
+    from megatron_rl.out_lock import OutDirInUse, in_use_by
     from megatron_rl.parallel.launch import driver_process
 
     run = run_folder_of(path.resolve().parent) or run_folder_of(path.resolve())

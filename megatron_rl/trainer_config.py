@@ -10,6 +10,7 @@ from typing import Literal
 
 from elastic.planning.policies import POLICIES
 from megatron_rl.config import (
+    parse_time,
     require,
     require_rollout_size,
     require_seconds,
@@ -275,8 +276,6 @@ class TrainerConfig:
                 f"model.max_position_embeddings ({self.model.max_position_embeddings}): a response "
                 "follows a prompt of at least one token")
         if self.end_by is not None:
-            from megatron_rl.rl.deadline import parse_time
-
             parse_time(self.end_by, "end_by")
         require(self.logprob_chunk_tokens >= 0,
                 f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")

@@ -21,8 +21,8 @@ from pathlib import Path
 def run(args) -> int:
     import contextlib
 
-    from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.errors import FlexFloorError
+    from megatron_rl.out_lock import hold_out_dir
     from megatron_rl.owned_paths import check_export_target
 
     out = Path(args.out)
