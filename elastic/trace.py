@@ -14,8 +14,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from elastic.errors import InputError, shorten
 
-class TraceError(ValueError):
+
+class TraceError(InputError, ValueError):
     """A trace file that does not follow the format; the message names file and line."""
 
 
@@ -42,11 +44,6 @@ _FIELDS = {
 }
 
 
-def _short(v) -> str:
-    text = repr(v)
-    return text if len(text) <= 100 else text[:100] + "..."
-
-
 # No model has this many positions (Qwen3: 32k-128k); a longer length is a unit mix-up or a typo, and
 # every consumer (planner, simulator, rollout) would size arrays by it.
 MAX_LENGTH = 2**24
@@ -61,20 +58,20 @@ def parse_record(obj: object, where: str) -> TraceRecord:
             raise TraceError(f"{where}: missing field {name!r}")
         v = obj[name]
         if tp is int and (isinstance(v, bool) or not isinstance(v, int)):
-            raise TraceError(f"{where}: field {name!r} must be an integer, got {_short(v)}")
+            raise TraceError(f"{where}: field {name!r} must be an integer, got {shorten(repr(v))}")
         if tp is str and not isinstance(v, str):
-            raise TraceError(f"{where}: field {name!r} must be a string, got {_short(v)}")
+            raise TraceError(f"{where}: field {name!r} must be a string, got {shorten(repr(v))}")
         values[name] = v
     for name in ("epoch", "sample", "prompt_len", "response_len"):
         if values[name] < 0:
             raise TraceError(f"{where}: field {name!r} must be >= 0, got {values[name]}")
     for name in ("prompt_len", "response_len"):
         if values[name] > MAX_LENGTH:
-            raise TraceError(f"{where}: field {name!r} is {str(values[name])[:40]} tokens, beyond any "
+            raise TraceError(f"{where}: field {name!r} is {shorten(values[name], 40)} tokens, beyond any "
                              f"model's positions (at most {MAX_LENGTH})")
     truncated = obj.get("truncated", False)
     if not isinstance(truncated, bool):
-        raise TraceError(f"{where}: field 'truncated' must be true or false, got {_short(truncated)}")
+        raise TraceError(f"{where}: field 'truncated' must be true or false, got {shorten(repr(truncated))}")
     return TraceRecord(truncated=truncated, **values)
 
 

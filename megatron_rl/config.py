@@ -11,13 +11,15 @@ import math
 import re
 import types
 import typing
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
+from elastic.errors import shorten
 from megatron_rl.errors import ConfigError
-from megatron_rl.yaml_input import parse, shorten
+from megatron_rl.yaml_input import parse
 
 T = TypeVar("T")
 INT_LIMIT = 2**63  # every integer field must fit a 64-bit signed integer (torch, numpy, C)
@@ -48,53 +50,53 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if choices and len(choices) == sum(len(typing.get_args(a)) for a in args if a is not type(None)):
             nullable = " or null" if type(None) in args else ""
             raise ConfigError(f"{where}: expected one of {', '.join(repr(c) for c in choices)}{nullable}, "
-                              f"got {shorten(value)}")
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(value)}")
+                              f"got {shorten(repr(value))}")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(repr(value))}")
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
             choices = ", ".join(repr(a) for a in typing.get_args(tp))
-            raise ConfigError(f"{where}: expected one of {choices}, got {shorten(value)}")
+            raise ConfigError(f"{where}: expected one of {choices}, got {shorten(repr(value))}")
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {shorten(value)}")
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {shorten(repr(value))}")
         return from_dict(tp, value, where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {shorten(value)}")
+            raise ConfigError(f"{where}: expected a list, got {shorten(repr(value))}")
         args = typing.get_args(tp)
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {shorten(value)}")
+            raise ConfigError(f"{where}: expected a mapping, got {shorten(repr(value))}")
         return dict(value)
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {shorten(value)}")
+            raise ConfigError(f"{where}: expected a number, got {shorten(repr(value))}")
         # No field means inf or nan: a timeout of .inf, a cost of nan, 1e400 (read as inf) are typos.
         if isinstance(value, int) and abs(value) >= INT_LIMIT or not math.isfinite(value):
-            raise ConfigError(f"{where}: expected a finite number, got {shorten(value, 40)}")
+            raise ConfigError(f"{where}: expected a finite number, got {shorten(repr(value), 40)}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {shorten(value)}")
+            raise ConfigError(f"{where}: expected an integer, got {shorten(repr(value))}")
         if abs(value) >= INT_LIMIT:
-            raise ConfigError(f"{where}: expected an integer of at most 2^63 - 1, got {shorten(value, 40)}")
+            raise ConfigError(f"{where}: expected an integer of at most 2^63 - 1, got {shorten(repr(value), 40)}")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {shorten(value)}")
+            raise ConfigError(f"{where}: expected true or false, got {shorten(repr(value))}")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {shorten(value)}")
+            raise ConfigError(f"{where}: expected a string, got {shorten(repr(value))}")
         return value
     if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(value)}")
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(repr(value))}")
     return value
 
 
@@ -108,7 +110,7 @@ def from_dict(cls: type[T], data: dict, where: str) -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(
-            f"{where}: unknown field {shorten(unknown[0], 80)} (known fields: {', '.join(sorted(fields))})"
+            f"{where}: unknown field {shorten(repr(unknown[0]), 80)} (known fields: {', '.join(sorted(fields))})"
         )
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
     try:
@@ -202,7 +204,7 @@ SEED_LIMIT = 2**32  # seeds are mixed into 64-bit generator seeds (e.g. seed x 1
 
 
 def require_seed(seed: int, name: str = "seed") -> None:
-    require(0 <= seed < SEED_LIMIT, f"{name}: expected an integer in [0, 2^32), got {shorten(seed, 40)}")
+    require(0 <= seed < SEED_LIMIT, f"{name}: expected an integer in [0, 2^32), got {shorten(repr(seed), 40)}")
 
 
 MAX_SIZE = 2**24  # any one model dimension, batch or token count: beyond it a value is a typo
@@ -210,7 +212,7 @@ MAX_SIZE = 2**24  # any one model dimension, batch or token count: beyond it a v
 
 def require_size(value: int, name: str, low: int = 1) -> None:
     """A count that sizes an allocation (a model dimension, batch slots, prompts): in [low, 2^24]."""
-    require(low <= value <= MAX_SIZE, f"{name}: expected an integer in [{low}, 2^24], got {shorten(value, 40)}")
+    require(low <= value <= MAX_SIZE, f"{name}: expected an integer in [{low}, 2^24], got {shorten(repr(value), 40)}")
 
 
 # One rollout's responses: every rank keeps each one's tokens and log-probs and the planner lays out
@@ -237,6 +239,20 @@ def require_seconds(value: float, name: str, low: float = 0.0) -> None:
 def require_timeout(value: float, name: str = "timeout_s") -> None:
     """A collective's timeout: at least 1 s (a rendezvous takes that long), at most a week."""
     require(1.0 <= value <= WEEK_S, f"{name}: expected seconds in [1, {WEEK_S:g}], got {value:g}")
+
+
+def parse_time(value: str, where: str) -> float:
+    """Unix seconds from an ISO 8601 time (no zone: local time) or a number of Unix seconds."""
+    text = str(value).strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise ConfigError(f"{where}: expected an ISO 8601 time (2026-12-01T23:00:00Z) or Unix seconds, "
+                          f"got {shorten(repr(value))}") from None
 
 
 def _plain(value):

@@ -1,13 +1,15 @@
-"""User-facing errors.
+"""What ends a `megatron_rl/` command without a traceback.
 
-A `FlexFloorError` is a mistake in what the user gave us (a config, a trace, a checkpoint, a flag):
-the CLI prints its message alone and exits non-zero, without a traceback. Bugs stay ordinary
+The input errors it raises are `InputError`s (elastic/errors.py, the one root, which the CLI catches
+once): a mistake in what the user gave us (a config, a checkpoint, a flag), printed as its one-line
+message alone with exit status 2. `Interrupted` is a signal that ended the run. Bugs stay ordinary
 exceptions so their tracebacks reach us.
 """
+from elastic.errors import InputError
 
 
-class FlexFloorError(Exception):
-    """An error in user input; the message must say where (file, field, line) and what was expected."""
+class FlexFloorError(InputError):
+    """An input error found in `megatron_rl/` (the kinds below narrow it; elastic/ raises its own)."""
 
 
 class ConfigError(FlexFloorError):

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError, FlexFloorError
 
 EXPORT_MARKER = ".flexfloor-export"
@@ -35,7 +36,7 @@ def check_name_lengths(path: str | Path, flag: str) -> None:
     """One line for a path component the file system cannot hold (an OSError traceback otherwise)."""
     for part in Path(path).parts:
         if len(os.fsencode(part)) > NAME_BYTES:
-            raise FlexFloorError(f"{flag} {str(path)[:80]}...: a path component is {len(os.fsencode(part))} "
+            raise FlexFloorError(f"{flag} {shorten(str(path), 80)}: a path component is {len(os.fsencode(part))} "
                                  f"bytes long; at most {NAME_BYTES} fit")
 
 
@@ -46,7 +47,7 @@ def _inside(path: Path, folder: Path) -> bool:
 def run_folder_of(path: Path) -> Path | None:
     """The nearest folder at or above `path` that is a `flexfloor train --out` (its lock file and
     checkpoints/ folder), or None."""
-    from megatron_rl.cli.out_lock import LOCK_NAME
+    from megatron_rl.out_lock import LOCK_NAME
 
     for folder in (path, *path.parents):
         if (folder / LOCK_NAME).is_file() and (folder / "checkpoints").is_dir():
@@ -139,7 +140,7 @@ def refuse_symlinks_out(root: Path, *paths: Path, flag: str | None = None) -> No
             if q.is_symlink() and not _inside(q.resolve(), base):
                 where = f"{flag} {root}: {q.name}" if flag else str(q)
                 error = FlexFloorError if flag else CheckpointError
-                raise error(f"{where}: a symlink to {os.readlink(q)[:120]}, outside {root}; "
+                raise error(f"{where}: a symlink to {shorten(os.readlink(q), 120)}, outside {root}; "
                             f"FlexFloor writes only inside it: remove the link")
 
 
@@ -148,7 +149,7 @@ def refuse_held_run(path: Path, flag: str) -> None:
     running `flexfloor train` (or rollout, export) holds: its metrics, config and checkpoints are that
     run's. Asked before the command takes its own lock, by the launching process alone (under
     torchrun the other ranks would find their own rank 0 holding it)."""
-    from megatron_rl.cli.out_lock import OutDirInUse, in_use_by
+    from megatron_rl.out_lock import OutDirInUse, in_use_by
     from megatron_rl.parallel.launch import driver_process
 
     run = run_folder_of(path.resolve().parent) or run_folder_of(path.resolve())

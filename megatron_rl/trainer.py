@@ -420,7 +420,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import driver_process, run_ranks
-    from megatron_rl.rl.checkpoint import latest_checkpoint
+    from megatron_rl.rl.checkpoint import checkpoint_at, latest_checkpoint
     from megatron_rl.rollout.preflight import preflight
 
     if not preflight_done:
@@ -445,9 +445,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
         check_warmstart(cfg, data, tok)
     Scorer(cfg.reward)  # a custom reward file that does not load stops here, before the ranks
     if resume_step is not None:
-        from megatron_rl.cli.export import checkpoint_at
-
-        resume = checkpoint_at(Path(out_dir), resume_step)
+        resume = checkpoint_at(out_dir, resume_step)
     else:
         resume = latest_checkpoint(out_dir)
     if resume is not None:

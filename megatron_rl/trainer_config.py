@@ -11,6 +11,7 @@ from typing import Literal
 from elastic.planning.policies import POLICIES
 from megatron_rl.backends import BACKENDS, Backend, backend
 from megatron_rl.config import (
+    parse_time,
     require,
     require_rollout_size,
     require_seconds,
@@ -109,7 +110,7 @@ class GenerationConfig:
         require(self.max_response_len > 0, "generation.max_response_len: expected > 0")
         require(self.temperature > 0, f"generation.temperature: expected > 0, got {self.temperature}")
         require(0 < self.top_p <= 1, f"generation.top_p: expected in (0, 1], got {self.top_p}")
-        # 0 would leave every request waiting for a slot forever (the run hangs, issue 23).
+        # 0 would leave every request waiting for a slot forever (the run hangs).
         require(self.max_batch_per_rank > 0,
                 f"generation.max_batch_per_rank: expected > 0, got {self.max_batch_per_rank}")
         require_size(self.max_batch_per_rank, "generation.max_batch_per_rank")
@@ -276,8 +277,6 @@ class TrainerConfig:
                 f"model.max_position_embeddings ({self.model.max_position_embeddings}): a response "
                 "follows a prompt of at least one token")
         if self.end_by is not None:
-            from megatron_rl.rl.deadline import parse_time
-
             parse_time(self.end_by, "end_by")
         require(self.logprob_chunk_tokens >= 0,
                 f"logprob_chunk_tokens: expected >= 0, got {self.logprob_chunk_tokens}")

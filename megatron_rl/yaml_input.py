@@ -7,7 +7,6 @@
     anything walks them; a config has no use for them, so an alias is refused when the parser meets
     it, before anything is built;
   - YAML 1.1 reads `1e-3` as a string (its floats need a dot); here it is the number YAML 1.2 reads.
-`shorten` caps how much of a value an error message repeats.
 """
 from __future__ import annotations
 
@@ -15,17 +14,8 @@ import re
 
 import yaml
 
+from elastic.errors import shorten
 from megatron_rl.errors import ConfigError
-
-MAX_SHOWN = 200  # characters of a value an error message may repeat
-
-
-def shorten(value, limit: int = MAX_SHOWN) -> str:
-    """`repr(value)`, cut to about `limit` characters (a config error names the value, not all of it)."""
-    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
-    if len(text) > limit:
-        text = text[:limit] + f"... ({len(text) - limit} more characters)"
-    return text
 
 
 class _Refused(yaml.YAMLError):
@@ -40,7 +30,7 @@ class ConfigLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise _Refused(event.start_mark, f"alias *{event.anchor[:40]}: a config may not use "
+            raise _Refused(event.start_mark, f"alias *{shorten(event.anchor, 40)}: a config may not use "
                                              "aliases (&anchor / *alias); write the value out")
         return super().compose_node(parent, index)
 
@@ -54,7 +44,7 @@ class ConfigLoader(yaml.SafeLoader):
                 raise _Refused(key_node.start_mark, "a mapping key must be a plain value") from None
             if key in first:
                 raise _Refused(key_node.start_mark,
-                               f"duplicate key {shorten(key, 60)} (first at line {first[key] + 1}); "
+                               f"duplicate key {shorten(repr(key), 60)} (first at line {first[key] + 1}); "
                                "the second would silently replace the first")
             first[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
@@ -76,6 +66,6 @@ def parse(text: str, where: str, value: bool = False):
         mark = getattr(e, "problem_mark", None)
         at = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None and not value else where
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{at}: {'the value is ' if value else ''}not valid YAML ({problem[:300]})") from None
+        raise ConfigError(f"{at}: {'the value is ' if value else ''}not valid YAML ({shorten(problem, 300)})") from None
     except RecursionError:
         raise ConfigError(f"{where}: not valid YAML (nested too deeply)") from None

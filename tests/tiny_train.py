@@ -42,8 +42,8 @@ def tiny_run_folder(folder: Path, steps=(1, 2)) -> Path:
     import json
 
     from elastic.trace import Trace
-    from megatron_rl.cli.out_lock import LOCK_NAME
     from megatron_rl.models.config import MoEModelConfig
+    from megatron_rl.out_lock import LOCK_NAME
     from megatron_rl.rl.checkpoint import save_checkpoint
     from megatron_rl.rl.model_setup import build_model
     from megatron_rl.rl.train_step import make_optimizer

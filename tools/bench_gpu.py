@@ -207,7 +207,7 @@ def _judged(ok: bool, r: dict, detail: str) -> tuple[str, str]:
 
 
 def record_targets(rows: list[dict], seconds: float) -> None:
-    """One gpu_summary row per target of issue 19 (pass only where it holds)."""
+    """One gpu_summary row per decode-speed target of docs/gpu.md (pass only where it holds)."""
     by = {(r["model"], r["batch"]): r for r in rows}
     for batch, target in ((1, 1.5), (64, 3.0)):
         r = by.get(("small", batch))

@@ -27,7 +27,7 @@ them instead of measuring again (the real runs are the expensive part; the model
    one per part: the static runs have a single group size, which cannot tell the per-step overhead
    from the all-to-all (`--fit per-part` shows what that fit extrapolates to smaller groups).
 4. Replay: the same plan (DIR/plan.json) and batch through `elastic.sim.simulate`; the ledger is compared
-   state by state with the median of the real runs (issue 7: within 15% per state). `planned`,
+   state by state with the median of the real runs (the simulator's claim: within 15% per state). `planned`,
    which shrinks, is a prediction: nothing of its runs went into the model.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The bodies of the decode engine's GPU checks (issue 19; tests/gpu/test_decode_engine_gpu.py runs
+"""The bodies of the decode engine's GPU checks (tests/gpu/test_decode_engine_gpu.py runs
 them on CUDA), written for any device so that tests/unit/test_gpu_decode_checks.py runs them small
 on CPU, where there are no graphs and no sync debug mode but the same engine path.
 

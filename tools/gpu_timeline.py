@@ -2,8 +2,8 @@
 
 A lent H200 gives about 15 minutes in all, so a profile must fit its budget (`FF_GPU_BUDGET_S`,
 285 s: a run and a rerun) before it starts. Each stage's time is the last one measured on an H200
-where there is one, else an estimate (issue 30's trace of 2026-12-01: stand-ins sleeping each
-stage's estimated time; no stage below has run on a GPU since the stages were split). After a GPU
+where there is one, else an estimate (a trace of stand-ins sleeping each stage's estimated time; no stage below has
+run on a GPU since the stages were split). After a GPU
 run, copy the `seconds` of its stage rows here and mark them measured.
 
     python tools/gpu_timeline.py default [--budget 285]     # the projected timeline; exit 1 without 20% margin

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from elastic.errors import InputError
 from megatron_rl.config import load_dataclass
 from megatron_rl.data.arith import make_problems, write_jsonl
-from megatron_rl.errors import FlexFloorError
 from megatron_rl.rl.sft import run_warmstart
 from megatron_rl.rollout.sidecar import SidecarConfig, SidecarJob
 from megatron_rl.trainer_config import TrainerConfig
@@ -57,7 +57,7 @@ def main() -> int:
     try:
         cfg = load_dataclass(TrainerConfig, args.config, overrides)
         losses = run_warmstart(cfg, str(out / "model"))
-    except FlexFloorError as e:
+    except InputError as e:
         print(f"make_sidecar_model: error: {e}", file=sys.stderr)
         return 2
     report = evaluate(out / "model", out / "heldout.jsonl")

@@ -36,7 +36,7 @@ def same_weights(reference: Qwen3MoeModel, dtype: torch.dtype, device) -> Qwen3M
 
 # Where bf16's rounding cannot flip the argmax, in standard deviations of that step's logits (as
 # tools/gpu_checks.py's greedy check): an absolute margin would depend on the model's logit scale
-# (issue 20 defect 3: 0.5 was above every margin of CHECK_CONFIG, whose logits have std ~0.45).
+# (an absolute 0.5 was above every margin of CHECK_CONFIG, whose logits have std ~0.45).
 GENERATION_MARGIN_STD = 0.2
 
 

@@ -141,7 +141,7 @@ def goals_table(figures: dict, nosignal) -> list[str]:
     ]
 
 
-# The megatron backend's restriction (issue 12): the same policies with every stage in megatron-core's
+# The megatron backend's restriction: the same policies with every stage in megatron-core's
 # contiguous expert blocks (ownership `blocks`: group sizes that divide the 128 experts) beside
 # arbitrary ownership (`balanced`: any size, fewest expert moves).
 BLOCKS_POLICIES = (Policy("natural", 2, True), Policy("planned", 4, True), LATENCY)

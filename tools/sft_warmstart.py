@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from elastic.errors import InputError
 from megatron_rl.config import load_dataclass
-from megatron_rl.errors import FlexFloorError
 from megatron_rl.rl.sft import run_warmstart
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -30,7 +30,7 @@ def main() -> int:
     try:
         cfg = load_dataclass(TrainerConfig, args.config, overrides)
         losses = run_warmstart(cfg, args.out)
-    except FlexFloorError as e:
+    except InputError as e:
         print(f"sft_warmstart: error: {e}", file=sys.stderr)
         return 2
     if losses:

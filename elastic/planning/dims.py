@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic.errors import InputError
 
-class LayoutError(ValueError):
+
+class LayoutError(InputError, ValueError):
     """A layout no rank can run (a config's mistake; the CLI reports it in one line)."""
 
 

@@ -246,7 +246,7 @@ class CarryPool:
 
 def conditioned(dist: LengthDist, tokens: int) -> LengthDist:
     """The distribution of the remaining length R = L - tokens of a response with `tokens` so far,
-    given L > tokens (the online model's conditioning, `online.OnlineModel.sample_remaining`),
+    given L > tokens (the online model's conditioning, `remaining.OnlineModel.sample_remaining`),
     summarised as a `LengthDist` with the same median and 90% quantile (so every planner check
     that reads a `LengthDist` prices what is left). The cap becomes the tokens still allowed."""
     if tokens <= 0:

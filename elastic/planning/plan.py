@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+from elastic.errors import InputError
+
 # How a plan's stages own experts: `balanced` (any group size; a shrink moves the fewest experts;
 # the torch backend) or `blocks` (megatron-core's MoELayer: every stage is `block_owners` of its
 # members, so only group sizes that divide the expert count; the megatron backend).
@@ -192,6 +194,6 @@ def static_plan(layout: str, assignments: list[Assignment], ranks: int, num_expe
                 assignments=assignments, stages=[stage], ownership="blocks")
 
 
-class PlanError(ValueError):
+class PlanError(InputError, ValueError):
     """The inputs admit no safe plan (the floor cannot hold every expert, the KV cannot fit, ...);
     the message says which constraint failed and by how much."""

@@ -12,7 +12,7 @@ Order of decisions (each step documented in its own module):
 4. for every quorum chain from W down to at least the floor (`schedule.chains`), build its stages,
    the per-rank KV budgets at the tightest stage each rank belongs to, and the layout under those
    budgets (`natural` and `lengthsort` place once and only check); drop chains whose layout cannot
-   fit; price the rest over samples of the predictive distribution (`release.Timeline`) and keep
+   fit; price the rest over samples of the predictive distribution (`chain_estimate.ChainTimeline`) and keep
    the one with the fewest occupied rank-seconds (the largest release area net of lengthening;
    `objective="rollout"` keeps the shortest predicted rollout instead);
 5. with `ownership="blocks"` (the megatron backend) every stage is megatron-core's contiguous
@@ -32,12 +32,12 @@ from typing import Protocol
 import numpy as np
 
 from elastic.planning import layout as layouts
+from elastic.planning.chain_estimate import ChainTimeline, rank_drain_steps
 from elastic.planning.guard import TailGuard
 from elastic.planning.kv import Demand, RankKV
 from elastic.planning.partial import conditioned
 from elastic.planning.plan import OWNERSHIPS, Assignment, Plan, PlanError
 from elastic.planning.predict import LengthDist, Predictor
-from elastic.planning.release import Timeline, rank_drain_steps
 from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.planning.shape import MemoryBudget, ModelShape
 from elastic.planning.step_cost import FixedCost, ShapeCost, StepCost
@@ -226,8 +226,8 @@ class _ChainSearch:
         self.leave_order = sorted(range(self.ranks), key=lambda r: (-drain[r], r))
         self.timeline = self._timeline(self.fixed)
 
-    def _timeline(self, rank_of) -> Timeline:
-        return Timeline(self.samples, np.array(rank_of), self.leave_order, self.cands,
+    def _timeline(self, rank_of) -> ChainTimeline:
+        return ChainTimeline(self.samples, np.array(rank_of), self.leave_order, self.cands,
                         self.prompt_mean, self.cost)
 
     def _budgets(self, stages) -> list[float]:

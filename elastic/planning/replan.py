@@ -12,7 +12,7 @@ smaller ladder step, so every expert is owned in every stage whichever stage is 
 finished) and chooses the stage to be in, never going back up. A shrink to stage j makes the ranks
 outside it leave; their live requests move first, with their KV cache, to members of j
 (`Decision.moves`), so no rank leaves with a live request. Each choice is priced on joint samples
-of the remaining lengths (`online.OnlineModel`): the rollout's remaining steps are fixed per sample
+of the remaining lengths (`remaining.OnlineModel`): the rollout's remaining steps are fixed per sample
 (moving a request does not change its length), and a step costs `StepCost.decode_step_s` at the
 busiest member's live batch, so a scenario "stay in the current group until step D, then move to j"
 costs its steps at each group's price, plus the shrink (`shrink_s`), the KV moved (`migrate_s`)
@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from elastic.planning.busiest import busiest_load
-from elastic.planning.online import OnlineModel
+from elastic.planning.chain_estimate import Estimate
+from elastic.planning.latency_guard import LatencyGuard
 from elastic.planning.plan import Plan
 from elastic.planning.planner import OBJECTIVES
-from elastic.planning.release import Estimate
+from elastic.planning.remaining import OnlineModel
 from elastic.planning.replan_grid import Grid, batch_context
-from elastic.planning.replan_guard import LatencyGuard
 from elastic.planning.replan_place import deal, place
 from elastic.planning.schedule import build_stages, candidate_sizes, held_counts
 from elastic.planning.shape import ModelShape

@@ -1,6 +1,6 @@
 """The sampled future one online decision is priced on (`replan.OnlineRule`).
 
-The remaining lengths of the live requests are sampled jointly (`online.OnlineModel`); `Grid` cuts
+The remaining lengths of the live requests are sampled jointly (`remaining.OnlineModel`); `Grid` cuts
 the remaining decode steps into segments (geometric from one step, so the early decisions are
 resolved, plus the delays a later shrink is priced at) and counts, per sample, segment and rank,
 the requests still alive and the KV they hold, for any placement of the requests.

@@ -1,7 +1,7 @@
 """The model-and-hardware shape the planner and simulator reason about (no weights, no torch).
 
 Defaults describe Qwen3-30B-A3B in bf16 on 80 GB H100s, the setup arXiv 2611.06984 measured
-(figures and their sources in ../shared/REFERENCES.md):
+(from its HuggingFace config.json; the byte figures follow from it):
 - 48 layers, 128 experts, top-8, expert FFN 768, hidden 2048.
 - One expert in one layer: 3 x 2048 x 768 params x 2 B = 9.44 MB; all 48 layers: 453 MB.
 - KV cache: 48 layers x 2 (K, V) x 4 KV heads x 128 head dim x 2 B = 96 KiB per token.

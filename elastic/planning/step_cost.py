@@ -39,7 +39,7 @@ def step_table(cost: StepCost, batch: np.ndarray, context: np.ndarray, ep_size: 
 
 @dataclass(frozen=True)
 class ShapeCost:
-    """Default step cost from the model shape (H100 figures; see ../shared/REFERENCES.md).
+    """Default step cost from the model shape (H100 figures; the shape's in planning/shape.py).
 
     A decode step reads the dense weights, the experts its tokens activate on this rank, and the
     live KV cache from HBM (`hbm_bytes_per_s`), plus two all-to-alls per MoE layer whose latency

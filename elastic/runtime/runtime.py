@@ -37,8 +37,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from elastic.errors import shorten
 from elastic.ledger import Ledger, RankLedger
 from elastic.planning.plan import Plan
+from elastic.runtime.groups import first_use, process_group
 from elastic.runtime.interface import ElasticEngine
 from elastic.runtime.online import OnlineDriver
 
@@ -48,8 +50,7 @@ _rollout_ids = itertools.count()  # every rank builds its runtimes in the same o
 
 def _short(cause: BaseException | str) -> str:
     """gloo's errors carry a source path and advice; keep the sentence that says what happened."""
-    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    text = re.sub(r"^\[[^\]]*\]\s*", "", shorten(cause, 500))
     return text.split(". This is typically")[0]
 
 
@@ -110,21 +111,10 @@ class IdlePoolLike:
         instant, the predicted restoration); return (leased seconds, report). `pool.IdlePool`."""
 
 
-_groups: dict[tuple, object] = {}
-_warmed: set[tuple] = set()
-
-
 def _stage_group(members: tuple[int, ...], world: int):
-    """The communicator of a stage, created once per member set and world: a training run plans
-    every rollout anew, and creating groups each step would be a rendezvous per step. Every rank
-    meets the same plans in the same order, so every rank creates the same groups in the same order.
-    """
-    if len(members) == world:
-        return dist.group.WORLD
-    key = (id(dist.group.WORLD), tuple(members))
-    if key not in _groups:
-        _groups[key] = dist.new_group(list(members))
-    return _groups[key]
+    """The communicator of a stage: the world's, or one made once per member set (a training run
+    plans every rollout anew; every rank meets the same plans in the same order)."""
+    return dist.group.WORLD if len(members) == world else process_group(members)
 
 
 def warm_groups(stages: list[tuple[int, ...]], groups: list, rank: int, transport, device) -> None:
@@ -132,10 +122,8 @@ def warm_groups(stages: list[tuple[int, ...]], groups: list, rank: int, transpor
     no communicator is created later, in the middle of a shrink. Stages are nested and every rank
     walks them in the same order, so the members of each group reach its all-reduce together."""
     for members, group in zip(stages, groups):
-        key = (id(dist.group.WORLD), tuple(members))
-        if rank in members and key not in _warmed:
+        if rank in members and first_use(members):
             transport.all_reduce(torch.zeros(1, device=device), group)
-            _warmed.add(key)
 
 
 def _move_experts(engine: ElasticEngine, moves: list[tuple[int, int, int]], rank: int) -> None:

@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 from elastic.ledger import STATES, Ledger, RankLedger
 from elastic.planning.layout import natural
-from elastic.planning.online import OnlineOptions, online_model
 from elastic.planning.plan import OWNERSHIPS, Plan
 from elastic.planning.planner import OBJECTIVES, make_plan
 from elastic.planning.policies import SIM_POLICIES as POLICIES
+from elastic.planning.remaining import OnlineOptions, online_model
 from elastic.planning.replan import OnlineRule, ladder_plan
 from elastic.planning.schedule import build_stages
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
-from elastic.sim.simulate import RolloutResult, SimConfig, simulate_rollout
+from elastic.sim.simulate import SimConfig, SimulatedRollout, simulate_rollout
 from elastic.trace import Trace, TraceError, TraceRecord
 
 # The layout each policy asks the planner for.
@@ -123,7 +123,7 @@ def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], histo
 class TraceResult:
     policy: Policy
     ranks: int
-    rollouts: list[RolloutResult] = field(default_factory=list)
+    rollouts: list[SimulatedRollout] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list)
     partial: dict | None = None  # partial rollouts' figures (`elastic.sim.partial`)
 

@@ -1,6 +1,6 @@
 """Cluster simulator: carry out a `Plan` on a cost model instead of GPUs, one decode step at a time.
 
-Semantics (docs/design.md, issue 7), the same the runtime follows:
+Semantics (docs/design.md), the same the runtime follows, so that a simulated ledger predicts a real one:
 - Tick 0 is the prefill of every rank's batch (it emits each response's first token); then one
   tick per synchronous decode step of the active EP group, so a response of L tokens is live for
   L - 1 decode steps. A step lasts `step_overhead + max over members(own compute) + all-to-all(group)`.
@@ -68,7 +68,7 @@ class SimConfig:
 
 
 @dataclass
-class RolloutResult:
+class SimulatedRollout:
     ledger: Ledger
     response_tokens: int
     lower_bound_s: float
@@ -132,7 +132,7 @@ class _Rollout:
         self.detached_at = np.full(w, np.inf)
         self.origin = self.rank.copy()  # where each response's KV was before its latest move
         self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
-        self.result = RolloutResult(ledger=None, response_tokens=int(self.tokens.sum()),  # type: ignore[arg-type]
+        self.result = SimulatedRollout(ledger=None, response_tokens=int(self.tokens.sum()),  # type: ignore[arg-type]
                                     lower_bound_s=0.0)
         self.timelines = [RankTimeline() for _ in range(w)] if config.timeline else None
 
@@ -329,7 +329,7 @@ class _Rollout:
                 self.result.rebalances += 1
         return stage
 
-    def run(self, rule=None) -> RolloutResult:
+    def run(self, rule=None) -> SimulatedRollout:
         plan, cost, res = self.plan, self.cost, self.result
         w = plan.ranks
         res.timeline.append((0.0, w))
@@ -380,7 +380,7 @@ class _Rollout:
 
 def simulate_rollout(plan: Plan, batch: Sequence[TraceRecord], cost: CostModel,
                      shape: ModelShape | None = None, config: SimConfig | None = None,
-                     rule: OnlineRule | None = None) -> RolloutResult:
+                     rule: OnlineRule | None = None) -> SimulatedRollout:
     """Carry out `plan` on `batch` (one rollout) and return its ledger; `Ledger.check` has passed.
     With `rule` (built on the same batch order), the online rule chooses the stages instead of
     `Plan.advance`, at every check, and moves requests as it says."""

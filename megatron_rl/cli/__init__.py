@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module with `register(subparsers)`; the module must import torch
 and other heavy packages inside its run function, so `flexfloor plan --help` stays instant.
-A `FlexFloorError` (bad config, trace, checkpoint, flag) prints one line and exits with status 2.
+An `InputError` (elastic/errors.py: a bad config, trace, checkpoint, flag) is caught here, once: it
+prints one line and exits with status 2.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import argparse
 import importlib
 import sys
 
-from megatron_rl.errors import FlexFloorError, Interrupted
+from elastic.errors import InputError, shorten
+from megatron_rl.errors import Interrupted
 
 # Order here is the order in `flexfloor --help`.
 COMMANDS = [
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MAX_MESSAGE = 2000  # characters of one error line (values in it are cut to ~200 where they are made)
+MAX_MESSAGE = 2000  # characters of one error line (values in it are shortened where they are made)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -45,7 +47,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     overrides = [a for a in extra if "=" in a and not a.startswith("-")]
     rest = [a for a in extra if a not in overrides]
     if rest or (overrides and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(rest or overrides)[:200]}")
+        parser.error(f"unrecognized arguments: {shorten(' '.join(rest or overrides))}")
     if overrides:
         args.overrides = [*(args.overrides or []), *overrides]
     return args
@@ -55,11 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     try:
         return int(args.func(args) or 0)
-    except FlexFloorError as e:
+    except InputError as e:
         text = str(e).replace("\n", " ")
-        if len(text) > MAX_MESSAGE:
-            text = text[:MAX_MESSAGE] + f"... ({len(text) - MAX_MESSAGE} more characters)"
-        print(f"flexfloor {args.command}: error: {text}", file=sys.stderr)
+        print(f"flexfloor {args.command}: error: {shorten(text, MAX_MESSAGE)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `flexfloor demo | head -1`: the reader is gone, nothing to report to
         import os

@@ -21,8 +21,8 @@ from pathlib import Path
 def run(args) -> int:
     import contextlib
 
-    from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.errors import FlexFloorError
+    from megatron_rl.out_lock import hold_out_dir
     from megatron_rl.owned_paths import check_export_target
 
     out = Path(args.out)
@@ -43,11 +43,13 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
                       shard_bytes: int | None = None) -> tuple[int, Path]:
     """Checkpoint `step` of run folder `out` (the latest: None) as a HuggingFace folder `target`,
     verified as `train`'s resume verifies it before a byte of it is parsed."""
+    from elastic.errors import shorten
     from megatron_rl.errors import FlexFloorError
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
     from megatron_rl.rl.checkpoint import (
         CheckpointError,
+        checkpoint_at,
         latest_checkpoint,
         load_model_weights,
         read_state_json,
@@ -67,7 +69,7 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
     try:
         model_cfg = MoEModelConfig(**state["model"])
     except (TypeError, FlexFloorError) as e:
-        raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({str(e)[:200]})") from None
+        raise CheckpointError(f"{path / 'trainer_state.json'}: no usable model shape ({shorten(e)})") from None
     check_model_shapes(path, metadata, model_cfg)
     dtypes = {m.properties.dtype for k, m in metadata.state_dict_metadata.items()
               if k.startswith("model.") and hasattr(m, "properties")}
@@ -83,6 +85,7 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
 def run_tokenizer(out: Path):
     """The tokenizer `out/config.yaml` names (its bos/eos ids and, for an HF one, its files go into
     the export); the default char tokenizer when the run folder has no config.yaml."""
+    from elastic.errors import shorten
     from megatron_rl.data.tokenizer import TokenizerConfig, build_tokenizer
     from megatron_rl.errors import FlexFloorError
     from megatron_rl.yaml_input import parse
@@ -94,20 +97,7 @@ def run_tokenizer(out: Path):
         section = (parse(f.read_text(encoding="utf-8")[:1 << 20], str(f)) or {}).get("tokenizer") or {}
         return build_tokenizer(TokenizerConfig(**section))
     except (OSError, UnicodeDecodeError, AttributeError, TypeError, FlexFloorError) as e:
-        raise FlexFloorError(f"{f}: no usable tokenizer section ({str(e)[:200]})") from None
-
-
-def checkpoint_at(out: Path, step: int) -> Path:
-    """`out`'s checkpoint of step `step`, or one line listing the steps it has."""
-    from megatron_rl.errors import FlexFloorError
-
-    path = out / "checkpoints" / f"step_{step:06d}"
-    if not (path / "trainer_state.json").is_file():
-        have = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_[0-9]*")
-                      if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
-        raise FlexFloorError(f"{path}: no checkpoint of step {step} (checkpoints of steps: "
-                             f"{', '.join(map(str, have[-20:])) or 'none'})")
-    return path
+        raise FlexFloorError(f"{f}: no usable tokenizer section ({shorten(e)})") from None
 
 
 def register(sub) -> None:

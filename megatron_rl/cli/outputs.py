@@ -6,6 +6,7 @@ import errno
 import os
 from pathlib import Path
 
+from elastic.errors import shorten
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.owned_paths import refuse_held_run, refuse_symlinks_out
 
@@ -19,7 +20,7 @@ def _check_path(p: Path, label: str) -> None:
     for part in p.parts:
         n = len(os.fsencode(part))
         if n > NAME_MAX:
-            raise FlexFloorError(f"{label}: the name {part[:24]}... is {n} bytes, over the file system's "
+            raise FlexFloorError(f"{label}: the name {shorten(part, 24)} is {n} bytes, over the file system's "
                                  f"limit of {NAME_MAX}")
     try:
         os.stat(p)

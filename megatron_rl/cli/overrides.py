@@ -28,13 +28,14 @@ def add_override_args(p) -> None:
 
 def parse_overrides(tokens: list[str]) -> tuple[dict, dict[str, str]]:
     """`["a.b=1", ...]` -> ({"a.b": 1}, {"a.b": "a.b=1"}) (values, and where each came from)."""
-    from megatron_rl.yaml_input import parse, shorten
+    from elastic.errors import shorten
+    from megatron_rl.yaml_input import parse
 
     values, sources = {}, {}
     for tok in tokens:
         key, eq, text = tok.partition("=")
         if not eq or not _KEY.fullmatch(key):
-            raise ConfigError(f"{shorten(tok)}: expected KEY=VALUE with a dotted field name, e.g. "
+            raise ConfigError(f"{shorten(repr(tok))}: expected KEY=VALUE with a dotted field name, e.g. "
                               "grpo.group_size=16")
         label = tok if len(tok) <= 200 else f"{key}=..."
         values[key], sources[key] = parse(text, label, value=True) if text.strip() else None, label

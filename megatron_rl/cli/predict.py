@@ -30,23 +30,20 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from elastic.planning.guard import report
-    from elastic.planning.online import SiblingFit
     from elastic.planning.predict import infer_cap
-    from elastic.trace import TraceError, read_trace
+    from elastic.planning.remaining import SiblingFit
+    from elastic.trace import read_trace
 
     if not 0 < args.alpha < 1:
         raise FlexFloorError(f"--alpha must be in (0, 1), got {args.alpha}")
-    try:
-        trace = read_trace(args.trace)
-        if len(trace.epochs) < 2:
-            raise FlexFloorError(f"{args.trace}: needs at least two epochs to evaluate a "
-                                 f"prediction, has {len(trace.epochs)}")
-        rows = report(trace, args.alpha)
-        cap = infer_cap(list(trace))
-        for r in rows:
-            r["siblings"] = SiblingFit.fit(trace.before(r["epoch"]), cap=cap).to_dict()
-    except TraceError as e:
-        raise FlexFloorError(str(e)) from None
+    trace = read_trace(args.trace)
+    if len(trace.epochs) < 2:
+        raise FlexFloorError(f"{args.trace}: needs at least two epochs to evaluate a "
+                             f"prediction, has {len(trace.epochs)}")
+    rows = report(trace, args.alpha)
+    cap = infer_cap(list(trace))
+    for r in rows:
+        r["siblings"] = SiblingFit.fit(trace.before(r["epoch"]), cap=cap).to_dict()
     if args.json:
         print(json.dumps({"trace": args.trace, "alpha": args.alpha, "epochs": rows}))
         return 0

@@ -59,9 +59,9 @@ def resolve_rollout(args, pinned: dict | None = None):
 
 
 def run(args) -> int:
-    from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.cli.outputs import check_out_dir, check_out_file, check_plot_dir
     from megatron_rl.config import config_yaml
+    from megatron_rl.out_lock import hold_out_dir
 
     cfg = resolve_rollout(args)
     if args.print_config:

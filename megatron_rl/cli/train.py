@@ -22,10 +22,10 @@ from elastic.planning.policies import POLICIES
 
 
 def run(args) -> int:
-    from megatron_rl.cli.out_lock import LOCK_NAME, hold_out_dir
     from megatron_rl.cli.outputs import check_out_dir, check_out_file
     from megatron_rl.cli.overrides import resolve
     from megatron_rl.config import config_yaml
+    from megatron_rl.out_lock import LOCK_NAME, hold_out_dir
     from megatron_rl.owned_paths import removed_if_refused
     from megatron_rl.rollout.preflight import preflight
     from megatron_rl.trainer import run_training

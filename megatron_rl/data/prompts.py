@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from elastic.errors import shorten
 from elastic.trace import iter_jsonl
 from megatron_rl.config import require
 from megatron_rl.data.chat import VERL_ANSWER, chat_messages, field_at, is_chat, last_user_content
@@ -65,8 +66,8 @@ def check_template(template: str) -> None:
         raise ConfigError(f"data.template: {e} (write a literal brace as {{{{ or }}}})") from None
     for name, spec, conv in fields:
         require(name == "prompt" and not spec and not conv,
-                f"data.template: only {{prompt}} may be filled in, got {{{name[:40]}"
-                f"{'!' + conv if conv else ''}{':' + spec[:20] if spec else ''}}} (write a literal "
+                f"data.template: only {{prompt}} may be filled in, got {{{shorten(name, 40)}"
+                f"{'!' + conv if conv else ''}{':' + shorten(spec, 20) if spec else ''}}} (write a literal "
                 "brace as {{ or }})")
 
 

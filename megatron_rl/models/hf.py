@@ -14,8 +14,10 @@ from typing import Iterable
 
 import torch
 
+from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.params import expert_weight
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 
 
@@ -52,7 +54,7 @@ class _SafetensorsDir:
                 if not all(isinstance(f, str) and Path(f).name == f for f in files):
                     raise ValueError("weight_map names a file outside the folder")
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                raise CheckpointError(f"{index}: unreadable index ({str(e)[:200]})") from None
+                raise CheckpointError(f"{index}: unreadable index ({shorten(e)})") from None
         else:
             files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
@@ -120,15 +122,14 @@ def hf_to_megatron(src, cfg: MoEModelConfig, experts: Iterable[int]) -> dict[str
             gate_up_E2FD = src.get(hf + "mlp.experts.gate_up_proj")
             down_EDF = src.get(hf + "mlp.experts.down_proj")
         for e in experts:
-            pre = mg + f"mlp.experts.local_experts.{e}."
+            fc1, fc2 = mg + expert_weight(e, 1), mg + expert_weight(e, 2)
             if fused:
-                sd[pre + "linear_fc1.weight"] = gate_up_E2FD[e]
-                sd[pre + "linear_fc2.weight"] = down_EDF[e]
+                sd[fc1] = gate_up_E2FD[e]
+                sd[fc2] = down_EDF[e]
             else:
                 ex = hf + f"mlp.experts.{e}."
-                sd[pre + "linear_fc1.weight"] = torch.cat(
-                    [src.get(ex + "gate_proj.weight"), src.get(ex + "up_proj.weight")], dim=0)
-                sd[pre + "linear_fc2.weight"] = src.get(ex + "down_proj.weight")
+                sd[fc1] = torch.cat([src.get(ex + "gate_proj.weight"), src.get(ex + "up_proj.weight")], dim=0)
+                sd[fc2] = src.get(ex + "down_proj.weight")
     return sd
 
 
@@ -152,12 +153,12 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: MoEModelConfig) -> dict[str
         out[hf + "self_attn.o_proj.weight"] = sd[mg + "self_attention.linear_proj.weight"]
         out[hf + "mlp.gate.weight"] = sd[mg + "mlp.router.weight"]
         for e in range(cfg.num_moe_experts):
-            if mg + f"mlp.experts.local_experts.{e}.linear_fc1.weight" not in sd:
+            if mg + expert_weight(e, 1) not in sd:
                 continue  # another rank's expert (an EP rank converts what it holds)
-            fc1 = sd[mg + f"mlp.experts.local_experts.{e}.linear_fc1.weight"]
+            fc1 = sd[mg + expert_weight(e, 1)]
             out[hf + f"mlp.experts.{e}.gate_proj.weight"] = fc1[:F_]
             out[hf + f"mlp.experts.{e}.up_proj.weight"] = fc1[F_:]
-            out[hf + f"mlp.experts.{e}.down_proj.weight"] = sd[mg + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+            out[hf + f"mlp.experts.{e}.down_proj.weight"] = sd[mg + expert_weight(e, 2)]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -268,7 +269,7 @@ def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtyp
     cfg = model.config
     sd = canonical_state_dict(model)
     missing = [e for e in range(cfg.num_moe_experts)
-               if f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight" not in sd]
+               if "decoder.layers.0." + expert_weight(e, 1) not in sd]
     if missing:
         raise ValueError(f"export needs every expert on this rank; missing {sorted(missing)[:5]}...")
     path = Path(path)

@@ -172,18 +172,13 @@ def moe_pg_collection(ep_group, self_group, dp_group=None):
     )
 
 
-_self_groups: list = [None, []]  # (the world they belong to, its self groups)
-
-
 def self_group(rank: int, world: int):
     """The process group of `rank` alone (megatron-core's size-1 tensor, context and expert-data
-    groups). Every rank creates all `world` of them once per world, in the same order, as
+    groups). Every rank creates all `world` of them at its first call, in the same order, as
     torch.distributed requires of every new group."""
-    import torch.distributed as dist
+    from elastic.runtime.groups import process_group
 
-    if _self_groups[0] is not dist.group.WORLD:  # the object, not its id: a new world may reuse an id
-        _self_groups[:] = [dist.group.WORLD, [dist.new_group([r]) for r in range(world)]]
-    return _self_groups[1][rank]
+    return [process_group((r,)) for r in range(world)][rank]
 
 
 def block_experts(num_experts: int, ep_size: int, ep_rank: int) -> list[int]:

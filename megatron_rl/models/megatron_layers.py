@@ -11,7 +11,7 @@ Defects of 0.16.1 fixed here, each covered by a harness test (tests/distributed/
 1. `moe_utils.te_general_gemm` is defined only when TransformerEngine imports, so the router's
    first forward raises NameError without it (0.19 defines it as None): `define_te_general_gemm`.
 2. A step with zero tokens (an EP rank with no live request still runs every layer's collectives)
-   fails in the router's `.view(0, 1, -1)`: `Router.gating` computes that case itself.
+   fails in the router's `.view(0, 1, -1)`: `ZeroTokenRouter.gating` computes that case itself.
 9. The alltoall dispatcher hands its split sizes to `all_to_all_single` as host arrays (numpy on
    CUDA, tensors on CPU), not the lists torch's binding is typed for: `ListSplitsAlltoAll` turns
    them into lists.
@@ -42,7 +42,7 @@ def define_te_general_gemm() -> None:
 def _router_class():
     from megatron.core.transformer.moe.router import TopKRouter
 
-    class Router(TopKRouter):
+    class ZeroTokenRouter(TopKRouter):
         """TopKRouter that takes zero tokens (defect 2): megatron's gating views its output as
         `(*input.shape[:-1], -1)`, ambiguous for zero rows; the empty logits are computed here, as
         the same fp32 product, so the dispatchers' collectives still run on this rank."""
@@ -54,7 +54,7 @@ def _router_class():
             logits = input.reshape(0, input.shape[-1]).to(dtype) @ self.weight.to(dtype).t()
             return logits.reshape(*input.shape[:-1], self.weight.shape[0])
 
-    return Router
+    return ZeroTokenRouter
 
 
 def _alltoall_class():
@@ -147,7 +147,7 @@ def megatron_class(name: str):
     """The classes above, built once megatron-core is imported (the product imports it lazily)."""
     if not _classes:
         define_te_general_gemm()
-        _classes.update(Router=_router_class(), MoELayer=_layer_class(), GroupedMM=_grouped_class())
+        _classes.update(ZeroTokenRouter=_router_class(), MoELayer=_layer_class(), GroupedMM=_grouped_class())
     return _classes[name]
 
 
@@ -162,7 +162,7 @@ def moe_spec(experts: str, num_experts: int):
     te = experts == "TEGroupedMLP"
     spec = get_moe_module_spec(use_te=te, num_experts=num_experts, moe_grouped_gemm=te)
     spec.module = megatron_class("MoELayer")
-    spec.submodules.router = megatron_class("Router")
+    spec.submodules.router = megatron_class("ZeroTokenRouter")
     if experts == "GroupedMM":
         spec.submodules.experts = ModuleSpec(module=megatron_class("GroupedMM"))
     return spec

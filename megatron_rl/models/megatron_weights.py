@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from megatron_rl.models.params import tensor_digest
+from megatron_rl.models.params import expert_weight, tensor_digest
 
 SPECS = ("local", "te")
 _DENSE = ("self_attention.linear_qkv.weight", "self_attention.q_layernorm.weight",
@@ -40,12 +40,12 @@ def canonical_parameters(model) -> dict[str, torch.nn.Parameter]:
     for i, layer in enumerate(model.decoder.layers):
         moe = layer.mlp
         if isinstance(moe, MegatronMoE):
-            pre = f"decoder.layers.{i}.mlp."
-            out[pre + "router.weight"] = moe.router_weight
+            pre = f"decoder.layers.{i}."
+            out[pre + "mlp.router.weight"] = moe.router_weight
             for j, e in enumerate(moe.local_experts):
                 fc1, fc2 = moe.expert_params(j)
-                out[pre + f"experts.local_experts.{e}.linear_fc1.weight"] = fc1
-                out[pre + f"experts.local_experts.{e}.linear_fc2.weight"] = fc2
+                out[pre + expert_weight(e, 1)] = fc1
+                out[pre + expert_weight(e, 2)] = fc2
     return out
 
 
@@ -62,7 +62,7 @@ def state_digests(sd: Mapping[str, torch.Tensor]) -> dict[str, str]:
 def _expert_name(spec: str, j: int, fc: int) -> str:
     if spec == "te":  # TEGroupedMLP
         return f"mlp.experts.linear_fc{fc}.weight{j}"
-    return f"mlp.experts.local_experts.{j}.linear_fc{fc}.weight"  # SequentialMLP
+    return expert_weight(j, fc)  # SequentialMLP
 
 
 def megatron_layer_state(sd: Mapping[str, torch.Tensor], layer: int, owned: Sequence[int],
@@ -77,7 +77,7 @@ def megatron_layer_state(sd: Mapping[str, torch.Tensor], layer: int, owned: Sequ
     out.update({k: sd[pre + k] for k in _DENSE})
     for j, e in enumerate(owned):
         for fc in (1, 2):
-            out[_expert_name(spec, j, fc)] = sd[pre + f"mlp.experts.local_experts.{e}.linear_fc{fc}.weight"]
+            out[_expert_name(spec, j, fc)] = sd[pre + expert_weight(e, fc)]
     return out
 
 
@@ -93,5 +93,5 @@ def from_megatron_layer_state(msd: Mapping[str, torch.Tensor], layer: int, owned
     out.update({pre + k: msd[k] for k in _DENSE})
     for j, e in enumerate(owned):
         for fc in (1, 2):
-            out[pre + f"mlp.experts.local_experts.{e}.linear_fc{fc}.weight"] = msd[_expert_name(spec, j, fc)]
+            out[pre + expert_weight(e, fc)] = msd[_expert_name(spec, j, fc)]
     return out

@@ -234,7 +234,7 @@ class LocalDispatcher:
         return bank.compute(flat_x, expert_TK.reshape(-1)).view(T, K, -1)
 
 
-class Router(nn.Module):
+class TorchRouter(nn.Module):
     def __init__(self, config: MoEModelConfig, dtype: torch.dtype):
         super().__init__()
         self.topk = config.moe_router_topk
@@ -281,7 +281,7 @@ class Router(nn.Module):
 class MoELayer(nn.Module):
     def __init__(self, config: MoEModelConfig, experts: Iterable[int], dtype: torch.dtype):
         super().__init__()
-        self.router = Router(config, dtype)
+        self.router = TorchRouter(config, dtype)
         self.experts = ExpertBank(config, experts, dtype)
         self.dispatcher: Dispatcher = LocalDispatcher()
 

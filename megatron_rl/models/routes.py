@@ -7,7 +7,7 @@ L MoE layers, K = top-k), in the smallest integer dtype that holds the expert co
 (shrink, restore) and while a request moves (KV migration) or waits (partial carry-over).
 
 One object per MoE layer's router, `RouteTap`, does every job, on both backends (the torch
-`Router` calls `tap.route`; megatron-core's `TopKRouter` calls it through its `router_replay`
+`TorchRouter` calls `tap.route`; megatron-core's `TopKRouter` calls it through its `router_replay`
 hook, `get_replay_topk`):
 - in the rollout it writes the layer's top-k into a `RouteSink` (a device buffer per KV slot,
   `[slots x max_len, L, K]`): no host read; the engine reads a finished response's rows back with

@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from elastic.errors import InputError, shorten
 from megatron_rl.errors import FlexFloorError, Interrupted
 from megatron_rl.parallel.device import dist_backend, nccl_environment, rank_device
-from megatron_rl.parallel.groups import ProcessGroups
 from megatron_rl.parallel.rank_start import rank_context, worker_environment
 from megatron_rl.parallel.signals import GRACE_S, Supervisor, default_signals, rank_signals
 
@@ -36,7 +36,6 @@ class RankFailed(FlexFloorError):
 class ParallelContext:
     rank: int
     world: int
-    pgs: ProcessGroups
     timeout_s: float
     store: object  # the job's key-value store (control messages that must not block a rank)
     device: torch.device  # where this rank computes (parallel/device.py)
@@ -49,12 +48,10 @@ def _free_port() -> int:
 
 
 def _make_context(timeout_s: float, device: torch.device) -> ParallelContext:
-    world_group = dist.group.WORLD
-    pgs = ProcessGroups(world=world_group, ep=world_group, dp=world_group)
     # The default group's store: torch keeps it private, but every launcher (spawn, torchrun,
     # Slurm) creates one, and it is the only channel a rank can poll without blocking.
     store = dist.distributed_c10d._get_default_store()
-    return ParallelContext(dist.get_rank(), dist.get_world_size(), pgs, timeout_s, store, device)
+    return ParallelContext(dist.get_rank(), dist.get_world_size(), timeout_s, store, device)
 
 
 def _init(rank: int, world: int, timeout_s: float, device: str, transport: str) -> torch.device:
@@ -74,12 +71,12 @@ def _init(rank: int, world: int, timeout_s: float, device: str, transport: str) 
     return here
 
 
-def user_error(e: BaseException) -> FlexFloorError | None:
+def user_error(e: BaseException) -> InputError | None:
     """The user's mistake behind `e`, if any: the runtime wraps what a rank raises (`ElasticFault`
-    names rank, stage and phase), so a `FlexFloorError` may sit in the cause chain."""
+    names rank, stage and phase), so an `InputError` may sit in the cause chain."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, FlexFloorError):
+        if isinstance(e, InputError):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
@@ -158,9 +155,9 @@ def under_torchrun() -> bool:
         rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
         port = int(os.environ["MASTER_PORT"])
     except ValueError:
-        raise FlexFloorError("torchrun environment: RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT must be "
-                             f"integers, got {', '.join(f'{v}={os.environ[v][:20]!r}' for v in TORCHRUN_VARS)}"
-                             ) from None
+        got = ", ".join(f"{v}={shorten(repr(os.environ[v]), 20)}" for v in TORCHRUN_VARS)
+        raise FlexFloorError(f"torchrun environment: expected integers in RANK, WORLD_SIZE, LOCAL_RANK and "
+                             f"MASTER_PORT, got {got}") from None
     if not (0 <= rank < world and 0 <= local <= rank and 0 < port < 65536):
         raise FlexFloorError(f"torchrun environment: expected 0 <= LOCAL_RANK <= RANK < WORLD_SIZE and a "
                              f"port, got RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local} MASTER_PORT={port}")
@@ -172,9 +169,8 @@ def _join_torchrun(rank: int, size: int, timeout_s: float, device: str, transpor
         return _init(rank, size, timeout_s, device, transport)
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError: a rendezvous timeout
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        text = str(e).strip().splitlines()
         raise RankFailed(f"rank {rank} of {size} could not join the torchrun world at {where} within "
-                         f"timeout_s {timeout_s:g} ({text[0][:200] if text else type(e).__name__}); if this "
+                         f"timeout_s {timeout_s:g} ({shorten(e)}); if this "
                          f"is not a torchrun job, `unset {' '.join(TORCHRUN_VARS)}`") from None
 
 

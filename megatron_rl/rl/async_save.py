@@ -51,8 +51,8 @@ class CheckpointWriter:
             return
         from megatron_rl.owned_paths import refuse_symlinks_out
 
-        root = Path(out_dir) / "checkpoints"
-        path = root / f"step_{step:06d}"
+        path = ckpt.step_dir(out_dir, step)
+        root = path.parent
         refuse_symlinks_out(root, path, root / "latest")
         state = host_copy(ckpt._state(model, optimizer, ref_model))
         optim = host_copy(optimizer.saved_state()) if ckpt._megatron(optimizer) else None

@@ -25,12 +25,29 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic.errors import shorten
 from elastic.trace import Trace, TraceError, read_trace, write_trace
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.rl.checkpoint_reads import CAPS, read_capped, read_listing, regular_file
 
 SIDECARS = ("trainer_state.json", "length_history.jsonl")  # written by rank 0, hashed with the shards
+
+
+def step_dir(out_dir: str | Path, step: int) -> Path:
+    """The folder of step `step`'s checkpoint in run folder `out_dir` (every writer and reader names it here)."""
+    return Path(out_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def checkpoint_at(out_dir: str | Path, step: int) -> Path:
+    """`out_dir`'s checkpoint of step `step`, or one line listing the steps it has."""
+    path = step_dir(out_dir, step)
+    if not (path / "trainer_state.json").is_file():
+        have = sorted(int(p.name[5:]) for p in path.parent.glob("step_[0-9]*")
+                      if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+        raise CheckpointError(f"{path}: no checkpoint of step {step} (checkpoints of steps: "
+                              f"{', '.join(map(str, have[-20:])) or 'none'})")
+    return path
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -46,7 +63,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
         raise CheckpointError(f"{pointer}: unreadable ({getattr(e, 'strerror', None) or 'not a step name'}); "
                               "it should hold a name such as step_000010") from None
     if not (name.startswith("step_") and name[5:].isdigit()):
-        raise CheckpointError(f"{pointer}: names {name[:60]!r}, not a checkpoint such as step_000010")
+        raise CheckpointError(f"{pointer}: names {shorten(repr(name), 60)}, not a checkpoint such as step_000010")
     path = pointer.parent / name
     if not os.path.lexists(path / "trainer_state.json"):  # (what it is, the reader checks)
         raise CheckpointError(f"{pointer}: names {path}, which holds no trainer_state.json")
@@ -95,8 +112,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
 
     from megatron_rl.owned_paths import refuse_symlinks_out
 
-    root = Path(out_dir) / "checkpoints"
-    path = root / f"step_{step:06d}"
+    path = step_dir(out_dir, step)
+    root = path.parent
     refuse_symlinks_out(root, path, root / "latest")
     try:
         dcp.save(_state(model, optimizer, ref_model), checkpoint_id=str(path))
@@ -172,7 +189,7 @@ def read_state_json(path: Path) -> dict:
     try:
         state = loads(read_capped(f))  # a regular file of at most 16 MiB, checked before reading
     except ValueError as e:  # (JSON and UTF-8 errors are ValueErrors)
-        raise CheckpointError(f"{f}: unreadable ({str(e)[:200]})") from None
+        raise CheckpointError(f"{f}: unreadable ({shorten(e)})") from None
     # A stopped SFT warm start (rl/sft.py) saves step 0 with its own position instead of the data's.
     sft = isinstance(state, dict) and "sft_step" in state
     types = {"step": int, "model": dict, **({"sft_step": int, "sft_data": dict} if sft else {"data": dict})}
@@ -348,7 +365,7 @@ def verify_checksums(path: Path, allow_unverified: bool = False, only: list[str]
     for name in sorted(n for n in sums if only is None or n in only)[rank::world]:
         f = path / name
         if Path(name).name != name or name in (".", ".."):
-            bad.append(f"{listing}: names {name[:100]!r}, which is not a file of the checkpoint")
+            bad.append(f"{listing}: names {shorten(repr(name), 100)}, which is not a file of the checkpoint")
             continue
         try:
             regular_file(f, CAPS.get(name))  # (a FIFO would hang the hash, /dev/zero never end it)

@@ -18,6 +18,7 @@ import os
 import stat
 from pathlib import Path
 
+from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError
 
 CAPS = {"trainer_state.json": 1 << 24, ".metadata": 1 << 30, "checksums.json": 1 << 24,
@@ -65,7 +66,7 @@ def read_listing(path: Path) -> dict[str, str] | None:
         if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
             raise ValueError("expected a mapping of file name to sha256")
     except ValueError as e:
-        raise CheckpointError(f"{listing}: unreadable ({str(e)[:200]})") from None
+        raise CheckpointError(f"{listing}: unreadable ({shorten(e)})") from None
     return sums
 
 
@@ -78,12 +79,12 @@ def confine_storage(metadata, path: Path, listed: dict | None) -> None:
     for idx, info in (getattr(metadata, "storage_data", None) or {}).items():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or Path(name).name != name or name in (".", "..", ".metadata"):
-            raise CheckpointError(f"{where}: names the file {str(name)[:120]!r}, which is not a file of "
+            raise CheckpointError(f"{where}: names the file {shorten(repr(name), 120)}, which is not a file of "
                                   f"the checkpoint {path}")
         if listed is not None and name not in listed:
-            raise CheckpointError(f"{where}: names {name[:120]!r}, which checksums.json does not list")
+            raise CheckpointError(f"{where}: names {shorten(repr(name), 120)}, which checksums.json does not list")
         if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{where}: {name[:120]} asks for transforms "
+            raise CheckpointError(f"{where}: {shorten(name, 120)} asks for transforms "
                                   f"{list(info.transform_descriptors)[:3]}, which FlexFloor never writes")
         if name not in sizes:
             sizes[name] = regular_file(path / name)
@@ -96,10 +97,10 @@ def confine_storage(metadata, path: Path, listed: dict | None) -> None:
         if isinstance(md, TensorStorageMetadata):
             chunk = _chunk_bytes(md, idx)
             if chunk is None or not chunk <= length <= chunk + TENSOR_SLACK:
-                raise CheckpointError(f"{path / name}: {length} bytes hold the tensor {idx.fqn[:120]}, "
+                raise CheckpointError(f"{path / name}: {length} bytes hold the tensor {shorten(idx.fqn, 120)}, "
                                       f"whose shape {list(md.size)[:6]} needs {chunk}")
         elif length > BYTES_ENTRY_CAP:
-            raise CheckpointError(f"{path / name}: a {length}-byte value for {str(idx.fqn)[:120]}, "
+            raise CheckpointError(f"{path / name}: a {length}-byte value for {shorten(str(idx.fqn), 120)}, "
                                   f"more than the {BYTES_ENTRY_CAP} a non-tensor value may take")
 
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError
 
 
@@ -72,7 +73,7 @@ class MetadataUnpickler(pickle.Unpickler):
         obj = _allowed(module, name)
         if obj is None:
             raise UntrustedCheckpoint(
-                f"{self.where}: refused: the file asks for {module[:80]}.{name[:80]}, which checkpoint "
+                f"{self.where}: refused: the file asks for {shorten(module, 80)}.{shorten(name, 80)}, which checkpoint "
                 "metadata never holds (the checkpoint is corrupt or was tampered with); "
                 "nothing from it was run")
         return obj
@@ -91,10 +92,9 @@ def read_metadata(path: Path, listed: dict | None = None):
     except UntrustedCheckpoint:
         raise
     except Exception as e:  # noqa: BLE001  (a torn or foreign pickle raises whatever it hits)
-        text = str(e).splitlines()[0][:200] if str(e) else ""
-        raise CheckpointError(f"{where}: unreadable checkpoint metadata ({type(e).__name__}: {text})") from None
+        raise CheckpointError(f"{where}: unreadable checkpoint metadata ({type(e).__name__}: {shorten(e)})") from None
     if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-        raise UntrustedCheckpoint(f"{where}: holds a {type(metadata).__name__[:80]}, not DCP metadata")
+        raise UntrustedCheckpoint(f"{where}: holds a {shorten(type(metadata).__name__, 80)}, not DCP metadata")
     confine_storage(metadata, Path(path), listed)
     return metadata
 

@@ -22,25 +22,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.config import parse_time
 
 MARGIN_FACTOR = 1.25  # a step or save 25% slower than the slowest seen so far still fits
 MARGIN_S = 30.0  # plus this, for the exit and the requeue
 REQUEUE_FILE = "requeue"  # written by rank 0 when it stopped for the deadline under Slurm
-
-
-def parse_time(value: str, where: str) -> float:
-    """Unix seconds from an ISO 8601 time (no zone: local time) or a number of Unix seconds."""
-    text = str(value).strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        raise FlexFloorError(f"{where}: expected an ISO 8601 time (2026-12-01T23:00:00Z) or Unix seconds, "
-                             f"got {value!r}") from None
 
 
 def _squeue_end(job_id: str) -> float | None:

@@ -8,9 +8,9 @@ Step s samples with policy version s (the weights after s - 1 updates). On every
 2. `work`: one request per unfinished response. A carried one re-prefills its prompt and tokens so
    far under the new policy (its KV cache is not kept: the weights changed), may generate up to
    `max_response_len` minus its tokens, and is planned by what is left of it (`known_prefix`);
-3. the rank rollout runs with `GroupsStop` as the runtime's end rule: at the first status check
-   where `prompts_per_step` groups have no live sample, the members end the decode loop; the
-   shrink, leases and restore run as they do without it;
+3. the rank rollout runs with `GroupsStop` (elastic/runtime/stop.py) as the runtime's end rule: at
+   the first status check where `prompts_per_step` groups have no live sample, the members end the
+   decode loop; the shrink, leases and restore run as they do without it;
 4. `settle`: the gathered new tokens, behaviour log-probs and version s of every response are
    booked, and `prompts_per_step` complete groups (oldest first) train, in canonical order, each
    token with the log-prob of the policy that sampled it: `grpo.tis_cap` (required) weighs a stale
@@ -27,38 +27,12 @@ from collections import deque
 import numpy as np
 import torch
 
-from elastic.planning.partial import CarryPool, PendingGroup, Settled, groups_complete
+from elastic.planning.partial import CarryPool, PendingGroup, Settled
+from elastic.runtime.stop import GroupsStop
 from elastic.trace import TraceRecord
 from megatron_rl.models.routes import encode as routes_encode
 from megatron_rl.rl.rollout_phase import Response, Work
 from megatron_rl.rl.route_state import load_routes
-
-
-class GroupsStop:
-    """The `groups` end rule at a status check: one all-reduce of the live requests per group over
-    the current group (the members hold every live request), then stop once `target` groups have
-    none. Every member gets the same counts, so all end the loop at the same tick."""
-
-    def __init__(self, engine, group_of: dict[tuple[str, int], int], groups: int, target: int):
-        self.engine, self.group_of, self.groups, self.target = engine, group_of, groups, target
-        self.complete = 0
-
-    def __call__(self, elastic, group) -> bool:
-        counts = torch.zeros(self.groups, dtype=torch.long)
-        for r in self.engine.pending + self.engine.live:
-            counts[self.group_of[r.key]] += 1
-        counts = elastic.transport.all_reduce(counts.to(elastic.device), group).cpu()
-        self.complete = groups_complete(counts.numpy())
-        return self.complete >= self.target
-
-
-def batch_stop(rule, keys: list[tuple[str, int]], engine) -> GroupsStop:
-    """`flexfloor rollout`'s end rule: its batch is one rollout's launched groups (the samples of
-    each prompt), so the target is the most groups for which `rule` launches no more than those."""
-    index = {pid: i for i, pid in enumerate(dict.fromkeys(pid for pid, _ in keys))}
-    groups = len(index)
-    target = max((t for t in range(1, groups + 1) if rule.launch_count(t) <= groups), default=groups)
-    return GroupsStop(engine, {k: index[k[0]] for k in keys}, groups, target)
 
 
 class PartialRollouts:
@@ -104,7 +78,7 @@ class PartialRollouts:
     # ---- the step ------------------------------------------------------------------------------
     def step(self, step: int, phase, history):
         """One partial rollout through the rollout phase (`RolloutPhase.generate`), then `settle`.
-        Returns (prompts, `RolloutResult` of the groups that train, their history records, the
+        Returns (prompts, `TrainingRollout` of the groups that train, their history records, the
         `partial` metrics)."""
 
         groups, work = self.launch()

@@ -1,6 +1,7 @@
 """The `partial` section of a checkpoint's trainer_state.json, checked on the driver before any rank
-starts (issue 31): a resume either continues the carried groups with a config they fit, or drops
-them only when told to (`partial.drop_carried`), counted in the log.
+starts (a mismatch is one line here, not a failure inside every rank): a resume either continues
+the carried groups with a config they fit, or drops them only when told to (`partial.drop_carried`),
+counted in the log.
 
 The section is `PartialRollouts.state_dict()` (rl/partial.py): `queue`, the [data index, epoch] of
 prompts drawn but not launched, and `pool`, `CarryPool.state_dict()` (elastic/planning/partial.py):

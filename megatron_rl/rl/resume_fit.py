@@ -1,5 +1,6 @@
 """What a checkpoint must share with the config it resumes under, checked on the driver before any
-rank starts (issue 31): the model's dtype, and the carried partial rollouts (rl/partial_state.py).
+rank starts (a mismatch is one line here, not a failure inside every rank): the model's dtype, and
+the carried partial rollouts (rl/partial_state.py).
 The model's shape is `read_trainer_state`'s check (rl/checkpoint.py).
 
 A dtype change is refused, not cast: a bfloat16 run keeps fp32 masters that a float32 or float64

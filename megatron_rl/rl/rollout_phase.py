@@ -79,7 +79,7 @@ class Work:
 
 
 @dataclass
-class RolloutResult:
+class TrainingRollout:
     responses: list[Response]
     ledger: dict  # `Ledger.summary`: rank_seconds, rank_steps, dummy_share, ...
     stages: list[list[int]] = field(default_factory=list)
@@ -220,7 +220,7 @@ class RolloutPhase:
     def _dtype_bytes(self) -> int:
         return self.model.embedding.word_embeddings.weight.element_size()
 
-    def run(self, step: int, prompts: list[Prompt], history: Trace) -> RolloutResult:
+    def run(self, step: int, prompts: list[Prompt], history: Trace) -> TrainingRollout:
         """The step's `prompts x group_size` responses, every one finished, in canonical order."""
         G, max_new = self.cfg.grpo.group_size, self.cfg.generation.max_response_len
         work = [Work(p.prompt_id, s, ids, max_new, 0) for p in prompts for ids in [self.tok.encode_prompt(p)]
@@ -235,7 +235,7 @@ class RolloutPhase:
         return result
 
     def generate(self, step: int, work: list, history: Trace, prompts: list[Prompt], *,
-                 known_prefix: dict | None = None, stop=None) -> tuple[RolloutResult, dict, dict]:
+                 known_prefix: dict | None = None, stop=None) -> tuple[TrainingRollout, dict, dict]:
         """Carry out one rollout of `work` (`Work`: prompt ids, a resumed response's
         tokens so far after them, and the tokens it may still generate). Returns the result without
         responses, every request's (new tokens, their log-probs, finished, routes so far) by key, and the outcomes
@@ -289,7 +289,7 @@ class RolloutPhase:
         placement = hashlib.sha256(json.dumps([ranks[w.key] for w in work]).encode()).hexdigest()[:16]
         timeline = Timeline.of_ledger(gathered.ledger, [o.pool_report for o in gathered.outcomes])
         summary["engine"] = {"builds": self.builds, "graph_captures": engine.runner.captures}
-        return RolloutResult([], summary, [list(s.members) for s in plan.stages],
+        return TrainingRollout([], summary, [list(s.members) for s in plan.stages],
                              plan.meta.get("effective_layout", plan.layout), placement,
                              time.perf_counter() - t0, {}, lease, timeline), progress, scored
 
@@ -320,7 +320,7 @@ class RolloutPhase:
                            max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix)
 
 
-def history_records(result: RolloutResult, epoch: int) -> list[TraceRecord]:
+def history_records(result: TrainingRollout, epoch: int) -> list[TraceRecord]:
     """The rollout's lengths in the trace format, for the planner's next predictions."""
     return [TraceRecord(r.prompt_id, epoch, r.sample, len(r.prompt), len(r.tokens), r.truncated)
             for r in result.responses]

@@ -118,8 +118,8 @@ def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
     export replaces `out_dir` only where `flexfloor export --to` may (owned_paths.check_export_target)."""
     import contextlib
 
-    from megatron_rl.cli.out_lock import hold_out_dir
     from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.out_lock import hold_out_dir
     from megatron_rl.owned_paths import check_export_target
     from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import run_ranks

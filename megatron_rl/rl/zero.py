@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastic.errors import shorten
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rl.mixed_precision import MasterWeights, needs_masters
 
@@ -98,7 +99,7 @@ def require_cpu_adam() -> None:
         from deepspeed.ops.op_builder import CPUAdamBuilder
     except Exception as e:  # noqa: BLE001  (a broken install raises more than ImportError)
         raise FlexFloorError(f"optim.offload: cpu needs deepspeed (pip install deepspeed); importing it "
-                             f"failed: {type(e).__name__}: {_first_line(e)}") from None
+                             f"failed: {type(e).__name__}: {shorten(e, 300)}") from None
     try:
         CPUAdamBuilder().load(verbose=False)
     except Exception as e:  # noqa: BLE001  (torch's JIT build raises RuntimeError with ninja's output)
@@ -107,15 +108,11 @@ def require_cpu_adam() -> None:
                              "optim.offload: none") from None
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:300]
-
-
 def _build_errors(e: BaseException, keep: int = 3) -> str:
     """The last `keep` compiler error lines of a failed JIT build's output (else its first line)."""
     lines = [ln.strip() for ln in str(e).splitlines()]
     errors = [ln for ln in lines if re.search(r"\berror\b", ln)]  # gcc, clang, nvcc: "file:line: error: ..."
-    shown = " | ".join(errors[-keep:]) if errors else _first_line(e)
+    shown = " | ".join(errors[-keep:]) if errors else shorten(e, 300)
     return f"{type(e).__name__}: {shown[-600:]}"
 
 

@@ -10,7 +10,7 @@ import hashlib
 
 import torch
 
-from elastic.trace import Trace, TraceError, TraceRecord, read_trace
+from elastic.trace import Trace, TraceRecord, read_trace
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.config import BatchConfig
 from megatron_rl.rollout.engine import Request
@@ -18,10 +18,7 @@ from megatron_rl.rollout.engine import Request
 
 def load_trace(cfg: BatchConfig, seed: int) -> Trace:
     if cfg.trace is not None:
-        try:
-            return read_trace(cfg.trace)
-        except TraceError as e:
-            raise FlexFloorError(str(e)) from None
+        return read_trace(cfg.trace)
     from elastic.sim.synth import generate, preset
 
     try:

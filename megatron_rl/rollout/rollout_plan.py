@@ -126,7 +126,7 @@ def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interva
     `length_scale`. On this engine a step costs the same in any group, so a shrink can only
     lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
     when the objective's occupied rank-seconds say it pays."""
-    from elastic.planning.online import OnlineOptions, online_model
+    from elastic.planning.remaining import OnlineOptions, online_model
     from elastic.planning.replan import OnlineRule
 
     if len(plan.stages) == 1:

@@ -77,8 +77,8 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
                        rule=rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
                        fault=cfg.fault, progress=None if quiet else _progress(time.perf_counter()))
     stops = []
-    if cfg.partial.enabled:  # the end rule of a partial rollout (rl/partial.py)
-        from megatron_rl.rl.partial import batch_stop
+    if cfg.partial.enabled:  # the end rule of a partial rollout (elastic/runtime/stop.py)
+        from elastic.runtime.stop import batch_stop
 
         def stop(e):
             stops.append(batch_stop(cfg.partial.rule(), [(a.prompt_id, a.sample) for a in plan.assignments], e))

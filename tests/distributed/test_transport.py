@@ -23,7 +23,7 @@ def _instrumented_rollout(ctx, job, warm: bool) -> list[str]:
     import torch.distributed as dist
 
     import elastic.runtime.runtime as rt
-    from elastic.runtime import transport
+    from elastic.runtime import groups, transport
     from megatron_rl.rollout.runner import rank_jobs
 
     events, seen = [], set()
@@ -43,8 +43,7 @@ def _instrumented_rollout(ctx, job, warm: bool) -> list[str]:
             self._first(group)
             return super().all_to_all(x, out_splits, in_splits, group)
 
-    rt._groups.clear()
-    rt._warmed.clear()
+    groups._cache["world"] = None  # fresh stage groups
     dist.new_group = lambda *a, **k: events.append("new_group") or real_new_group(*a, **k)
     dist.barrier = lambda *a, **k: events.append("barrier") or real_barrier(*a, **k)
     transport.TRANSPORTS["host"] = Recording

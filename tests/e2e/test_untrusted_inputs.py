@@ -157,7 +157,7 @@ def test_overrides_after_flags_and_a_broken_stdout_pipe(tmp_path, capsys):
 
 
 def test_a_rollout_into_a_folder_in_use_is_refused(tmp_path, capsys):
-    from megatron_rl.cli.out_lock import hold_out_dir
+    from megatron_rl.out_lock import hold_out_dir
 
     with hold_out_dir(tmp_path, "train"):
         _one_line_exit_2(capsys, ["rollout", "--ranks", "2", "--out", tmp_path, "--quiet"],
@@ -294,7 +294,7 @@ def test_export_to_a_folder_or_file_it_did_not_write_is_refused(run_folder, tmp_
 
 
 def test_export_refuses_while_a_train_holds_the_run_or_the_target_run(run_folder, tmp_path, capsys):
-    from megatron_rl.cli.out_lock import hold_out_dir
+    from megatron_rl.out_lock import hold_out_dir
     from tests.tiny_train import tiny_run_folder
 
     out = run_folder

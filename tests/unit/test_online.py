@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from elastic.planning.online import OnlineModel, OnlineOptions, SiblingFit, online_model
 from elastic.planning.predict import LengthDist, log_norm_sf, norm_ppf, norm_ppf_array
+from elastic.planning.remaining import OnlineModel, OnlineOptions, SiblingFit, online_model
 from elastic.sim.synth import generate, preset
 
 

@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elastic.planning.layout import natural
-from elastic.planning.online import OnlineModel, OnlineOptions, SiblingFit
 from elastic.planning.plan import Plan
 from elastic.planning.predict import LengthDist
+from elastic.planning.remaining import OnlineModel, OnlineOptions, SiblingFit
 from elastic.planning.replan import Decision, OnlineRule, check_decision, ladder_plan
 from elastic.planning.schedule import FINE_SPAN, MAX_CANDIDATES, build_stages
 from elastic.planning.shape import ModelShape

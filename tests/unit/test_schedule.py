@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
+from elastic.planning.chain_estimate import replay
 from elastic.planning.plan import Assignment, Plan, PlanError, block_owners
 from elastic.planning.planner import FixedCost, ShapeCost, make_plan, plan_epoch
-from elastic.planning.release import replay
 from elastic.planning.schedule import (
     build_stages,
     candidate_sizes,

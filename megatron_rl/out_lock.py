@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from elastic.errors import shorten
 from megatron_rl.errors import FlexFloorError
 
 LOCK_NAME = ".flexfloor.lock"
@@ -40,7 +41,7 @@ def _holder(fh) -> str:
         fh.seek(0)
         info = json.loads(fh.read(4096) or "{}")
         started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(info["started"])))
-        return f"pid {int(info['pid'])} (`flexfloor {str(info['command'])[:40]}`, started {started})"
+        return f"pid {int(info['pid'])} (`flexfloor {shorten(str(info['command']), 40)}`, started {started})"
     except (ValueError, KeyError, TypeError, OverflowError, OSError):
         return "another process (its lock file names no holder)"
 

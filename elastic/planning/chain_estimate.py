@@ -6,7 +6,7 @@ The estimate is deliberately coarse: ranks decode all their responses concurrent
 step, so a rank drains at the step of its longest response; stage i+1 fires at the step its trigger
 ranks have drained, costs `shrink_s` on its old members, and its leaving ranks are detached from
 then until the end; a step costs `decode_step_s` at the busiest member's live batch and the mean
-context of its segment (`Timeline`). Over samples of the predicted lengths this gives the rollout
+context of its segment (`ChainTimeline`). Over samples of the predicted lengths this gives the rollout
 time T and the detached rank-seconds (the release area). By default the planner keeps the chain
 with the fewest occupied rank-seconds `W * T - detached`, i.e. the largest release area net of any
 lengthening of the rollout: a smaller group may step more slowly (each member reads more experts),
@@ -41,7 +41,7 @@ class Estimate:
     occupied_rank_s: float
 
 
-class Timeline:
+class ChainTimeline:
     """One layout's sampled rollouts, cut into segments priced at their own step time.
 
     Ranks leave in `order` (the last to leave first): a stage of size g holds order[:g] and fires
@@ -122,4 +122,4 @@ def replay(plan: Plan, lengths: dict[tuple[str, int], int], prompt_mean: float,
     sizes = [len(st.members) for st in plan.stages]
     shrink = [0.0] + [cost.shrink_s(len(plan.transfers(i - 1, i)), sizes[i - 1])
                       for i in range(1, len(sizes))]
-    return Timeline(exact, rank_of, order, sizes[1:], prompt_mean, cost).estimate(sizes, shrink)
+    return ChainTimeline(exact, rank_of, order, sizes[1:], prompt_mean, cost).estimate(sizes, shrink)
