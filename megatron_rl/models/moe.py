@@ -206,8 +206,7 @@ class ExpertBank(nn.Module):
             a_parts = torch.split(F.silu(gate_TF) * up_TF, sizes + [counts[n]])
             y_TD = torch.cat([F.linear(a, ex.linear_fc2.weight) for a, ex in zip(a_parts, experts)]
                              + [x_TD.new_zeros(counts[n], self.hidden)])
-        out_TD[order_T] = y_TD
-        return out_TD
+        return out_TD.index_copy_(0, order_T, y_TD)  # a plain row copy, cheaper than index_put on CPU
 
     def check_routing(self) -> None:
         """Raise if rows reached this rank for an expert it does not hold (a host read: call it

@@ -129,6 +129,10 @@ class SlotKVCache(CacheTensors):
         self._slots: list[int] = []
         self._new: list[int] = []
         self.kernel = None  # the decode-attention kernel, set by the engine where one runs
+        # Row offset of each KV group within a slot's block of a flattened K, and the mask's
+        # zero (`decode`).
+        self._group_rows_G = torch.arange(groups, device=self.device) * max_len
+        self._zero = torch.zeros((), dtype=dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -196,10 +200,15 @@ class SlotKVCache(CacheTensors):
         Returns the positions [B, 1]. `commit` is the engine's, which knows the rows' lengths."""
         self._decode, self._run, self._L = (slot_B, pos_B), run, L
         if self.kernel is None:
-            self._mask_B11L = (torch.arange(L, device=self.device) <= pos_B[:, None])[:, None, None, :]
-        if run is not None:
-            G, C = self.shape[1], self.shape[3]
-            self._write_idx_BG1C = pos_B[:, None, None, None].expand(len(pos_B), G, 1, C)
+            # Additive (0 / -inf), made once per forward: SDPA would turn a boolean mask into
+            # this very tensor in every layer.
+            unseen_BL = torch.arange(L, device=self.device) > pos_B[:, None]
+            self._mask_B11L = self._zero.masked_fill(unseen_BL, float("-inf"))[:, None, None, :]
+        # Each row's new key, group by group, as a row of a layer's K viewed as [slots x G x
+        # L_max, C]: one index per forward, one `index_copy_` per layer and tensor (a scatter or
+        # a two-index put costs more on CPU).
+        G, L_max = self.shape[1], self.shape[2]
+        self._write_BG = torch.add(pos_B, slot_B, alpha=G * L_max)[:, None] + self._group_rows_G
         return pos_B[:, None]
 
     def commit(self) -> None:
@@ -217,17 +226,13 @@ class SlotKVCache(CacheTensors):
             # h // (H/G), as HF's repeat_kv lays them out (`enable_gqa`).
             return F.scaled_dot_product_attention(q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=True)
         slot_B, pos_B = self._decode
-        if self._run is not None:
-            K_BGLC, V_BGLC = K[self._run], V[self._run]
-            K_BGLC.scatter_(2, self._write_idx_BG1C, k_BGSC)
-            V_BGLC.scatter_(2, self._write_idx_BG1C, v_BGSC)
-        else:
-            K[slot_B, :, pos_B] = k_BGSC[:, :, 0]
-            V[slot_B, :, pos_B] = v_BGSC[:, :, 0]
+        C, rows = self.shape[3], self._write_BG.view(-1)
+        K.view(-1, C).index_copy_(0, rows, k_BGSC.reshape(-1, C))
+        V.view(-1, C).index_copy_(0, rows, v_BGSC.reshape(-1, C))
         if self.kernel is not None:
             return self.kernel(q_BHSC[:, :, 0], K, V, slot_B, pos_B + 1)[:, :, None]
         if self._run is not None:
-            K_BGLC, V_BGLC = K_BGLC[:, :, : self._L], V_BGLC[:, :, : self._L]
+            K_BGLC, V_BGLC = K[self._run, :, : self._L], V[self._run, :, : self._L]
         else:
             # index_select copies the rows' first L positions; advanced indexing takes a slower
             # generic path on CPU.
