@@ -8,7 +8,7 @@ the planned layout given the true lengths (the bound a predictor could reach). A
 `objective` is the planner's chain criterion (`elastic.planning.planner.OBJECTIVES`): `occupied`, the
 capacity-oriented default (fewest occupied rank-seconds), or `rollout`, the latency-oriented one
 (shortest predicted rollout). It only matters where the group may shrink (natural, planned, oracle).
-A policy's `ownership` is the planner's (`elastic.planning.plan.OWNERSHIPS`): `blocks` simulates
+A policy's `ownership` is the planner's (`elastic.planning.dims.OWNERSHIPS`): `blocks` simulates
 the megatron backend, whose stages can only be megatron-core's contiguous expert blocks.
 """
 from __future__ import annotations
@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic.ledger import STATES, Ledger, RankLedger
+from elastic.planning.dims import OWNERSHIPS
 from elastic.planning.layout import natural
 from elastic.planning.online import OnlineOptions, online_model
-from elastic.planning.plan import OWNERSHIPS, Plan
+from elastic.planning.plan import Plan
 from elastic.planning.planner import OBJECTIVES, make_plan
 from elastic.planning.policies import SIM_POLICIES as POLICIES
 from elastic.planning.replan import OnlineRule, ladder_plan

@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import BACKEND_OWNERSHIP, block_owners
 from elastic.timeline import Timeline
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.parallel.dims import ranks_on_this_host
+from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.progress import Progress
 from megatron_rl.rewards import Verdict
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
@@ -180,6 +179,7 @@ class RolloutPhase:
         optimizer's, `training_state_bytes`); the planner prices it with the weights and KV.
         `leases`: what detached ranks do until the restore (None: they idle)."""
         self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
+        self.dims = parallel_dims(world, cfg.model.num_moe_experts, cfg.backend)
         self.store = store  # the job's key-value store: the runtime's restore message goes through it
         self.budget = self._memory_budget(resident_bytes)
         self.leases = leases
@@ -195,7 +195,7 @@ class RolloutPhase:
         case: the least device memory and the most resident state of any rank."""
         weight = self.model.embedding.word_embeddings.weight
         budget = memory_budget(self.cfg.model, weight.element_size(), weight.device,
-                               ranks_on_this_host(self.world), resident_bytes, record_routes=True)
+                               self.dims.ranks_per_node, resident_bytes, record_routes=True)
         if self.world > 1:
             worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64,
                                  device=weight.device)
@@ -205,14 +205,14 @@ class RolloutPhase:
 
     def plan(self, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         cfg = self.cfg
-        plan = plan_rollout(items, history, policy=cfg.elastic.policy, ranks=self.world, known_prefix=known_prefix,
+        plan = plan_rollout(items, history, policy=cfg.elastic.policy, dims=self.dims, known_prefix=known_prefix,
                             floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
                             dtype_bytes=self._dtype_bytes(), budget=self.budget,
                             max_response_len=cfg.generation.max_response_len,
-                            shrink_cost_s=cfg.elastic.shrink_cost_s, ownership=BACKEND_OWNERSHIP[cfg.backend],
+                            shrink_cost_s=cfg.elastic.shrink_cost_s,
                             device=self.model.embedding.word_embeddings.weight.device.type)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
-        assert dict(plan.stages[0].owners) == block_owners(cfg.model.num_moe_experts, range(self.world))
+        assert dict(plan.stages[0].owners) == self.dims.block_owners(range(self.world))
         if self.rank == 0:
             say_plan_notes(plan)
         return plan
@@ -321,7 +321,7 @@ class RolloutPhase:
         cfg = self.cfg
         if cfg.elastic.policy != "adaptive" or cfg.backend == "megatron":
             return None
-        shape = model_shape(cfg.model, self._dtype_bytes(), self.budget, ranks_per_node=ranks_on_this_host(self.world))
+        shape = model_shape(cfg.model, self._dtype_bytes(), self.budget, ranks_per_node=self.dims.ranks_per_node)
         return online_rule(plan, items, history, shape=shape, status_interval=cfg.elastic.status_interval,
                            max_batch=cfg.generation.max_batch_per_rank,
                            max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix)

@@ -8,8 +8,9 @@ import sys
 
 import torch
 
+from elastic.planning.dims import ParallelDims
 from elastic.planning.layout import natural
-from elastic.planning.plan import BACKEND_OWNERSHIP, Plan, static_plan
+from elastic.planning.plan import Plan, static_plan
 from elastic.planning.replan import ladder_plan
 from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.errors import FlexFloorError
@@ -39,9 +40,9 @@ def model_config(cfg: RolloutConfig) -> MoEModelConfig:
 
 
 def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history, budget: MemoryBudget) -> Plan:
-    plan = plan_rollout(batch, history, policy=cfg.policy, ranks=cfg.ranks, floor=cfg.floor,
-                        tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
-                        budget=budget, ownership=BACKEND_OWNERSHIP[cfg.backend],
+    dims = parallel_dims(cfg.ranks, mcfg.num_moe_experts, cfg.backend)
+    plan = plan_rollout(batch, history, policy=cfg.policy, dims=dims, floor=cfg.floor, tailguard=cfg.tailguard,
+                        mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize, budget=budget,
                         length_scale=cfg.batch.length_scale, device=resolve_device(cfg.device),
                         # A replayed response has its traced length: with no earlier epoch to
                         # learn a cap from, that is the bound on its KV (a one-epoch trace).
@@ -66,20 +67,19 @@ def rollout_budget(cfg: RolloutConfig, mcfg: MoEModelConfig) -> MemoryBudget:
                          ranks_on_this_host(cfg.ranks))
 
 
-def plan_rollout(batch, history, *, policy: str, ranks: int, floor: int | None, tailguard: bool,
+def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int | None, tailguard: bool,
                  mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
                  max_response_len: int | None = None, shrink_cost_s: float | None = None,
-                 ownership: str = "balanced", length_scale: float = 1.0, device: str = "cpu",
-                 known_prefix: dict | None = None) -> Plan:
-    """The plan of one rollout under `policy`, its memory checks priced against `budget`
-    (`rollout/memory.py`); `max_response_len` bounds KV when history is empty; `ownership` is the
-    backend's (`elastic.planning.plan.BACKEND_OWNERSHIP`). On CPU, chains are priced on this CPU
-    engine's measured step and shrink (`engine_cost`, the run decoding `length_scale` of each trace
-    length); on GPU on the shape's cost model; `shrink_cost_s` instead prices a shrink at that fixed
-    cost on the shape's model. When a shrinking policy keeps every rank, stderr says why.
-    `known_prefix`: tokens so far of resumed responses (partial rollouts, `make_plan`'s)."""
-    dims = parallel_dims(ranks, mcfg.num_moe_experts, source="the model's experts")
-    W, E = dims.world, dims.experts
+                 length_scale: float = 1.0, device: str = "cpu", known_prefix: dict | None = None) -> Plan:
+    """The plan of one rollout under `policy` on the command's layout `dims` (its ranks and the
+    backend's expert ownership, `megatron_rl.parallel.dims.parallel_dims`), its memory checks priced
+    against `budget` (`rollout/memory.py`); `max_response_len` bounds KV when history is empty. On
+    CPU, chains are priced on this CPU engine's measured step and shrink (`engine_cost`, the run
+    decoding `length_scale` of each trace length); on GPU on the shape's cost model; `shrink_cost_s`
+    instead prices a shrink at that fixed cost on the shape's model. When a shrinking policy keeps
+    every rank, stderr says why. `known_prefix`: tokens so far of resumed responses (partial
+    rollouts, `make_plan`'s)."""
+    W, E, ownership = dims.world, dims.experts, dims.ownership
     keys = [(r.prompt_id, r.sample) for r in batch]
     if policy == "vanilla":
         return static_plan("natural", natural(keys, W), W, E)

@@ -135,7 +135,7 @@ def _cases(tmp):
             (["--trace", trace, "--plot", str(loop)], [f"--plot {loop}: a symlink loop"]),
             (["--trace", trace, "--plot", str(planted)], [f"--plot {planted}: report.json: a symlink to"]),
             (["--trace", trace, "--plot", f"{long}/figs"], [too_long]),
-            (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..16"]),
+            (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..ranks (16)"]),
         ],
         "demo": [
             (["--ranks", "3"], ["--ranks 3:", "divisible by ranks (3)"]),
