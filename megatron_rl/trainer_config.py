@@ -22,7 +22,7 @@ from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice
-from megatron_rl.parallel.dims import parallel_dims, require_floor
+from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rewards import RewardConfig
 from megatron_rl.rollout.lease_jobs import LeaseConfig
@@ -263,6 +263,7 @@ class TrainerConfig:
                 f"ranks ({W})")
         if self.elastic.floor is not None:
             require_floor(self.elastic.floor, W, "elastic.floor")
+        require_policy(self.elastic.policy, self.backend, "elastic.policy")
         if self.tokenizer.kind == "char":
             need = len(SPECIALS) + len(self.tokenizer.alphabet)
             require(self.model.vocab_size >= need,

@@ -11,7 +11,7 @@ from elastic.planning.policies import SIM_POLICIES
 from elastic.planning.shape import SHAPES, ModelShape
 from elastic.sim.costmodel import CostModel
 from megatron_rl.config import require
-from megatron_rl.parallel.dims import parallel_dims, require_floor
+from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 
 
@@ -44,8 +44,7 @@ class SimulateConfig:
         # simulated world need not divide the experts under the torch backend.
         self.dims = parallel_dims(self.ranks, self.shape.num_experts, self.backend,
                                   f"the experts of {self.shape.name}", even=False)
-        require(self.policy != "adaptive" or self.backend == "torch",
-                "policy adaptive: its ladder of stages needs arbitrary expert ownership (backend torch)")
+        require_policy(self.policy, self.backend)
         require(self.check_every >= 1, f"check_every must be >= 1, got {self.check_every}")
         require(self.migrate >= 0, f"migrate must be >= 0, got {self.migrate}")
 

@@ -2,14 +2,15 @@
 
 `rollout`, `train`, `plan`, `simulate` and the rollout phase build it here, once, and ask it for
 the ranks, the EP group, the stage sizes their backend allows and the ranks per node. Which expert
-ownership a backend needs is decided here only; a layout no rank can run is a `ConfigError` (one
-line at the CLI).
+ownership a backend needs is decided here only, and so whether a policy can run on it; a layout no
+rank can run is a `ConfigError` (one line at the CLI).
 """
 from __future__ import annotations
 
 import os
 
 from elastic.planning.dims import LayoutError, ParallelDims, check_floor
+from elastic.planning.policies import PolicyError, policy_kind
 from megatron_rl.errors import ConfigError
 
 # The expert ownership each MoE backend carries out: ours places any expert on any rank;
@@ -40,3 +41,12 @@ def require_floor(floor: int, ranks: int, name: str = "floor") -> None:
         check_floor(floor, ranks, name)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
+
+
+def require_policy(policy: str, backend: str, name: str = "policy") -> None:
+    """A config's policy runs under its backend's expert ownership (`adaptive` needs the torch
+    backend's), checked at config load, before any rank starts."""
+    try:
+        policy_kind(policy).check_ownership(_OWNERSHIP[backend])
+    except PolicyError as e:
+        raise ConfigError(f"{name} {policy}: {e}") from None

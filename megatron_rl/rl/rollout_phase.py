@@ -319,10 +319,9 @@ class RolloutPhase:
     def _online_rule(self, plan, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         """`adaptive` (torch backend): the online rule that re-plans, and migrates, as the rollout runs."""
         cfg = self.cfg
-        if cfg.elastic.policy != "adaptive" or cfg.backend == "megatron":
-            return None
         shape = model_shape(cfg.model, self._dtype_bytes(), self.budget, ranks_per_node=self.dims.ranks_per_node)
-        return online_rule(plan, items, history, shape=shape, status_interval=cfg.elastic.status_interval,
+        return online_rule(plan, items, history, policy=cfg.elastic.policy, shape=shape,
+                           status_interval=cfg.elastic.status_interval,
                            max_batch=cfg.generation.max_batch_per_rank,
                            max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix)
 

@@ -11,7 +11,7 @@ from elastic.planning.policies import POLICIES
 from megatron_rl.config import require, require_seed, require_size, require_timeout
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
-from megatron_rl.parallel.dims import parallel_dims, require_floor
+from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rollout.lease_jobs import LeaseConfig
 from megatron_rl.rollout.paged_kv import require_kv
@@ -103,6 +103,7 @@ class RolloutConfig:
             require_size(self.kv_pages, "kv_pages")
         if self.floor is not None:
             require_floor(self.floor, self.ranks)
+        require_policy(self.policy, self.backend)
         self.partial.require_groups("rollout")
 
     @staticmethod

@@ -9,9 +9,8 @@ import sys
 import torch
 
 from elastic.planning.dims import ParallelDims
-from elastic.planning.layout import natural
-from elastic.planning.plan import Plan, static_plan
-from elastic.planning.replan import ladder_plan
+from elastic.planning.plan import Plan
+from elastic.planning.policies import PolicyError, policy_kind
 from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
@@ -79,37 +78,29 @@ def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int 
     instead prices a shrink at that fixed cost on the shape's model. When a shrinking policy keeps
     every rank, stderr says why. `known_prefix`: tokens so far of resumed responses (partial
     rollouts, `make_plan`'s)."""
-    W, E, ownership = dims.world, dims.experts, dims.ownership
-    keys = [(r.prompt_id, r.sample) for r in batch]
-    if policy == "vanilla":
-        return static_plan("natural", natural(keys, W), W, E)
-    from elastic.planning.planner import PlanError, make_plan
+    from elastic.planning.planner import PlanError
     from elastic.planning.step_cost import ShapeCost
 
-    floor = W if policy == "lengthsort" else (floor or max(1, W // 2))
+    kind, W = policy_kind(policy), dims.world
+    floor = kind.floor(W, floor)
     shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
     if shrink_cost_s is not None:
         cost = ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     else:
         cost = engine_cost(length_scale) if device == "cpu" else ShapeCost(shape)
-    if policy == "adaptive" and ownership != "balanced":
-        raise FlexFloorError("policy adaptive: its ladder of stages needs arbitrary expert ownership "
-                             "(backend: torch); megatron-core holds only contiguous blocks")
     try:
-        plan = make_plan(batch, history, ranks=W, floor=floor, shape=shape,
-                         layout="planned" if policy == "adaptive" else policy,
-                         tailguard=tailguard, max_response_len=max_response_len, cost=cost,
-                         budget=budget, ownership=ownership, known_prefix=known_prefix)
+        # A plan that keeps every rank predicts no gain: `adaptive` then takes the vanilla path too (one
+        # stage, no online rule: no per-response status collective, no re-planning, no ladder's groups).
+        plan = kind.plan(batch, history, dims=dims, floor=floor, shape=shape, cost=cost, tailguard=tailguard,
+                         max_response_len=max_response_len, budget=budget, known_prefix=known_prefix)
+    except PolicyError as e:
+        raise FlexFloorError(f"policy {policy}: {e}") from None
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
-    if policy == "adaptive" and len(plan.stages) > 1:
-        return ladder_plan(plan, floor)
-    # A plan that keeps every rank predicts no gain: `adaptive` then takes the vanilla path too (one
-    # stage, no online rule: no per-response status collective, no re-planning, no ladder's groups).
     if len(plan.stages) == 1 and floor < W:
         m = plan.meta
         m["every_rank_stays"] = (
-            f"{policy} floor {floor}: every rank stays{' (the vanilla path)' if policy == 'adaptive' else ''}: "
+            f"{policy} floor {floor}: every rank stays{' (the vanilla path)' if kind.online else ''}: "
             f"of {m['chains_priced']} chains priced "
             f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
             f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
@@ -117,26 +108,24 @@ def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int 
     return plan
 
 
-def online_rule(plan: Plan, batch, history, *, shape: ModelShape, status_interval: int,
+def online_rule(plan: Plan, batch, history, *, policy: str, shape: ModelShape, status_interval: int,
                 max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
                 migrate: bool = True, known_prefix: dict | None = None):
-    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`), or None for a
-    plan that keeps every rank (`plan_rollout`: the vanilla path); `batch` in
-    `plan.assignments` order. It reasons in trace tokens: the driver divides the run's by
-    `length_scale`. On this engine a step costs the same in any group, so a shrink can only
+    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`), or None for
+    the other policies and for a plan that keeps every rank (`plan_rollout`: the vanilla path);
+    `batch` in `plan.assignments` order. It reasons in trace tokens: the driver divides the run's
+    by `length_scale`. On this engine a step costs the same in any group, so a shrink can only
     lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
     when the objective's occupied rank-seconds say it pays."""
-    from elastic.planning.online import OnlineOptions, online_model
-    from elastic.planning.replan import OnlineRule
+    from elastic.planning.online import OnlineOptions
 
-    if len(plan.stages) == 1:
-        return None
-    cap = plan.meta["predictor"]["cap"] if isinstance(plan.meta.get("predictor"), dict) else None
-    model = online_model(batch, history, cap or max_response_len, OnlineOptions(migrate=migrate), known_prefix)
-    plan.meta["online"] = {"siblings": model.fit.to_dict(), "migrate": migrate}
-    return OnlineRule(plan, [r.prompt_len for r in batch], model, engine_cost(length_scale),
-                      shape, check_every=max(1, round(status_interval / length_scale)),
-                      max_slowdown=None, max_batch=max_batch)
+    rule = policy_kind(policy).rule(plan, batch, history, cost=engine_cost(length_scale), shape=shape,
+                                    options=OnlineOptions(migrate=migrate), max_response_len=max_response_len,
+                                    known_prefix=known_prefix, max_slowdown=None, max_batch=max_batch,
+                                    check_every=max(1, round(status_interval / length_scale)))
+    if rule is not None:
+        plan.meta["online"]["migrate"] = migrate
+    return rule
 
 
 def admission_lengths(batch, history, *, tailguard: bool, length_scale: float,

@@ -188,9 +188,9 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
         predicted = admission_lengths([by_key[r.key] for r in requests], history, tailguard=cfg.tailguard,
                                       length_scale=cfg.batch.length_scale)
         requests = [replace(r, predicted_len=n) for r, n in zip(requests, predicted)]
-    rule = None if cfg.policy != "adaptive" else online_rule(
-        plan, batch, history, shape=model_shape(mcfg, DTYPES[cfg.dtype].itemsize, budget,
-                                                ranks_per_node=ranks_on_this_host(cfg.ranks)),
+    rule = online_rule(
+        plan, batch, history, policy=cfg.policy, shape=model_shape(mcfg, DTYPES[cfg.dtype].itemsize, budget,
+                                                                   ranks_per_node=ranks_on_this_host(cfg.ranks)),
         status_interval=cfg.status_interval, max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
