@@ -34,7 +34,7 @@ from megatron_rl.progress import Progress
 from megatron_rl.rewards import Verdict
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.memory import memory_budget, model_shape
+from megatron_rl.rollout.memory import memory_budget
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
 from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout, say_plan_notes
 from megatron_rl.rollout.route_record import CarriedValues, RouteRecorder
@@ -180,6 +180,7 @@ class RolloutPhase:
         `leases`: what detached ranks do until the restore (None: they idle)."""
         self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
         self.dims = parallel_dims(world, cfg.model.num_moe_experts, cfg.backend)
+        self.shape = None  # the model's shape the step's plan was priced on (its online rule's too)
         self.store = store  # the job's key-value store: the runtime's restore message goes through it
         self.budget = self._memory_budget(resident_bytes)
         self.leases = leases
@@ -205,12 +206,11 @@ class RolloutPhase:
 
     def plan(self, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         cfg = self.cfg
-        plan = plan_rollout(items, history, policy=cfg.elastic.policy, dims=self.dims, known_prefix=known_prefix,
-                            floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
-                            dtype_bytes=self._dtype_bytes(), budget=self.budget,
-                            max_response_len=cfg.generation.max_response_len,
-                            shrink_cost_s=cfg.elastic.shrink_cost_s,
-                            device=self.model.embedding.word_embeddings.weight.device.type)
+        plan, self.shape = plan_rollout(
+            items, history, policy=cfg.elastic.policy, dims=self.dims, known_prefix=known_prefix,
+            floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
+            dtype_bytes=self._dtype_bytes(), budget=self.budget, max_response_len=cfg.generation.max_response_len,
+            shrink_cost_s=cfg.elastic.shrink_cost_s, device=self.model.embedding.word_embeddings.weight.device.type)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
         assert dict(plan.stages[0].owners) == self.dims.block_owners(range(self.world))
         if self.rank == 0:
@@ -319,8 +319,7 @@ class RolloutPhase:
     def _online_rule(self, plan, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         """`adaptive` (torch backend): the online rule that re-plans, and migrates, as the rollout runs."""
         cfg = self.cfg
-        shape = model_shape(cfg.model, self._dtype_bytes(), self.budget, ranks_per_node=self.dims.ranks_per_node)
-        return online_rule(plan, items, history, policy=cfg.elastic.policy, shape=shape,
+        return online_rule(plan, items, history, policy=cfg.elastic.policy, shape=self.shape,
                            status_interval=cfg.elastic.status_interval,
                            max_batch=cfg.generation.max_batch_per_rank,
                            max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix)

@@ -1,10 +1,13 @@
 """The plan of one rollout, as both `flexfloor rollout` and `train` ask for it: the model's config
-(a checkpoint's headers checked before any rank starts), the memory budget, the plan of a policy, and
-the online rule of an `adaptive` plan. The rank rollout (`rank_rollout.py`) carries the plan out.
+(a checkpoint's headers checked before any rank starts), the plan of a policy with the model's shape
+it was priced on, and the online rule of an `adaptive` plan; `RolloutSetup` builds them once for
+`flexfloor rollout`, with its device and memory budget. The rank rollout (`rank_rollout.py`) carries
+the plan out.
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +19,7 @@ from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import resolve_device
-from megatron_rl.parallel.dims import parallel_dims, ranks_on_this_host
+from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.parallel.launch import driver_process
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_cost import engine_cost
@@ -38,17 +41,37 @@ def model_config(cfg: RolloutConfig) -> MoEModelConfig:
     return mcfg
 
 
-def build_plan(cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history, budget: MemoryBudget) -> Plan:
-    dims = parallel_dims(cfg.ranks, mcfg.num_moe_experts, cfg.backend)
-    plan = plan_rollout(batch, history, policy=cfg.policy, dims=dims, floor=cfg.floor, tailguard=cfg.tailguard,
-                        mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize, budget=budget,
-                        length_scale=cfg.batch.length_scale, device=resolve_device(cfg.device),
-                        # A replayed response has its traced length: with no earlier epoch to
-                        # learn a cap from, that is the bound on its KV (a one-epoch trace).
-                        max_response_len=None if len(history) else max(r.response_len for r in batch))
-    if driver_process():
-        say_plan_notes(plan)
-    return plan
+@dataclass(frozen=True)
+class RolloutSetup:
+    """What `flexfloor rollout` decides before any rank starts, each once: the device its ranks
+    compute on, the model's shape priced against that device's memory, the plan, and the online
+    rule of an `adaptive` plan (None otherwise)."""
+
+    plan: Plan
+    rule: object | None
+    shape: ModelShape
+    device: str
+
+    @classmethod
+    def build(cls, cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history,
+              device: str | None = None) -> RolloutSetup:
+        """`device`: the config's resolved device where the caller has it (`resolve_device`)."""
+        device = device or resolve_device(cfg.device)
+        # Every rank computes on that device; one GPU (or this host's RAM over the ranks on it)
+        # stands for each rank's budget.
+        dims = parallel_dims(cfg.ranks, mcfg.num_moe_experts, cfg.backend)
+        budget = memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(device), dims.ranks_per_node)
+        plan, shape = plan_rollout(batch, history, policy=cfg.policy, dims=dims, floor=cfg.floor,
+                                   tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
+                                   budget=budget, length_scale=cfg.batch.length_scale, device=device,
+                                   # A replayed response has its traced length: with no earlier epoch to
+                                   # learn a cap from, that is the bound on its KV (a one-epoch trace).
+                                   max_response_len=None if len(history) else max(r.response_len for r in batch))
+        if driver_process():
+            say_plan_notes(plan)
+        rule = online_rule(plan, batch, history, policy=cfg.policy, shape=shape, status_interval=cfg.status_interval,
+                           max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale)
+        return cls(plan, rule, shape, device)
 
 
 def say_plan_notes(plan: Plan) -> None:
@@ -59,17 +82,11 @@ def say_plan_notes(plan: Plan) -> None:
             print(f"[plan] {plan.meta[key]}", file=sys.stderr, flush=True)
 
 
-def rollout_budget(cfg: RolloutConfig, mcfg: MoEModelConfig) -> MemoryBudget:
-    """Every rank computes on the device the config resolves to; one GPU (or this host's RAM over
-    the ranks on it) stands for each rank's budget."""
-    return memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(resolve_device(cfg.device)),
-                         ranks_on_this_host(cfg.ranks))
-
-
 def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int | None, tailguard: bool,
                  mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
                  max_response_len: int | None = None, shrink_cost_s: float | None = None,
-                 length_scale: float = 1.0, device: str = "cpu", known_prefix: dict | None = None) -> Plan:
+                 length_scale: float = 1.0, device: str = "cpu",
+                 known_prefix: dict | None = None) -> tuple[Plan, ModelShape]:
     """The plan of one rollout under `policy` on the command's layout `dims` (its ranks and the
     backend's expert ownership, `megatron_rl.parallel.dims.parallel_dims`), its memory checks priced
     against `budget` (`rollout/memory.py`); `max_response_len` bounds KV when history is empty. On
@@ -77,7 +94,7 @@ def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int 
     decoding `length_scale` of each trace length); on GPU on the shape's cost model; `shrink_cost_s`
     instead prices a shrink at that fixed cost on the shape's model. When a shrinking policy keeps
     every rank, stderr says why. `known_prefix`: tokens so far of resumed responses (partial
-    rollouts, `make_plan`'s)."""
+    rollouts, `make_plan`'s). Returns the plan and the model's shape it was priced on."""
     from elastic.planning.planner import PlanError
     from elastic.planning.step_cost import ShapeCost
 
@@ -105,7 +122,7 @@ def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int 
             f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
             f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
             f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)")
-    return plan
+    return plan, shape
 
 
 def online_rule(plan: Plan, batch, history, *, policy: str, shape: ModelShape, status_interval: int,

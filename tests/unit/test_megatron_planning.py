@@ -162,10 +162,10 @@ def test_runtime_refuses_plans_megatron_cannot_hold(trace):
     mcfg = MoEModelConfig(num_moe_experts=12)
     kw = dict(policy="planned", floor=1, tailguard=False, mcfg=mcfg, dtype_bytes=4,
               max_response_len=4096, budget=memory_budget(mcfg, 4, torch.device("cpu"), 6))
-    plan = plan_rollout(trace.epoch(ep), trace.before(ep), dims=ParallelDims(6, 12, "blocks"), **kw)
+    plan, _ = plan_rollout(trace.epoch(ep), trace.before(ep), dims=ParallelDims(6, 12, "blocks"), **kw)
     check_plan(plan)
     _assert_blocks(plan)
-    balanced = plan_rollout(trace.epoch(ep), trace.before(ep), dims=ParallelDims(6, 12), **kw)
+    balanced, _ = plan_rollout(trace.epoch(ep), trace.before(ep), dims=ParallelDims(6, 12), **kw)
     with pytest.raises(FlexFloorError, match="the plan owns experts 'balanced', not in megatron-core's"):
         check_plan(balanced)
     balanced.ownership = "blocks"
