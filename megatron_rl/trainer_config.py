@@ -24,7 +24,7 @@ from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
 from megatron_rl.metrics import LoggingConfig
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice
-from megatron_rl.parallel.dims import parallel_dims
+from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rewards import RewardConfig
 from megatron_rl.rollout.lease_jobs import LeaseConfig
@@ -264,7 +264,8 @@ class TrainerConfig:
                 f"warmstart.prompts_per_step ({self.warmstart.prompts_per_step}) must divide over "
                 f"ranks ({W})")
         if self.elastic.floor is not None:
-            require(1 <= self.elastic.floor <= W, f"elastic.floor: expected 1..{W}, got {self.elastic.floor}")
+            require_floor(self.elastic.floor, W, "elastic.floor")
+        require_policy(self.elastic.policy, self.backend, "elastic.policy")
         if self.tokenizer.kind == "char":
             need = len(SPECIALS) + len(self.tokenizer.alphabet)
             require(self.model.vocab_size >= need,

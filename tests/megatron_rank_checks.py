@@ -18,7 +18,7 @@ OPTIM = OptimConfig(lr=3e-3, grad_clip=1.0)
 
 
 def _torch_model(rank: int, world: int, held=None) -> Qwen3MoeModel:
-    from elastic.planning.plan import block_owners
+    from elastic.planning.dims import block_owners
     from megatron_rl.models.moe import LocalDispatcher
     from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 

@@ -24,9 +24,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import Plan, Stage, block_owners
+from elastic.planning.plan import Plan, Stage
 from elastic.runtime.runtime import _move_experts
+from megatron_rl.errors import ConfigError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
@@ -122,11 +124,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mcfg = model_config(a)
     E = mcfg.num_moe_experts
-    if E % world:
-        raise SystemExit(f"{E} experts do not divide over {world} ranks")
+    try:
+        dims = parallel_dims(world, E, "megatron", "the model's experts")
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     members = list(range(max(1, world // 2)))
-    stages = [Stage(tuple(range(world)), (), block_owners(E, range(world))),
-              Stage(tuple(members), tuple(range(len(members), world)), block_owners(E, members))]
+    stages = [Stage(tuple(range(world)), (), dims.block_owners(range(world))),
+              Stage(tuple(members), tuple(range(len(members), world)), dims.block_owners(members))]
     plan = Plan(ranks=world, floor=len(members), num_experts=E, layout="natural", tailguard=False,
                 assignments=[], stages=stages, ownership="blocks")
     plan.check()

@@ -13,13 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
 from elastic.errors import InputError
-
-# How a plan's stages own experts: `balanced` (any group size; a shrink moves the fewest experts;
-# the torch backend) or `blocks` (megatron-core's MoELayer: every stage is `block_owners` of its
-# members, so only group sizes that divide the expert count; the megatron backend).
-OWNERSHIPS = ("balanced", "blocks")
-# The ownership each MoE backend can carry out.
-BACKEND_OWNERSHIP = {"torch": "balanced", "megatron": "blocks"}
+from elastic.planning.dims import ParallelDims, contiguous_owners, divides
 
 
 @dataclass(frozen=True)
@@ -69,6 +63,12 @@ class Plan:
     ownership: str = "balanced"
 
     # ---- queries the runtime and simulator share --------------------------------------------
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout the plan is made for (its world need not divide the experts: `balanced`
+        ownership holds uneven blocks or replicas)."""
+        return ParallelDims(self.ranks, self.num_experts, self.ownership, even=False)
+
     def rank_of(self) -> dict[tuple[str, int], int]:
         return {(a.prompt_id, a.sample): a.rank for a in self.assignments}
 
@@ -104,8 +104,7 @@ class Plan:
         """Raise ValueError if the plan breaks an invariant of docs/design.md."""
         if not self.stages:
             raise ValueError("plan has no stages")
-        if self.ownership not in OWNERSHIPS:
-            raise ValueError(f"ownership must be one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
+        dims = self.dims
         if tuple(self.stages[0].members) != tuple(range(self.ranks)):
             raise ValueError(f"stage 0 must hold all {self.ranks} ranks, has {self.stages[0].members}")
         prev: set[int] | None = None
@@ -125,8 +124,8 @@ class Plan:
             for e, rs in st.owners.items():
                 if not rs or not set(rs) <= members:
                     raise ValueError(f"stage {i}: expert {e} owned by {rs}, not within members")
-            if self.ownership == "blocks" and (self.num_experts % len(members)
-                                               or st.owners != block_owners(self.num_experts, st.members)):
+            if dims.ownership == "blocks" and not (dims.allows_stage(len(members))
+                                                   and st.owners == dims.block_owners(st.members)):
                 raise ValueError(f"stage {i}: experts are not megatron-core's contiguous blocks over "
                                  f"{len(members)} members (ownership 'blocks')")
             prev = members
@@ -176,22 +175,14 @@ class Plan:
         )
 
 
-def block_owners(num_experts: int, members: Iterable[int]) -> dict[int, tuple[int, ...]]:
-    """Megatron's default EP ownership: contiguous blocks of E/|members| experts per member."""
-    members = sorted(members)
-    if num_experts % len(members):
-        raise ValueError(f"{num_experts} experts do not divide over {len(members)} ranks "
-                         "(megatron-core owns experts in equal contiguous blocks)")
-    per = num_experts // len(members)
-    return {e: (members[e // per],) for e in range(num_experts)}
-
-
 def static_plan(layout: str, assignments: list[Assignment], ranks: int, num_experts: int) -> Plan:
-    """A plan with a single stage: nobody leaves (the `vanilla` and `lengthsort` policies), in
-    megatron-core's blocks, so either backend runs it."""
-    stage = Stage(members=tuple(range(ranks)), drained=(), owners=block_owners(num_experts, range(ranks)))
+    """A plan with a single stage: nobody leaves (the `vanilla` policy). Where the experts divide
+    over the ranks its owners are megatron-core's blocks, so either backend runs it; elsewhere (a
+    simulated world) contiguous blocks that differ by one expert, or replicas."""
+    stage = Stage(members=tuple(range(ranks)), drained=(), owners=contiguous_owners(num_experts, range(ranks)))
     return Plan(ranks=ranks, floor=ranks, num_experts=num_experts, layout=layout, tailguard=False,
-                assignments=assignments, stages=[stage], ownership="blocks")
+                assignments=assignments, stages=[stage],
+                ownership="blocks" if divides(num_experts, ranks) else "balanced")
 
 
 class PlanError(InputError, ValueError):

@@ -33,10 +33,11 @@ import numpy as np
 
 from elastic.planning import layout as layouts
 from elastic.planning.chain_estimate import ChainTimeline, rank_drain_steps
+from elastic.planning.dims import LayoutError, ParallelDims
 from elastic.planning.guard import TailGuard
 from elastic.planning.kv import Demand, RankKV
 from elastic.planning.partial import conditioned
-from elastic.planning.plan import OWNERSHIPS, Assignment, Plan, PlanError
+from elastic.planning.plan import Assignment, Plan, PlanError
 from elastic.planning.predict import LengthDist, Predictor
 from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.planning.shape import MemoryBudget, ModelShape
@@ -75,7 +76,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
     rollouts); their `prompt_len` counts those tokens (they are re-prefilled), and they are planned
     by what is left of them (`partial.conditioned`: the length given it exceeds the tokens so far).
     """
-    _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership)
+    dims = _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership)
     cost = cost or ShapeCost(shape)
     budget = budget or shape.budget
     keys = [(b.prompt_id, b.sample) for b in batch]
@@ -134,7 +135,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
     search = _ChainSearch(keys, work, reserve, demand,
                           _samples(dists, true_lengths is not None, seed), float(prompt_len.mean()),
-                          ranks, floor, shape, budget, effective, cost, objective, ownership)
+                          dims, floor, shape, budget, effective, cost, objective)
     est, sizes, stages, rank_of = search.best()
     meta.update({
         "chain": sizes, "chains_feasible": search.feasible, "chains_priced": len(search.cache),
@@ -145,7 +146,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
     })
     plan = Plan(ranks=ranks, floor=floor, num_experts=E, layout=layout, tailguard=tailguard,
                 assignments=[Assignment(pid, s, r) for (pid, s), r in zip(keys, rank_of)],
-                stages=stages, predicted_release_rank_s=est.detached_rank_s, meta=meta, ownership=ownership)
+                stages=stages, predicted_release_rank_s=est.detached_rank_s, meta=meta, ownership=dims.ownership)
     plan.check(keys)
     return plan
 
@@ -187,23 +188,22 @@ class _ChainSearch:
 
     EXHAUSTIVE = 16
 
-    def __init__(self, keys, work, reserve, demand, samples, prompt_mean, ranks, floor, shape,
-                 budget, layout, cost, objective, ownership):
+    def __init__(self, keys, work, reserve, demand, samples, prompt_mean, dims, floor, shape,
+                 budget, layout, cost, objective):
         self.keys, self.work, self.demand, self.samples = keys, work, demand, samples
         self.prompt_mean, self.ranks, self.floor, self.shape, self.cost = (
-            prompt_mean, ranks, floor, shape, cost)
+            prompt_mean, dims.world, floor, shape, cost)
         self.budget = budget
-        self.E = shape.num_experts
+        self.dims, self.E = dims, dims.experts
         self.key = OBJECTIVES[objective]
         self.order = layouts.placement_order(reserve, work)
-        self.ownership = ownership
-        self.cands = candidate_sizes(ranks, floor, self.E, ownership) if floor < ranks else []
+        self.cands = candidate_sizes(dims, floor) if floor < dims.world else []
         self.cache: dict[tuple[int, ...], tuple | None] = {}
         self.stage_memo: dict = {}
         self.move_memo: dict[tuple[int, ...], int] = {}
         self.feasible, self.reasons = 0, []
         self.fixed = self.timeline = None
-        self.leave_order = list(range(ranks))
+        self.leave_order = list(range(dims.world))
         if layout != "planned":
             self._place_baseline(layout)
 
@@ -247,7 +247,7 @@ class _ChainSearch:
         """(estimate, sizes, stages, rank_of) of a chain, or None if its layout cannot fit."""
         if sizes in self.cache:
             return self.cache[sizes]
-        stages = build_stages(list(sizes), self.E, self.leave_order, self.stage_memo, self.ownership)
+        stages = build_stages(list(sizes), self.E, self.leave_order, self.stage_memo, self.dims.ownership)
         result = None
         try:
             kv = RankKV(self.demand, self._budgets(stages))
@@ -274,7 +274,7 @@ class _ChainSearch:
 
     def best(self):
         if 2 ** len(self.cands) <= self.EXHAUSTIVE:
-            found = [self.price(tuple(c)) for c in chains(self.ranks, self.floor, self.E, self.ownership)]
+            found = [self.price(tuple(c)) for c in chains(self.dims, self.floor)]
         else:
             found = [self._score(frozenset()), self._climb(frozenset(self.cands))]
         found = [f for f in found if f is not None]
@@ -315,27 +315,25 @@ def plan_epoch(trace: Trace, epoch: int, **kw) -> Plan:
     return make_plan(batch, trace.before(epoch), **kw)
 
 
-def _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership):
-    if not 1 <= ranks:
-        raise PlanError(f"ranks must be >= 1, got {ranks}")
-    if not 1 <= floor <= ranks:
-        raise PlanError(f"floor must be in 1..ranks ({ranks}), got {floor}")
+def _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership) -> ParallelDims:
+    """The inputs' checks; returns the layout they describe."""
+    try:
+        dims = ParallelDims(ranks, shape.num_experts, ownership, even=False)
+        dims.check_floor(floor)
+    except LayoutError as e:
+        raise PlanError(str(e)) from None
     if layout not in LAYOUTS:
         raise PlanError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if not 0 < alpha < 1:
         raise PlanError(f"alpha must be in (0, 1), got {alpha}")
     if objective not in OBJECTIVES:
         raise PlanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    if ownership not in OWNERSHIPS:
-        raise PlanError(f"ownership must be one of {', '.join(OWNERSHIPS)}, got {ownership!r}")
-    if ownership == "blocks" and shape.num_experts % ranks:
-        raise PlanError(f"{shape.num_experts} experts do not divide over {ranks} ranks, as megatron-core's "
-                        "expert blocks need (ownership 'blocks', the megatron backend)")
     if not batch:
         raise PlanError("the batch is empty")
     keys = [(b.prompt_id, b.sample) for b in batch]
     if len(set(keys)) != len(keys):
         raise PlanError("the batch holds a (prompt_id, sample) twice")
+    return dims
 
 
 def _tiers(sizes: list[int]) -> list[list[int]]:

@@ -1,9 +1,114 @@
-"""The rollout policies, named once: the CLI's choices, the configs' fields and the simulator read them here.
+"""The rollout policies, named and defined once: the CLI's choices, the configs' fields, the rank
+rollout's plan (`megatron_rl/rollout/rollout_plan.py`) and the simulator's (`elastic/sim/replay.py`)
+all ask the `PolicyKind` of a name, so the two cannot drift apart.
 
 - `vanilla`: one stage, nobody leaves; `lengthsort`: responses sorted by predicted length, nobody leaves;
 - `natural` / `planned`: the EP group shrinks to the floor (in arrival order / on predicted lengths);
-- `adaptive`: planned, then the online rule re-predicts, re-plans and migrates stragglers.
+- `adaptive`: planned, then the online rule re-predicts, re-plans and migrates stragglers; its
+  ladder of stages needs `balanced` expert ownership (the torch backend);
+- `oracle` (simulator only): planned on the true lengths, a bound beside the policies.
+
+The planner and the online rule are imported where a plan is made, so that reading a policy's
+name (`flexfloor --help`, a config's check) imports no numpy.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from elastic.planning.dims import OWNERSHIPS, ParallelDims
+
 POLICIES = ("vanilla", "lengthsort", "natural", "planned", "adaptive")
-# The simulator can also replay `oracle`: planned on the true lengths, a bound beside the policies.
 SIM_POLICIES = ("vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive")
+
+
+class PolicyError(ValueError):
+    """A policy asked to run where it cannot (one line at the CLI)."""
+
+
+def default_floor(ranks: int) -> int:
+    """The floor a shrinking policy plans down to when the command names none: half the ranks."""
+    return max(1, ranks // 2)
+
+
+@dataclass(frozen=True)
+class PolicyKind:
+    name: str
+    layout: str | None  # the planner's layout; None: no planner (natural placement, one stage)
+    shrinks: bool  # whether the planner chooses a chain of stages down to the floor
+    oracle: bool = False  # planned on the true lengths
+    online: bool = False  # an online rule re-predicts, re-plans and migrates during the rollout
+    ownerships: tuple[str, ...] = OWNERSHIPS  # the expert ownerships it can run under
+
+    def floor(self, ranks: int, floor: int | None) -> int:
+        """The floor it plans to: every rank if it never shrinks, else `floor` (`default_floor` if None)."""
+        return (floor or default_floor(ranks)) if self.shrinks else ranks
+
+    @property
+    def uses_planner(self) -> bool:
+        """False for the baseline that places in arrival order with nobody leaving (`vanilla`)."""
+        return self.layout is not None
+
+    def check_ownership(self, ownership: str) -> None:
+        """Raise PolicyError unless it can run under the expert `ownership` (a backend's)."""
+        if ownership not in self.ownerships:
+            raise PolicyError("its ladder of stages needs arbitrary expert ownership (backend torch); "
+                              "megatron-core holds only contiguous blocks")
+
+    def plan(self, batch, history, *, dims: ParallelDims, floor: int | None, shape, cost, oracle: bool = False,
+             ladder_always: bool = False, **planner):
+        """The plan of one rollout of `batch` on `dims` (`planner.make_plan`'s `planner` options);
+        `oracle` plans on the true lengths (`response_len`) whatever the policy. An online policy's
+        plan is the ladder of every candidate stage (`replan.ladder_plan`); where the offline plan
+        keeps every rank a rank rollout takes the vanilla path instead (no ladder, no online rule),
+        while the simulator, `ladder_always`, still ladders it."""
+        from elastic.planning.layout import natural
+        from elastic.planning.plan import static_plan
+
+        if not self.uses_planner:
+            keys = [(b.prompt_id, b.sample) for b in batch]
+            return static_plan("natural", natural(keys, dims.world), dims.world, dims.experts)
+        from elastic.planning.planner import make_plan
+        from elastic.planning.replan import ladder_plan
+
+        self.check_ownership(dims.ownership)
+        floor = self.floor(dims.world, floor)
+        true = {(b.prompt_id, b.sample): b.response_len for b in batch} if oracle or self.oracle else None
+        plan = make_plan(batch, history, ranks=dims.world, floor=floor, shape=shape, layout=self.layout,
+                         cost=cost, ownership=dims.ownership, true_lengths=true, **planner)
+        if self.online and (ladder_always or len(plan.stages) > 1):
+            return ladder_plan(plan, floor)
+        return plan
+
+    def rule(self, plan, batch, history, *, cost, shape, options, max_response_len: int | None = None,
+             known_prefix: dict | None = None, **rule_options):
+        """The online rule of a laddered plan (`replan.OnlineRule`, `rule_options` its own), or None:
+        the other policies follow `Plan.advance`. `batch` in the order the rule indexes responses;
+        `options` (`online.OnlineOptions`) the evidence it uses; `max_response_len` bounds lengths
+        when the plan's predictor learnt no cap."""
+        if not self.online or "ladder" not in plan.meta:
+            return None
+        from elastic.planning.remaining import online_model
+        from elastic.planning.replan import OnlineRule
+
+        predictor = plan.meta["predictor"]  # "oracle" when started from the true-length plan
+        cap = predictor["cap"] if isinstance(predictor, dict) else None
+        model = online_model(batch, history, cap or max_response_len, options, known_prefix)
+        plan.meta["online"] = {"siblings": model.fit.to_dict()}
+        return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, **rule_options)
+
+
+_KINDS = {k.name: k for k in (
+    PolicyKind("vanilla", None, shrinks=False),
+    PolicyKind("lengthsort", "lengthsort", shrinks=False),
+    PolicyKind("natural", "natural", shrinks=True),
+    PolicyKind("planned", "planned", shrinks=True),
+    PolicyKind("oracle", "planned", shrinks=True, oracle=True),
+    PolicyKind("adaptive", "planned", shrinks=True, online=True, ownerships=("balanced",)),
+)}
+
+
+def policy_kind(name: str) -> PolicyKind:
+    """The policy `name` (one of `SIM_POLICIES`)."""
+    if name not in _KINDS:
+        raise PolicyError(f"unknown policy {name!r}; policies are {', '.join(SIM_POLICIES)}")
+    return _KINDS[name]

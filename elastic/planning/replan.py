@@ -34,6 +34,7 @@ import numpy as np
 
 from elastic.planning.busiest import busiest_load
 from elastic.planning.chain_estimate import Estimate
+from elastic.planning.dims import ParallelDims
 from elastic.planning.latency_guard import LatencyGuard
 from elastic.planning.plan import Plan
 from elastic.planning.planner import OBJECTIVES
@@ -69,7 +70,8 @@ def leave_order(plan: Plan) -> list[int]:
 
 def ladder_plan(plan: Plan, floor: int) -> Plan:
     """`plan` with a stage for every candidate group size down to `floor`, in its leaving order."""
-    sizes = [plan.ranks] + (candidate_sizes(plan.ranks, floor, plan.num_experts) if floor < plan.ranks else [])
+    dims = ParallelDims(plan.ranks, plan.num_experts, even=False)  # a ladder's stages are `balanced`
+    sizes = [plan.ranks] + (candidate_sizes(dims, floor) if floor < plan.ranks else [])
     stages = build_stages(sizes, plan.num_experts, leave_order(plan))
     meta = dict(plan.meta, ladder=sizes, offline_chain=[len(s.members) for s in plan.stages])
     out = Plan(plan.ranks, floor, plan.num_experts, plan.layout, plan.tailguard, plan.assignments,

@@ -29,32 +29,11 @@ import math
 from collections.abc import Iterator
 from itertools import combinations
 
-from elastic.planning.plan import Stage, block_owners
+from elastic.planning.dims import ParallelDims, block_owners, contiguous_owners, divides
+from elastic.planning.plan import Stage
 
 MAX_CANDIDATES = 6
 FINE_SPAN = 16
-
-
-def contiguous_owners(num_experts: int, members) -> dict[int, tuple[int, ...]]:
-    """`block_owners` generalised to any group size (equal to it when |members| divides E)."""
-    members = sorted(members)
-    g = len(members)
-    if num_experts % g == 0:
-        return block_owners(num_experts, members)
-    if num_experts > g:
-        # Blocks of ceil/floor size, larger ones first, contiguous in expert index.
-        base, extra = divmod(num_experts, g)
-        owners, e = {}, 0
-        for j, r in enumerate(members):
-            for _ in range(base + (1 if j < extra else 0)):
-                owners[e] = (r,)
-                e += 1
-        return owners
-    # More ranks than experts: member j holds expert floor(j * E / g), every expert replicated.
-    owners: dict[int, list[int]] = {e: [] for e in range(num_experts)}
-    for j, r in enumerate(members):
-        owners[j * num_experts // g].append(r)
-    return {e: tuple(rs) for e, rs in owners.items()}
 
 
 def held_counts(owners: dict[int, tuple[int, ...]], members) -> dict[int, int]:
@@ -87,16 +66,17 @@ def shrink_owners(owners: dict[int, tuple[int, ...]], survivors) -> dict[int, tu
     return {e: tuple(rs) for e, rs in keep.items()}
 
 
-def candidate_sizes(ranks: int, floor: int, num_experts: int, ownership: str = "balanced") -> list[int]:
-    """Group sizes a chain may pass through below W, largest first (with `balanced` ownership
-    always including the floor; with `blocks` only the sizes that divide the expert count)."""
-    if ownership == "blocks":
-        sizes = {g for g in range(floor, ranks) if num_experts % g == 0}
+def candidate_sizes(dims: ParallelDims, floor: int) -> list[int]:
+    """Group sizes a chain may pass through below the world, largest first (with `balanced`
+    ownership always including the floor; with `blocks` only the stage sizes `dims` allows)."""
+    ranks, num_experts = dims.world, dims.experts
+    if dims.ownership == "blocks":
+        sizes = set(dims.stage_sizes(floor)[1:])
     elif ranks - floor <= FINE_SPAN:
         return list(range(ranks - 1, floor - 1, -1))
     else:
         sizes = {g for g in range(floor, ranks)
-                 if num_experts % g == 0 or (g % num_experts == 0 and ranks % g == 0)}
+                 if divides(num_experts, g) or (divides(g, num_experts) and divides(ranks, g))}
         if floor < ranks:
             sizes.add(floor)
     out = sorted(sizes, reverse=True)
@@ -109,13 +89,13 @@ def candidate_sizes(ranks: int, floor: int, num_experts: int, ownership: str = "
     return out
 
 
-def chains(ranks: int, floor: int, num_experts: int, ownership: str = "balanced") -> Iterator[list[int]]:
+def chains(dims: ParallelDims, floor: int) -> Iterator[list[int]]:
     """Every chain of group sizes [W, g_1, ..., g_k] with W > g_1 > ... > g_k >= floor; the
     one-stage chain [W] (nobody leaves) comes first."""
-    cands = candidate_sizes(ranks, floor, num_experts, ownership)
+    cands = candidate_sizes(dims, floor)
     for k in range(len(cands) + 1):
         for combo in combinations(cands, k):
-            yield [ranks, *combo]
+            yield [dims.world, *combo]
 
 
 def build_stages(sizes: list[int], num_experts: int, order: list[int] | None = None,

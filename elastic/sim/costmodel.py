@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 
 from elastic.planning.busiest import busiest_load
+from elastic.planning.shape import QWEN3_30B_A3B_H100 as _QWEN3
 
 # DeepEP v1 low-latency kernels (docs/legacy.md of deepseek-ai/DeepEP, H800 + CX7 400 Gb/s, 128
 # tokens per rank, hidden 7168, top-8, FP8 dispatch + BF16 combine): dispatch + combine latency per
@@ -48,24 +49,24 @@ def _require(cond: bool, message: str) -> None:
 class CostModel:
     # `decode_step_s` broadcasts over numpy arrays (`step_cost.step_table` prices whole tables at once).
     takes_arrays = True
-    name: str = "qwen3-30b-a3b@h100-80g"
-    # ---- model (Qwen3-30B-A3B HF config.json) ---------------------------------------------------
-    num_layers: int = 48
-    hidden_size: int = 2048
-    num_experts: int = 128
-    topk: int = 8
+    name: str = _QWEN3.name
+    # ---- model (Qwen3-30B-A3B HF config.json): the defaults are the planner's shape's ---------------
+    num_layers: int = _QWEN3.num_layers
+    hidden_size: int = _QWEN3.hidden_size
+    num_experts: int = _QWEN3.num_experts
+    topk: int = _QWEN3.topk
     # gate + up + down of one expert in one layer: 3 x 2048 x 768.
-    expert_params_per_layer: int = 3 * 2048 * 768
+    expert_params_per_layer: int = 3 * _QWEN3.hidden_size * _QWEN3.expert_ffn
     # Weights read by every decode step of a rank that has tokens: attention per layer (q 2048x4096,
     # k and v 2048x512, o 4096x2048) + router (2048x128), times 48 layers, + the 151936x2048 LM head.
     dense_params: int = 48 * (2 * 2048 * 4096 + 2 * 2048 * 512 + 2048 * 128) + 151936 * 2048
-    bytes_per_param: int = 2
+    bytes_per_param: int = _QWEN3.bytes_per_param
     # 48 layers x (K, V) x 4 KV heads x 128 head dim x 2 bytes = 96 KiB.
-    kv_bytes_per_token: int = 48 * 2 * 4 * 128 * 2
+    kv_bytes_per_token: int = _QWEN3.kv_bytes_per_token
     # QK^T and PV over one cached token: 2 x 2 flops x 32 q heads x 128 head dim x 48 layers.
     attn_flops_per_kv_token: int = 4 * 32 * 128 * 48
     # ---- hardware (H100 SXM5 80GB, nodes of 8) ----------------------------------------------------
-    ranks_per_node: int = 8
+    ranks_per_node: int = _QWEN3.ranks_per_node
     # 70% of the 3.35 TB/s HBM3 peak (NVIDIA H100 datasheet); 70% is an assumption for decode kernels.
     hbm_bytes_per_s: float = 0.70 * 3.35e12
     # 40% of the 989 TFLOP/s dense BF16 peak (datasheet); assumption for small-batch GEMMs.

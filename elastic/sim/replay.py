@@ -8,7 +8,7 @@ the planned layout given the true lengths (the bound a predictor could reach). A
 `objective` is the planner's chain criterion (`elastic.planning.planner.OBJECTIVES`): `occupied`, the
 capacity-oriented default (fewest occupied rank-seconds), or `rollout`, the latency-oriented one
 (shortest predicted rollout). It only matters where the group may shrink (natural, planned, oracle).
-A policy's `ownership` is the planner's (`elastic.planning.plan.OWNERSHIPS`): `blocks` simulates
+A policy's `ownership` is the planner's (`elastic.planning.dims.OWNERSHIPS`): `blocks` simulates
 the megatron backend, whose stages can only be megatron-core's contiguous expert blocks.
 """
 from __future__ import annotations
@@ -16,21 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic.ledger import STATES, Ledger, RankLedger
-from elastic.planning.layout import natural
-from elastic.planning.plan import OWNERSHIPS, Plan
-from elastic.planning.planner import OBJECTIVES, make_plan
+from elastic.planning.dims import OWNERSHIPS, ParallelDims
+from elastic.planning.plan import Plan
+from elastic.planning.planner import OBJECTIVES
 from elastic.planning.policies import SIM_POLICIES as POLICIES
-from elastic.planning.remaining import OnlineOptions, online_model
-from elastic.planning.replan import OnlineRule, ladder_plan
-from elastic.planning.schedule import build_stages
+from elastic.planning.policies import PolicyKind, policy_kind
+from elastic.planning.remaining import OnlineOptions
+from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.simulate import SimConfig, SimulatedRollout, simulate_rollout
 from elastic.trace import Trace, TraceError, TraceRecord
-
-# The layout each policy asks the planner for.
-_LAYOUT = {"lengthsort": "lengthsort", "natural": "natural", "planned": "planned", "oracle": "planned",
-           "adaptive": "planned"}
 
 
 @dataclass(frozen=True)
@@ -54,22 +50,23 @@ class Policy:
             raise ValueError(f"unknown ownership {self.ownership!r}; ownerships are {', '.join(OWNERSHIPS)}")
 
     @property
+    def kind(self) -> PolicyKind:
+        return policy_kind(self.name)
+
+    @property
     def shrinks(self) -> bool:
         """Whether the planner chooses a chain of stages for this policy (so `objective` matters)."""
-        return self.name not in ("vanilla", "lengthsort")
+        return self.kind.shrinks
 
     @property
     def label(self) -> str:
-        if self.name == "vanilla":
-            return "vanilla"
-        if self.name == "lengthsort":
-            base = "lengthsort"
-        else:
-            base = f"{self.name} floor{self.floor}"
+        if not self.kind.uses_planner:
+            return self.name
+        base = f"{self.name} floor{self.floor}" if self.shrinks else self.name
         # The default objective stays implicit, so the labels of the capacity rows do not change.
         suffix = f" [{self.objective}]" if self.shrinks and self.objective != "occupied" else ""
         suffix += " [blocks]" if self.shrinks and self.ownership == "blocks" else ""
-        if self.name == "adaptive":
+        if self.kind.online:
             suffix = self.online.suffix + suffix
         return base + (" +TailGuard" if self.tailguard else "") + suffix
 
@@ -86,22 +83,14 @@ def rollout_epochs(trace: Trace) -> list[int]:
 def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *, ranks: int,
                      shape: ModelShape, cost: CostModel,
                      known_prefix: dict[tuple[str, int], int] | None = None) -> Plan:
-    """`known_prefix`: tokens so far of responses resumed from an earlier rollout (partial rollouts;
+    """The policy's plan (`policies.PolicyKind.plan`); the simulator ladders every `adaptive` plan.
+    `known_prefix`: tokens so far of responses resumed from an earlier rollout (partial rollouts;
     their `prompt_len` counts them), planned by what is left of them."""
-    keys = [r.key for r in batch]
-    if policy.name == "vanilla":
-        # One stage, nobody leaves; contiguous ownership also covers W > E (replicas).
-        return Plan(ranks=ranks, floor=ranks, num_experts=shape.num_experts, layout="natural", tailguard=False,
-                    assignments=natural(keys, ranks), stages=build_stages([ranks], shape.num_experts))
-
-    oracle = policy.oracle or policy.name == "oracle"
-    # lengthsort balances predicted work and keeps every rank to the end (docs/design.md).
-    floor = ranks if policy.name == "lengthsort" else policy.floor
-    plan = make_plan(batch, history, ranks=ranks, floor=floor, shape=shape, layout=_LAYOUT[policy.name],
-                     tailguard=policy.tailguard, cost=cost, objective=policy.objective,
-                     ownership=policy.ownership, known_prefix=known_prefix,
-                     true_lengths={r.key: r.response_len for r in batch} if oracle else None)
-    return ladder_plan(plan, floor) if policy.name == "adaptive" else plan
+    # A simulated world need not divide the experts: balanced ownership holds uneven blocks or replicas.
+    dims = ParallelDims(ranks, shape.num_experts, policy.ownership, even=False)
+    return policy.kind.plan(batch, history, dims=dims, floor=policy.floor, shape=shape, cost=cost,
+                            oracle=policy.oracle, ladder_always=True, tailguard=policy.tailguard,
+                            objective=policy.objective, known_prefix=known_prefix)
 
 
 def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], history: Trace, *,
@@ -109,14 +98,11 @@ def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], histo
                      known_prefix: dict[tuple[str, int], int] | None = None) -> OnlineRule | None:
     """The online rule of an `adaptive` plan (None for the other policies, which follow
     `Plan.advance`); `batch` in the order the simulator indexes responses."""
-    if policy.name != "adaptive":
-        return None
-    predictor = plan.meta["predictor"]  # "oracle" when started from the true-length plan
-    model = online_model(batch, history, predictor["cap"] if isinstance(predictor, dict) else None, policy.online,
-                         known_prefix)
-    plan.meta["online"] = {"siblings": model.fit.to_dict(), "options": policy.online.suffix.strip() or "all"}
-    return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, objective=policy.objective,
-                      check_every=config.check_every)
+    rule = policy.kind.rule(plan, batch, history, cost=cost, shape=shape, options=policy.online,
+                            known_prefix=known_prefix, objective=policy.objective, check_every=config.check_every)
+    if rule is not None:
+        plan.meta["online"]["options"] = policy.online.suffix.strip() or "all"
+    return rule
 
 
 @dataclass

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from elastic.ledger import format_report
+from elastic.planning.policies import policy_kind
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, compare_policies, decomposition, simulate_trace
@@ -29,7 +30,7 @@ def run_compare(trace: Trace, *, ranks: int, cost: CostModel, shape: ModelShape,
         res = simulate_trace(trace, policy, ranks=ranks, cost=cost, shape=shape, config=config, epochs=epochs)
         row = res.summary()
         row["_result"] = res
-        if policy.name in ("vanilla", "oracle"):
+        if not policy.kind.uses_planner or policy.kind.oracle:
             # vanilla reads no prediction; oracle already is the true-length plan.
             row["oracle_rollout_time_s"] = row["rollout_time_s"]
         else:
@@ -38,7 +39,7 @@ def run_compare(trace: Trace, *, ranks: int, cost: CostModel, shape: ModelShape,
             row["oracle_rollout_time_s"] = oracle.summary()["rollout_time_s"]
         rows.append(row)
     base = rows[0]
-    if base["policy"] != "vanilla":
+    if policy_kind(base["policy"]).uses_planner:
         raise ValueError("run_compare: the first policy must be vanilla (the baseline)")
     for row in rows:
         row["rollout_time_reduction"] = _reduction(base["rollout_time_s"], row["rollout_time_s"])

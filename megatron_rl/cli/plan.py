@@ -18,6 +18,7 @@ from elastic.planning.shape import QWEN3_30B_A3B_H100
 from megatron_rl.backends import BACKENDS
 from megatron_rl.config import require, require_seed
 from megatron_rl.errors import FlexFloorError
+from megatron_rl.parallel.dims import parallel_dims, require_floor
 
 FLAGS = tuple((a, a) for a in ("trace", "epoch", "ranks", "floor", "layout", "tailguard", "alpha", "oracle",
                                "objective", "backend", "model", "max_response_len", "seed"))
@@ -50,7 +51,10 @@ class PlanConfig:
         require(self.ranks <= experts, f"ranks ({self.ranks}) exceeds the experts of {self.model} "
                                        f"({experts}): a rank that owns no expert cannot take part")
         if self.floor is not None:
-            require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")
+            require_floor(self.floor, self.ranks)
+        # The layout planned, built once (not a field: `--print-config` prints the fields): a
+        # planned world need not divide the experts under the torch backend.
+        self.dims = parallel_dims(self.ranks, experts, self.backend, f"the experts of {self.model}", even=False)
         require(0 < self.alpha < 1, f"alpha must be in (0, 1), got {self.alpha}")
         require_seed(self.seed)
         require(self.epoch is None or self.epoch >= 0, f"epoch: expected >= 0, got {self.epoch}")
@@ -90,7 +94,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from elastic.planning.plan import BACKEND_OWNERSHIP, PlanError
+    from elastic.planning.plan import PlanError
     from elastic.planning.planner import plan_epoch
     from elastic.planning.shape import SHAPES
     from elastic.trace import TraceError, read_trace
@@ -104,10 +108,10 @@ def run(args) -> int:
     try:
         trace = read_trace(c.trace)
         epoch = trace.epochs[-1] if c.epoch is None else c.epoch
-        plan = plan_epoch(trace, epoch, ranks=c.ranks, floor=c.ranks if c.floor is None else c.floor,
+        plan = plan_epoch(trace, epoch, ranks=c.dims.world, floor=c.ranks if c.floor is None else c.floor,
                           shape=SHAPES[c.model], layout=c.layout, tailguard=c.tailguard,
                           alpha=c.alpha, oracle=c.oracle, max_response_len=c.max_response_len,
-                          seed=c.seed, objective=c.objective, ownership=BACKEND_OWNERSHIP[c.backend])
+                          seed=c.seed, objective=c.objective, ownership=c.dims.ownership)
     except (TraceError, PlanError) as e:
         raise FlexFloorError(str(e)) from None
     if args.json:

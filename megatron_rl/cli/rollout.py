@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from elastic.planning.policies import POLICIES
+from elastic.planning.policies import POLICIES, policy_kind
 
 
 def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, policy: bool = True) -> None:
@@ -124,8 +124,8 @@ def _rollout(args, cfg, out_dir) -> int:
 
 def rollout_title(report: dict) -> str:
     """A timeline's title: the policy, and the floor and TailGuard of a shrinking one."""
-    if len(report["stages"]) == 1 and report["policy"] == "vanilla":
-        return "vanilla"
+    if len(report["stages"]) == 1 and not policy_kind(report["policy"]).uses_planner:
+        return report["policy"]
     return f"{report['policy']} floor {report['floor']}" + (" + TailGuard" if report["tailguard"] else "")
 
 

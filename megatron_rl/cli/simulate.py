@@ -113,7 +113,6 @@ def run(args) -> int:
 def _run(args) -> int:
     from dataclasses import replace
 
-    from elastic.planning.plan import BACKEND_OWNERSHIP
     from elastic.sim.replay import Policy, compare_policies, simulate_trace
     from elastic.sim.report import compare_table, run_compare, single_report
     from megatron_rl.cli.outputs import check_plot_dir
@@ -133,7 +132,7 @@ def _run(args) -> int:
     if args.compare:
         rows = run_compare(trace, ranks=c.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
                            policies=compare_policies(objective=c.objective,
-                                                     ownership=BACKEND_OWNERSHIP[c.backend]),
+                                                     ownership=c.dims.ownership),
                            progress=lambda label: print(f"simulating {label} ...", file=sys.stderr, flush=True))
         if args.json:
             print(json.dumps({"ranks": c.ranks, "rollouts": len(epochs), "objective": c.objective,
@@ -146,7 +145,7 @@ def _run(args) -> int:
         table = rows
     else:
         policy = Policy(c.policy, c.floor, c.tailguard, objective=c.objective,
-                        ownership=BACKEND_OWNERSHIP[c.backend])
+                        ownership=c.dims.ownership)
         if c.partial.enabled:
             from elastic.sim.partial import simulate_partial
 

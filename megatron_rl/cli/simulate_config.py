@@ -11,6 +11,7 @@ from elastic.planning.policies import SIM_POLICIES
 from elastic.planning.shape import SHAPES, ModelShape
 from elastic.sim.costmodel import CostModel
 from megatron_rl.config import require
+from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 
 
@@ -33,17 +34,17 @@ class SimulateConfig:
 
     def __post_init__(self):
         require(self.ranks >= 1, f"ranks must be >= 1, got {self.ranks}")
-        require(1 <= self.floor <= self.ranks, f"floor must be in 1..{self.ranks} (the ranks), got {self.floor}")
+        require_floor(self.floor, self.ranks)
         require(self.model is None or self.model in SHAPES,
                 f"model {self.model!r} is not known; known: {', '.join(sorted(SHAPES))}")
         require(self.cost.num_experts == self.shape.num_experts,
                 f"cost.num_experts {self.cost.num_experts} differs from model {self.shape.name}'s "
                 f"{self.shape.num_experts}")
-        require(self.backend != "megatron" or self.shape.num_experts % self.ranks == 0,
-                f"backend megatron: the {self.shape.num_experts} experts of {self.shape.name} do not divide "
-                f"over ranks {self.ranks} (megatron-core owns experts in equal contiguous blocks)")
-        require(self.policy != "adaptive" or self.backend == "torch",
-                "policy adaptive: its ladder of stages needs arbitrary expert ownership (backend torch)")
+        # The layout simulated, built once (not a field: `--print-config` prints the fields): a
+        # simulated world need not divide the experts under the torch backend.
+        self.dims = parallel_dims(self.ranks, self.shape.num_experts, self.backend,
+                                  f"the experts of {self.shape.name}", even=False)
+        require_policy(self.policy, self.backend)
         require(self.check_every >= 1, f"check_every must be >= 1, got {self.check_every}")
         require(self.migrate >= 0, f"migrate must be >= 0, got {self.migrate}")
 

@@ -12,7 +12,7 @@ Every layer is built against a *passed* `ProcessGroupCollection` (never megatron
 `parallel_state`), so `elastic/` can rebuild the layers over a smaller, pre-created EP group
 (`rebuild_ep`) when ranks leave, and over the full group on restore. Megatron owns experts in
 contiguous blocks: EP rank i of n holds experts [i*E/n, (i+1)*E/n), so a shrink stage must use
-`elastic.planning.plan.block_owners` and E must divide by the group size.
+`elastic.planning.dims.block_owners` and E must divide by the group size.
 
 megatron-core 0.16.1's router and alltoall/flex dispatchers call CUDA directly, so the backend runs
 on GPUs only; `require_backend()` says so on a CPU machine. The experts are TEGroupedMLP
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from elastic.planning.dims import LayoutError, block_owners
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.moe import MoELayer as TorchMoELayer
@@ -128,11 +129,10 @@ def transformer_config(mcfg: MoEModelConfig, *, ep_size: int, dispatcher: str = 
 
     if dispatcher not in DISPATCHERS:
         raise FlexFloorError(f"moe dispatcher: expected one of {', '.join(DISPATCHERS)}, got {dispatcher!r}")
-    if mcfg.num_moe_experts % ep_size:
-        raise FlexFloorError(
-            f"megatron backend: {mcfg.num_moe_experts} experts do not divide over an EP group of {ep_size} "
-            "ranks (megatron-core owns experts in equal contiguous blocks)"
-        )
+    try:
+        block_owners(mcfg.num_moe_experts, range(ep_size))
+    except LayoutError as e:
+        raise FlexFloorError(f"megatron backend, an EP group of {ep_size}: {e}") from None
     kwargs = mcfg.transformer_config_kwargs()
     kwargs.update(
         activation_func=F.silu,  # with gated_linear_unit: SwiGLU, as Qwen3's experts
@@ -181,11 +181,6 @@ def self_group(rank: int, world: int):
     return [process_group((r,)) for r in range(world)][rank]
 
 
-def block_experts(num_experts: int, ep_size: int, ep_rank: int) -> list[int]:
-    per = num_experts // ep_size
-    return list(range(ep_rank * per, (ep_rank + 1) * per))
-
-
 class MegatronMoE(nn.Module):
     """megatron-core's MoELayer behind the torch backend's interface: `forward(x_TD) -> y_TD`.
 
@@ -202,7 +197,7 @@ class MegatronMoE(nn.Module):
 
         self.options = dict(dispatcher=dispatcher, dtype=dtype, expert_module=expert_module, device=device)
         ep = pg_collection.ep
-        owned = block_experts(mcfg.num_moe_experts, ep.size(), ep.rank())
+        owned = [e for e, (r,) in block_owners(mcfg.num_moe_experts, range(ep.size())).items() if r == ep.rank()]
         missing = [e for e in owned if e not in experts]
         if missing:
             raise ValueError(f"EP rank {ep.rank()} of {ep.size()} owns experts {owned}; no weights for {missing}")

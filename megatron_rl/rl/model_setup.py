@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import block_owners
+from elastic.planning.dims import block_owners
 from megatron_rl.rl.checkpoint import CheckpointError
 from megatron_rl.trainer_config import TrainerConfig
 

@@ -24,18 +24,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import BACKEND_OWNERSHIP, block_owners
 from elastic.timeline import Timeline
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.parallel.dims import ranks_on_this_host
+from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.progress import Progress
 from megatron_rl.rewards import Verdict
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.memory import memory_budget, model_shape
+from megatron_rl.rollout.memory import memory_budget
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
 from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout, say_plan_notes
 from megatron_rl.rollout.route_record import CarriedValues, RouteRecorder
@@ -180,6 +179,8 @@ class RolloutPhase:
         optimizer's, `training_state_bytes`); the planner prices it with the weights and KV.
         `leases`: what detached ranks do until the restore (None: they idle)."""
         self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
+        self.dims = parallel_dims(world, cfg.model.num_moe_experts, cfg.backend)
+        self.shape = None  # the model's shape the step's plan was priced on (its online rule's too)
         self.store = store  # the job's key-value store: the runtime's restore message goes through it
         self.budget = self._memory_budget(resident_bytes)
         self.leases = leases
@@ -195,7 +196,7 @@ class RolloutPhase:
         case: the least device memory and the most resident state of any rank."""
         weight = self.model.embedding.word_embeddings.weight
         budget = memory_budget(self.cfg.model, weight.element_size(), weight.device,
-                               ranks_on_this_host(self.world), resident_bytes, record_routes=True)
+                               self.dims.ranks_per_node, resident_bytes, record_routes=True)
         if self.world > 1:
             worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64,
                                  device=weight.device)
@@ -205,14 +206,13 @@ class RolloutPhase:
 
     def plan(self, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         cfg = self.cfg
-        plan = plan_rollout(items, history, policy=cfg.elastic.policy, ranks=self.world, known_prefix=known_prefix,
-                            floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
-                            dtype_bytes=self._dtype_bytes(), budget=self.budget,
-                            max_response_len=cfg.generation.max_response_len,
-                            shrink_cost_s=cfg.elastic.shrink_cost_s, ownership=BACKEND_OWNERSHIP[cfg.backend],
-                            device=self.model.embedding.word_embeddings.weight.device.type)
+        plan, self.shape = plan_rollout(
+            items, history, policy=cfg.elastic.policy, dims=self.dims, known_prefix=known_prefix,
+            floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
+            dtype_bytes=self._dtype_bytes(), budget=self.budget, max_response_len=cfg.generation.max_response_len,
+            shrink_cost_s=cfg.elastic.shrink_cost_s, device=self.model.embedding.word_embeddings.weight.device.type)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
-        assert dict(plan.stages[0].owners) == block_owners(cfg.model.num_moe_experts, range(self.world))
+        assert dict(plan.stages[0].owners) == self.dims.block_owners(range(self.world))
         if self.rank == 0:
             say_plan_notes(plan)
         return plan
@@ -312,10 +312,8 @@ class RolloutPhase:
     def _online_rule(self, plan, items: list[_Item], history: Trace, known_prefix: dict | None = None):
         """`adaptive` (torch backend): the online rule that re-plans, and migrates, as the rollout runs."""
         cfg = self.cfg
-        if cfg.elastic.policy != "adaptive" or cfg.backend == "megatron":
-            return None
-        shape = model_shape(cfg.model, self._dtype_bytes(), self.budget, ranks_per_node=ranks_on_this_host(self.world))
-        return online_rule(plan, items, history, shape=shape, status_interval=cfg.elastic.status_interval,
+        return online_rule(plan, items, history, policy=cfg.elastic.policy, shape=self.shape,
+                           status_interval=cfg.elastic.status_interval,
                            max_batch=cfg.generation.max_batch_per_rank,
                            max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix)
 

@@ -12,7 +12,7 @@ from megatron_rl.backends import BACKENDS, Backend, backend
 from megatron_rl.config import require, require_seed, require_size, require_timeout
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
-from megatron_rl.parallel.dims import parallel_dims
+from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rollout.lease_jobs import LeaseConfig
 from megatron_rl.rollout.paged_kv import require_kv
@@ -103,7 +103,8 @@ class RolloutConfig:
             require(self.kv == "paged", "kv_pages: only for kv: paged")
             require_size(self.kv_pages, "kv_pages")
         if self.floor is not None:
-            require(1 <= self.floor <= self.ranks, f"floor must be in 1..ranks ({self.ranks}), got {self.floor}")
+            require_floor(self.floor, self.ranks)
+        require_policy(self.policy, self.backend)
         self.partial.require_groups("rollout")
 
     @property

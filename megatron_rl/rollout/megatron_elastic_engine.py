@@ -5,14 +5,15 @@ the EP rank's contiguous block. So expert moves are collected (`import_expert` k
 `drop_expert` forgets them) and `use_group` rebuilds every MoE layer over the new group with them
 (`megatron_backend.rebuild_ep`), in the order the elastic runtime calls them: moves, drops, switch.
 The first `use_group` turns the torch-backend layers the model was built with into megatron ones.
-Stage owners must be megatron's blocks (`elastic.planning.plan.block_owners` of the stage's members).
+Stage owners must be megatron's blocks (`elastic.planning.dims.block_owners` of the stage's members).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import Plan, block_owners
+from elastic.planning.dims import LayoutError, block_owners
+from elastic.planning.plan import Plan
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.megatron_backend import (
     ExpertWeights,
@@ -34,7 +35,8 @@ def check_plan(plan: Plan) -> None:
     if plan.ownership != "blocks":
         raise FlexFloorError(
             f"backend 'megatron': the plan owns experts {plan.ownership!r}, not in megatron-core's contiguous "
-            "blocks; plan it with ownership 'blocks' (BACKEND_OWNERSHIP['megatron']) or use `backend: torch`")
+            "blocks; plan it with the megatron backend's layout (megatron_rl.parallel.dims.parallel_dims) "
+            "or use `backend: torch`")
     try:
         plan.check()
     except ValueError as e:
@@ -74,14 +76,15 @@ class MegatronElasticEngine(ElasticRolloutEngine):
 
     def use_group(self, group, owners: dict[int, int]) -> None:
         members = dist.get_process_group_ranks(group)
-        if len(owners) % len(members):
-            raise FlexFloorError(f"backend 'megatron': {len(owners)} experts do not divide over the "
-                                 f"{len(members)} ranks {members} of a stage; plan a floor that divides them")
-        blocks = {e: rs[0] for e, rs in block_owners(len(owners), members).items()}
+        try:
+            blocks = {e: rs[0] for e, rs in block_owners(len(owners), members).items()}
+        except LayoutError as e:
+            raise FlexFloorError(f"backend 'megatron': a stage on ranks {members}: {e}; plan a floor that divides "
+                                 "them") from None
         if owners != blocks:
             raise FlexFloorError(
                 f"backend 'megatron': the plan's stage on ranks {members} places experts off megatron-core's "
-                "contiguous blocks; plan it with elastic.planning.plan.block_owners or use `backend: torch`")
+                "contiguous blocks; plan it with elastic.planning.dims.block_owners or use `backend: torch`")
         if self._built() and self.model.moe_layers[0].layer.ep_group is group and not (self.incoming or self.dropped):
             return  # already over this group with these experts (training built them over the world)
         pgc = moe_pg_collection(group, self.self_group)

@@ -25,10 +25,9 @@ from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
-from megatron_rl.rollout.memory import model_shape
 from megatron_rl.rollout.preflight import preflight
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
-from megatron_rl.rollout.rollout_plan import admission_lengths, build_plan, model_config, online_rule, rollout_budget
+from megatron_rl.rollout.rollout_plan import RolloutSetup, admission_lengths, model_config
 
 
 def responses_sha256(responses: list[dict]) -> str:
@@ -157,13 +156,14 @@ class RolloutJob:
     rule: object | None = None  # `adaptive`: the online rule (elastic.planning.replan.OnlineRule)
 
 
-def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
+def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None = None) -> RolloutJob:
+    """`device`: the config's resolved device where the caller has it (`run_rollouts`)."""
     preflight(cfg.moe_backend, cfg.dtype, cfg.leases)
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
-    budget = rollout_budget(cfg, mcfg)
-    plan = build_plan(cfg, mcfg, batch, history, budget)
+    setup = RolloutSetup.build(cfg, mcfg, batch, history, device)
+    plan = setup.plan
     cfg.moe_backend.check_plan(plan)
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
@@ -174,10 +174,6 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
         predicted = admission_lengths([by_key[r.key] for r in requests], history, tailguard=cfg.tailguard,
                                       length_scale=cfg.batch.length_scale)
         requests = [replace(r, predicted_len=n) for r, n in zip(requests, predicted)]
-    rule = None if cfg.policy != "adaptive" else online_rule(
-        plan, batch, history, shape=model_shape(mcfg, DTYPES[cfg.dtype].itemsize, budget,
-                                                ranks_per_node=ranks_on_this_host(cfg.ranks)),
-        status_interval=cfg.status_interval, max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         # A reused folder must not mix an earlier (failed) run's files with this run's.
@@ -185,7 +181,7 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None) -> RolloutJob:
             for stale in Path(out_dir).glob(pattern):
                 stale.unlink()
         (Path(out_dir) / "plan.json").write_text(plan.to_json())
-    return RolloutJob(cfg, mcfg, requests, plan, out_dir, rule)
+    return RolloutJob(cfg, mcfg, requests, plan, out_dir, setup.rule)
 
 
 def _check_pool(cfg: RolloutConfig, requests: list[Request]) -> None:
@@ -214,12 +210,13 @@ def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = 
     out_dirs = out_dirs or [None] * len(cfgs)
     # One world: one rank count, one device and one process-group backend (transports that share
     # it, as both do on CPU, may differ from job to job).
-    worlds = {(c.ranks, resolve_device(c.device), dist_backend(resolve_device(c.device), c.transport)) for c in cfgs}
+    devices = [resolve_device(c.device) for c in cfgs]
+    worlds = {(c.ranks, d, dist_backend(d, c.transport)) for c, d in zip(cfgs, devices)}
     if len(worlds) != 1:
         raise FlexFloorError(f"rollouts in one world must share ranks, device and process-group backend, "
                              f"got {sorted(worlds)}")
     (_, device, backend), = worlds
-    jobs = [prepare(c, d) for c, d in zip(cfgs, out_dirs)]
+    jobs = [prepare(c, o, d) for c, o, d in zip(cfgs, out_dirs, devices)]
     return run_ranks(rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs),
                      device=device, transport="direct" if backend == "nccl" else "host")
 

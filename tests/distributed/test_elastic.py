@@ -75,7 +75,8 @@ def test_fault_ends_run_with_clear_error_and_keeps_finished_work(fault, tmp_path
 @pytest.mark.timeout(240)
 def test_misprediction_delays_the_stage_and_never_cuts():
     """A leaving rank that holds the longest response keeps its stage waiting, busy, to the end."""
-    from elastic.planning.plan import Assignment, Plan, Stage, block_owners
+    from elastic.planning.dims import block_owners
+    from elastic.planning.plan import Assignment, Plan, Stage
     from megatron_rl.parallel.launch import run_ranks
     from megatron_rl.rollout.runner import RolloutJob, prepare, rank_jobs
 

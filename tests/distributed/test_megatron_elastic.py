@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.planning.plan import Plan, Stage, block_owners
+from elastic.planning.dims import block_owners
+from elastic.planning.plan import Plan, Stage
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.parallel.launch import run_ranks

@@ -17,7 +17,8 @@ def _shrinking(real):
     `max_batch_per_rank`), and a stage where the others, drained, have left: the shrink happens."""
     from dataclasses import replace
 
-    from elastic.planning.plan import Stage, block_owners
+    from elastic.planning.dims import block_owners
+    from elastic.planning.plan import Stage
 
     def plan(items, *args, **kwargs):
         p = real(items, *args, **kwargs)

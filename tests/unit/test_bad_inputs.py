@@ -73,6 +73,8 @@ def _cases(tmp):
             (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text (byte 0xe9 at file offset"]),
             (["--config", broken_yaml], [f"{broken_yaml}:3:1: not valid YAML"]),
             (["--ranks", "0"], ["--ranks 0: ranks must be > 0"]),
+            # adaptive's ladder needs the torch backend's ownership: refused at config load, for every command
+            (["backend=megatron", "--policy", "adaptive"], ["policy adaptive: its ladder of stages needs arbitrary"]),
             (["--out", a_file], [f"--out {a_file}: exists and is not a folder"]),
             (["--out", f"{a_file}/sub"], [f"--out {a_file}/sub: cannot create the folder (Not a directory)"]),
             (["--out", "/proc/flexfloor-test"], ["--out /proc/flexfloor-test: cannot create the folder"]),
@@ -117,6 +119,8 @@ def _cases(tmp):
             (["--config", train_cfg("ok4", rows), "--out", out, "--json", str(loop)],
              [f"--json {loop}: a symlink loop"]),
             (["--config", train_cfg("ok5", rows), "--out", long], [too_long]),
+            (["--config", train_cfg("meg", rows, backend="megatron"), "--policy", "adaptive"],
+             ["--policy adaptive: elastic.policy adaptive: its ladder of stages needs arbitrary expert ownership"]),
         ],
         "plan": [
             (["--trace", trace, "--max-response-len", "-5"], ["--max-response-len -5: max_response_len: expected > 0"]),
@@ -135,7 +139,7 @@ def _cases(tmp):
             (["--trace", trace, "--plot", str(loop)], [f"--plot {loop}: a symlink loop"]),
             (["--trace", trace, "--plot", str(planted)], [f"--plot {planted}: report.json: a symlink to"]),
             (["--trace", trace, "--plot", f"{long}/figs"], [too_long]),
-            (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..16"]),
+            (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..ranks (16)"]),
         ],
         "demo": [
             (["--ranks", "3"], ["--ranks 3:", "divisible by ranks (3)"]),

@@ -3,6 +3,7 @@ long-tailed trace at --length-scale 1 (it never did with the H100 cost model), a
 it keeps every rank."""
 import torch
 
+from elastic.planning.dims import ParallelDims
 from elastic.sim.synth import generate, preset
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.rollout.memory import memory_budget
@@ -17,8 +18,10 @@ def _trace():
 
 def _plan(trace, **kw):
     mcfg = MoEModelConfig()
-    return plan_rollout(trace.epoch(2), trace.before(2), policy="planned", ranks=4, floor=1, tailguard=False,
-                        mcfg=mcfg, dtype_bytes=8, budget=memory_budget(mcfg, 8, torch.device("cpu"), 4), **kw)
+    plan, _ = plan_rollout(trace.epoch(2), trace.before(2), policy="planned",
+                           dims=ParallelDims(4, mcfg.num_moe_experts), floor=1, tailguard=False, mcfg=mcfg,
+                           dtype_bytes=8, budget=memory_budget(mcfg, 8, torch.device("cpu"), 4), **kw)
+    return plan
 
 
 def test_planned_floor1_shrinks_on_the_cpu_engine(capsys):

@@ -71,7 +71,7 @@ def test_transformer_config_carries_the_model_fields():
 
 
 def test_transformer_config_rejects_groups_megatron_cannot_split_over():
-    with pytest.raises(FlexFloorError, match=r"8 experts do not divide over an EP group of 3"):
+    with pytest.raises(FlexFloorError, match=r"8 experts do not divide over 3 ranks"):
         transformer_config(MoEModelConfig(), ep_size=3, device="cpu")
     with pytest.raises(FlexFloorError, match=r"dispatcher: expected one of alltoall, flex, allgather"):
         transformer_config(MoEModelConfig(), ep_size=1, dispatcher="deepep", device="cpu")

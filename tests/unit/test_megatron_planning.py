@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.planning.plan import BACKEND_OWNERSHIP, Plan, PlanError, block_owners
+from elastic.planning.dims import ParallelDims, block_owners
+from elastic.planning.plan import Plan, PlanError
 from elastic.planning.planner import make_plan
 from elastic.planning.schedule import build_stages, candidate_sizes, chains
 from elastic.planning.shape import ModelShape
@@ -38,15 +39,16 @@ def _assert_blocks(plan: Plan) -> None:
 
 
 def test_block_candidates_are_the_divisors_of_the_expert_count():
-    assert candidate_sizes(16, 4, 128, "blocks") == [8, 4]
-    assert candidate_sizes(16, 3, 128, "blocks") == [8, 4]
-    assert candidate_sizes(16, 5, 128, "blocks") == [8]
-    assert candidate_sizes(12, 2, 12, "blocks") == [6, 4, 3, 2]
-    assert candidate_sizes(16, 9, 128, "blocks") == []  # nobody may leave: vanilla's one stage
-    assert candidate_sizes(16, 4, 128) == list(range(15, 3, -1))  # balanced: every size
+    assert candidate_sizes(ParallelDims(16, 128, "blocks", even=False), 4) == [8, 4]
+    assert candidate_sizes(ParallelDims(16, 128, "blocks", even=False), 3) == [8, 4]
+    assert candidate_sizes(ParallelDims(16, 128, "blocks", even=False), 5) == [8]
+    assert candidate_sizes(ParallelDims(12, 12, "blocks", even=False), 2) == [6, 4, 3, 2]
+    # Nobody may leave: vanilla's one stage.
+    assert candidate_sizes(ParallelDims(16, 128, "blocks", even=False), 9) == []
+    assert candidate_sizes(ParallelDims(16, 128, even=False), 4) == list(range(15, 3, -1))  # balanced: every size
     # Past MAX_CANDIDATES the halving ladder keeps the smallest divisor above the floor.
-    assert candidate_sizes(256, 3, 256, "blocks") == [128, 64, 32, 16, 8, 4]
-    assert all(256 % g == 0 for c in chains(256, 3, 256, "blocks") for g in c)
+    assert candidate_sizes(ParallelDims(256, 256, "blocks", even=False), 3) == [128, 64, 32, 16, 8, 4]
+    assert all(256 % g == 0 for c in chains(ParallelDims(256, 256, "blocks", even=False), 3) for g in c)
 
 
 def test_block_stages_are_block_owners_of_their_members():
@@ -135,8 +137,8 @@ def test_simulate_cli_backend_megatron(tmp_path, trace):
     bad = cli("--ranks", "12", "--backend", "megatron")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        "flexfloor simulate: error: --ranks 12: backend megatron: the 128 experts of qwen3-30b-a3b@h100-80g "
-        "do not divide over ranks 12 (megatron-core owns experts in equal contiguous blocks)"]
+        "flexfloor simulate: error: --ranks 12: 128 experts do not divide over 12 ranks "
+        "(megatron-core owns experts in equal contiguous blocks)"]
 
 
 def test_plan_cli_backend_megatron(tmp_path, trace):
@@ -158,12 +160,12 @@ def test_runtime_refuses_plans_megatron_cannot_hold(trace):
 
     ep = trace.epochs[-1]
     mcfg = MoEModelConfig(num_moe_experts=12)
-    kw = dict(policy="planned", ranks=6, floor=1, tailguard=False, mcfg=mcfg, dtype_bytes=4,
+    kw = dict(policy="planned", floor=1, tailguard=False, mcfg=mcfg, dtype_bytes=4,
               max_response_len=4096, budget=memory_budget(mcfg, 4, torch.device("cpu"), 6))
-    plan = plan_rollout(trace.epoch(ep), trace.before(ep), ownership=BACKEND_OWNERSHIP["megatron"], **kw)
+    plan, _ = plan_rollout(trace.epoch(ep), trace.before(ep), dims=ParallelDims(6, 12, "blocks"), **kw)
     check_plan(plan)
     _assert_blocks(plan)
-    balanced = plan_rollout(trace.epoch(ep), trace.before(ep), ownership=BACKEND_OWNERSHIP["torch"], **kw)
+    balanced, _ = plan_rollout(trace.epoch(ep), trace.before(ep), dims=ParallelDims(6, 12), **kw)
     with pytest.raises(FlexFloorError, match="the plan owns experts 'balanced', not in megatron-core's"):
         check_plan(balanced)
     balanced.ownership = "blocks"

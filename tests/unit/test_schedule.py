@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from elastic.planning.chain_estimate import replay
-from elastic.planning.plan import Assignment, Plan, PlanError, block_owners
+from elastic.planning.dims import ParallelDims, block_owners
+from elastic.planning.plan import Assignment, Plan, PlanError
 from elastic.planning.planner import FixedCost, ShapeCost, make_plan, plan_epoch
 from elastic.planning.schedule import (
     build_stages,
@@ -50,14 +51,15 @@ def test_shrink_moves_only_orphans_and_stays_balanced(E, W, g):
 
 def test_candidate_sizes_and_chains():
     # Small worlds may shed ranks one by one; large ones use divisors of E, then a halving ladder.
-    assert candidate_sizes(16, 2, 128) == list(range(15, 1, -1))
-    assert candidate_sizes(16, 16, 128) == []
-    assert candidate_sizes(64, 3, 128) == [32, 16, 8, 4, 3]
-    assert candidate_sizes(64, 4, 8) == [32, 16, 8, 4]  # 32 and 16 hold even replicas of 8
-    big = candidate_sizes(256, 1, 256)
+    assert candidate_sizes(ParallelDims(16, 128, even=False), 2) == list(range(15, 1, -1))
+    assert candidate_sizes(ParallelDims(16, 128, even=False), 16) == []
+    assert candidate_sizes(ParallelDims(64, 128, even=False), 3) == [32, 16, 8, 4, 3]
+    # 32 and 16 hold even replicas of 8.
+    assert candidate_sizes(ParallelDims(64, 8, even=False), 4) == [32, 16, 8, 4]
+    big = candidate_sizes(ParallelDims(256, 256, even=False), 1)
     assert 1 in big and len(big) <= 6 and big == sorted(big, reverse=True)
-    assert list(chains(4, 2, 128)) == [[4], [4, 3], [4, 2], [4, 3, 2]]
-    for c in chains(256, 3, 64):
+    assert list(chains(ParallelDims(4, 128, even=False), 2)) == [[4], [4, 3], [4, 2], [4, 3, 2]]
+    for c in chains(ParallelDims(256, 64, even=False), 3):
         assert c[0] == 256 and all(a > b for a, b in zip(c, c[1:])) and c[-1] >= 3
 
 

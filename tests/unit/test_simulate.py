@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elastic.planning.dims import block_owners
 from elastic.planning.layout import natural
-from elastic.planning.plan import Plan, Stage, block_owners, static_plan
+from elastic.planning.plan import Plan, Stage, static_plan
 from elastic.sim.costmodel import DEFAULT_COST
 from elastic.sim.simulate import SimConfig, lower_bound_s, simulate_rollout
 from elastic.trace import TraceRecord
