@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+
 DOCKER = REPO / "docker"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*"))
 

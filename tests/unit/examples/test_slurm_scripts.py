@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+
 SLURM_DIR = REPO / "examples" / "slurm"
 SCRIPTS = sorted(SLURM_DIR.glob("*.sbatch"))
 

@@ -3,6 +3,7 @@ import pytest
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.config import RolloutConfig
+from tests.helpers import REPO
 
 
 def write(tmp_path, text):
@@ -12,9 +13,8 @@ def write(tmp_path, text):
 
 
 def test_defaults_are_the_tiny_example():
-    from pathlib import Path
 
-    example = Path(__file__).parents[2] / "examples" / "tiny_cpu.yaml"
+    example = REPO / "examples" / "tiny_cpu.yaml"
     assert load_dataclass(RolloutConfig, example) == RolloutConfig()
 
 

@@ -5,6 +5,7 @@ from conftest import wandb_history, wandb_records
 
 from megatron_rl.metrics import LoggingConfig, MetricsLogger, gpu_memory, length_stats
 from megatron_rl.wandb_run import run_name
+from tests.helpers import REPO
 
 
 def test_length_stats():
@@ -104,14 +105,13 @@ def test_wandb_mode_from_environment_is_checked(tmp_path, monkeypatch):
 
 def test_examples_log_offline():
     """Online is an explicit opt-in (WANDB_MODE=online): no example waits on W&B from a compute node."""
-    from pathlib import Path
 
     from megatron_rl.config import load_dataclass
     from megatron_rl.trainer_config import TrainerConfig
 
-    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*grpo*.yaml"))
-    examples += sorted((Path(__file__).resolve().parents[2] / "examples").glob("qwen3*.yaml"))
-    examples += sorted((Path(__file__).resolve().parents[2] / "examples").glob("*reasoning_gym*.yaml"))
+    examples = sorted((REPO / "examples").glob("*grpo*.yaml"))
+    examples += sorted((REPO / "examples").glob("qwen3*.yaml"))
+    examples += sorted((REPO / "examples").glob("*reasoning_gym*.yaml"))
     assert len(examples) >= 3
     for path in examples:
         assert load_dataclass(TrainerConfig, path).logging.wandb_mode == "offline", path.name

@@ -1,12 +1,12 @@
-from pathlib import Path
 
 import pytest
 
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import ConfigError
 from megatron_rl.trainer_config import TrainerConfig
+from tests.helpers import REPO
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = REPO / "examples"
 
 
 def test_tiny_example_validates():

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.helpers import REPO
 from tools import gpu_checks
 from tools.gpu_summary import main, read, record, summarize
 
@@ -85,9 +86,8 @@ def test_elastic_check_on_cpu():
 def test_gpu_check_script_lints_and_refuses_a_machine_without_cuda():
     import shutil
     import subprocess
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.sh"
+    script = REPO / "tools" / "gpu_check.sh"
     lint = subprocess.run([shutil.which("shellcheck") or "shellcheck", str(script)], capture_output=True, text=True,
                           timeout=60)
     assert lint.returncode == 0, lint.stdout

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +19,8 @@ from elastic.sim.replay import Policy, simulate_trace
 from elastic.sim.synth import generate, preset
 from elastic.trace import write_trace
 from megatron_rl.errors import FlexFloorError
+from tests.helpers import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 QWEN = ModelShape()  # 128 experts
 
 

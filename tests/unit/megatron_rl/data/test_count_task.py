@@ -2,7 +2,6 @@
 elastic rollout cuts (>= 30x between a batch's shortest and longest response), the answers are right,
 the held-out set is disjoint, and the config's tokenizer and lengths hold every problem."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -10,8 +9,7 @@ from megatron_rl.config import load_dataclass
 from megatron_rl.data.count import ALPHABET, make_count_problems
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.trainer_config import TrainerConfig
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO as ROOT
 
 
 def _rows(path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +22,8 @@ from megatron_rl.models.megatron_backend import (
     to_torch_moe,
     transformer_config,
 )
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, expert_module="SequentialMLP", device="cpu")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 

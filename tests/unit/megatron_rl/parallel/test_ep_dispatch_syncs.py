@@ -10,7 +10,8 @@ import torch.distributed as dist
 from megatron_rl.models import MoEModelConfig
 from megatron_rl.models.moe import MoELayer
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
-from tests.unit.test_decode_sync_free import host_reads
+
+from ..rollout.test_decode_sync_free import host_reads
 
 
 @pytest.fixture

@@ -8,12 +8,13 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint
-from test_checkpoint_faults import _model_and_optimizer, _step_without_expert_3
 
 from elastic.trace import Trace
 from megatron_rl.rl import checkpoint as ckpt
 from megatron_rl.rl.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+from .test_checkpoint_faults import _model_and_optimizer, _step_without_expert_3
 
 
 def _save(writer, out, step, model, opt):

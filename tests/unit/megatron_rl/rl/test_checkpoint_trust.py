@@ -7,11 +7,12 @@ import pickle
 
 import pytest
 import torch
-from test_checkpoint_faults import _model_and_optimizer, _save, _step_without_expert_3
 
 from megatron_rl.rl.checkpoint import CheckpointError, load_checkpoint, verify_checksums
 from megatron_rl.rl.checkpoint_trust import UntrustedCheckpoint, read_metadata
 from tests.tiny_train import rehash as _rehash
+
+from .test_checkpoint_faults import _model_and_optimizer, _save, _step_without_expert_3
 
 
 class _Payload:
@@ -121,7 +122,7 @@ def test_the_allow_list_admits_no_class_factory_or_module_type(saved, name):
 @pytest.mark.parametrize("planted", ["step", "file", "latest"])
 def test_a_save_never_follows_a_symlink_out_of_the_checkpoints_folder(one_rank_group, tmp_path, planted):
     """Issue 31 defect 7: a planted `checkpoints/step_000002 -> elsewhere` wrote the checkpoint there."""
-    from test_checkpoint_faults import _save
+    from .test_checkpoint_faults import _save
 
     model, opt = _model_and_optimizer()
     first = _save(tmp_path / "run", 1, model, opt)

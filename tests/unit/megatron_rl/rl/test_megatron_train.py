@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,8 +20,8 @@ from megatron_rl.errors import FlexFloorError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.megatron_backend import install_megatron_moe, moe_pg_collection, rebuild_ep
 from megatron_rl.trainer_config import GRPOConfig, OptimConfig, TrainerConfig
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, expert_module="SequentialMLP", device="cpu")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 

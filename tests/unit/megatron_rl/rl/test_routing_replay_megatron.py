@@ -27,7 +27,7 @@ def _pair():
 
 
 def test_megatron_router_records_and_replays_like_the_torch_router(megatron_harness, one_rank_group):
-    from tests.unit.test_routing_replay import _generate
+    from .test_routing_replay import _generate
 
     torch_model, mcore_model = _pair()
     _, want = _generate(torch_model)

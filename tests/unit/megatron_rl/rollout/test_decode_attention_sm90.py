@@ -5,13 +5,13 @@ enables it for. Skipped where triton is not installed (the CPU wheel of torch co
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO as ROOT
+
 pytest.importorskip("triton", reason="triton is not installed (not in the dev extras)")
 
-ROOT = Path(__file__).resolve().parents[2]
 # Compiled in a child: the kernels must be defined without TRITON_INTERPRET (test_decode_attention.py sets it).
 COMPILE = r'''
 import json, sys
