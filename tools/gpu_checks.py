@@ -1,5 +1,5 @@
 """The bodies of the GPU checks (tests/gpu/, run by tools/gpu_check.sh), written for any device so
-that their CPU side is tested without a GPU (tests/unit/test_gpu_checks.py runs them small on CPU).
+that their CPU side is tested without a GPU (tests/unit/tools/test_gpu_checks.py runs them small on CPU).
 
 (a) `greedy_vs_reference`: our engine generates greedily on the device in its dtype; a float64 CPU
     copy of the same weights re-reads every generated sequence (teacher forcing) and names its own

@@ -1,5 +1,5 @@
 """The bodies of the decode engine's GPU checks (issue 19; tests/gpu/test_decode_engine_gpu.py runs
-them on CUDA), written for any device so that tests/unit/test_gpu_decode_checks.py runs them small
+them on CUDA), written for any device so that tests/unit/tools/test_gpu_decode_checks.py runs them small
 on CPU, where there are no graphs and no sync debug mode but the same engine path.
 
 `sync_free_steps`: decode steps under `torch.cuda.set_sync_debug_mode("error")` (a blocking host

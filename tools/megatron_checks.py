@@ -1,6 +1,6 @@
 """The megatron backend's GPU checks, as functions: tests/gpu/test_megatron_*.py run them with
 megatron-core's layers on a GPU; their comparison logic also runs on CPU between two torch-backend
-models (tests/unit/test_megatron_checks.py), so a check that cannot fail is caught here.
+models (tests/unit/tools/test_megatron_checks.py), so a check that cannot fail is caught here.
 
 - `greedy_agreement`: model B's greedy tokens against model A's on A's own greedy sequences
   (teacher-forced), everywhere and where A's top-1/top-2 logit margin is large;

@@ -1,5 +1,5 @@
 """The sync-free, graph-captured decode engine on one CUDA GPU (issue 19; skipped without one). The
-bodies are tools/gpu_decode_checks.py (their CPU side: tests/unit/test_gpu_decode_checks.py); each
+bodies are tools/gpu_decode_checks.py (their CPU side: tests/unit/tools/test_gpu_decode_checks.py); each
 records its row for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set."""
 import pytest
 

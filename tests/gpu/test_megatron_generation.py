@@ -1,6 +1,6 @@
 """`backend: megatron` generates the torch backend's greedy tokens on the same bf16 weights where the
 logit margin is large, and reports the agreement rate (tools/megatron_checks.greedy_agreement, whose
-logic tests/unit/test_megatron_checks.py checks on CPU, at this margin on this model). One GPU, a
+logic tests/unit/tools/test_megatron_checks.py checks on CPU, at this margin on this model). One GPU, a
 one-rank NCCL EP group.
 """
 from __future__ import annotations

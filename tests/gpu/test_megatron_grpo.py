@@ -1,7 +1,7 @@
 """Training through megatron-core's MoE layer on one GPU: the GRPO loss's gradients match the torch
 backend's within bf16 tolerance (both against an fp32 reference), and 5 GRPO steps with megatron-core's
 DDP + DistributedOptimizer (fp32 masters) lower the loss (tools/megatron_checks.py; its comparison
-logic runs on CPU in tests/unit/test_megatron_checks.py). NOT YET RUN ON A GPU.
+logic runs on CPU in tests/unit/tools/test_megatron_checks.py). NOT YET RUN ON A GPU.
 """
 from __future__ import annotations
 
