@@ -1,26 +1,16 @@
 """`flexfloor plan` and `flexfloor predict` as a user runs them."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+from tests.helpers.cli import cli
+from tests.helpers.traces import deepscaler, small_deepscaler, written
 
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trace") / "dsr.jsonl"
-    subprocess.run([sys.executable, "tools/make_trace.py", "--preset", "deepscaler", "--prompts",
-                    "64", "--epochs", "4", "--seed", "3", "--out", str(path)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=120)
-    return path
+    # what `tools/make_trace.py --preset deepscaler --prompts 64 --epochs 4 --seed 3` writes
+    return written(deepscaler(3, prompts=64, epochs=4), tmp_path_factory.mktemp("trace") / "dsr.jsonl")
 
 
 def test_plan_json_has_the_documented_fields(trace):
@@ -103,3 +93,14 @@ def test_help_lists_the_options():
     res = cli("plan", "--help")
     assert res.returncode == 0 and "--tailguard" in res.stdout and "--model" in res.stdout
     assert "qwen3-30b-a3b@h100-80g" in res.stdout
+
+
+def test_backend_megatron_plans_megatron_cores_blocks(tmp_path):
+    from unit.elastic.planning.test_megatron_planning import _assert_blocks
+
+    from elastic.planning.plan import Plan
+
+    path = written(small_deepscaler(), tmp_path / "dsr.jsonl")
+    res = cli("plan", "--trace", path, "--floor", "3", "--layout", "planned", "--backend", "megatron", "--json",
+              expect=0)
+    _assert_blocks(Plan.from_dict(json.loads(res.stdout)))

@@ -10,14 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import wandb_history, wandb_records
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO
+from tests.helpers.cli import cli
+
 STATES = {"busy", "dummy", "transition", "leased", "idle"}
 pytestmark = pytest.mark.timeout(240)
-
-
-def cli(*args, timeout=180):
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_rollout_writes_report_json_and_out_dir(tailed_trace, tmp_path):

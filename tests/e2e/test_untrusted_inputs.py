@@ -165,10 +165,6 @@ def test_a_rollout_into_a_folder_in_use_is_refused(tmp_path, capsys):
     assert not (tmp_path / "config.yaml").exists()
 
 
-def _train(cfg, out, *extra):
-    assert main(["train", "--config", str(cfg), "--out", str(out), *map(str, extra)]) == 0
-
-
 @pytest.mark.slow
 def test_checkpoints_are_data_export_and_resume_step(cfg, tmp_path, capsys, monkeypatch):
     """One 2-step run, then: a tampered checkpoint never runs its payload; export and re-export
@@ -180,7 +176,7 @@ def test_checkpoints_are_data_export_and_resume_step(cfg, tmp_path, capsys, monk
     from safetensors.torch import load_file
 
     out = tmp_path / "out"
-    _train(cfg, out)
+    assert main(["train", "--config", str(cfg), "--out", str(out)]) == 0
     trained = load_file(str(out / "hf" / "model.safetensors"))
 
     class Payload:
@@ -226,7 +222,7 @@ def test_checkpoints_are_data_export_and_resume_step(cfg, tmp_path, capsys, monk
 
     # --resume-step: step 2 again from step 1's checkpoint, the same weights (seeds are per step).
     capsys.readouterr()
-    _train(cfg, out, "--resume-step", "1")
+    assert main(["train", "--config", str(cfg), "--out", str(out), "--resume-step", "1"]) == 0
     assert f"resuming from {out / 'checkpoints' / 'step_000001'} (step 1)" in capsys.readouterr().err
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     redone = load_file(str(out / "hf" / "model.safetensors"))

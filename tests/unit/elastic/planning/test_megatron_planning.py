@@ -4,8 +4,6 @@ that divides the expert count (ownership `blocks`)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,17 +14,15 @@ from elastic.planning.schedule import build_stages, candidate_sizes, chains
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, simulate_trace
-from elastic.sim.synth import generate, preset
-from elastic.trace import write_trace
 from megatron_rl.errors import FlexFloorError
-from tests.helpers import REPO as ROOT
+from tests.helpers.traces import small_deepscaler
 
 QWEN = ModelShape()  # 128 experts
 
 
 @pytest.fixture(scope="module")
 def trace():
-    return generate(preset("deepscaler", prompts=16, samples=4, epochs=3, cap=4096), seed=1)
+    return small_deepscaler()
 
 
 def _assert_blocks(plan: Plan) -> None:
@@ -116,37 +112,6 @@ def test_block_shrinks_move_more_experts_than_the_fewest_moves_shrink():
     assert moves("balanced") == [64, 64, 96]
     # Blocks: only rank 0 keeps part of its block at each step (8 of 16, 16 of 32, 8 on restore).
     assert moves("blocks") == [120, 112, 120]
-
-
-def test_simulate_cli_backend_megatron(tmp_path, trace):
-    path = tmp_path / "dsr.jsonl"
-    write_trace(trace, path)
-
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "megatron_rl.cli", "simulate", "--trace", str(path), *args],
-                              cwd=ROOT, capture_output=True, text=True, timeout=240)
-
-    res = cli("--policy", "planned", "--floor", "3", "--backend", "megatron", "--json")
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout)
-    assert out["ownership"] == "blocks"
-    assert all(128 % g == 0 for r in out["per_rollout"] for g in r["stage_sizes"])
-    bad = cli("--ranks", "12", "--backend", "megatron")
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines() == [
-        "flexfloor simulate: error: --ranks 12: backend megatron: the 128 experts of qwen3-30b-a3b@h100-80g "
-        "do not divide over ranks 12 (megatron-core owns experts in equal contiguous blocks)"]
-
-
-def test_plan_cli_backend_megatron(tmp_path, trace):
-    path = tmp_path / "dsr.jsonl"
-    write_trace(trace, path)
-    res = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "plan", "--trace", str(path), "--floor", "3",
-                          "--layout", "planned", "--backend", "megatron", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr
-    plan = Plan.from_dict(json.loads(res.stdout))
-    _assert_blocks(plan)
 
 
 def test_runtime_refuses_plans_megatron_cannot_hold(trace):

@@ -9,8 +9,8 @@ from elastic.planning.guard import TailGuard
 from elastic.planning.planner import plan_epoch
 from elastic.planning.predict import Predictor
 from elastic.planning.shape import ModelShape
-from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
+from tests.helpers.traces import deepscaler
 
 
 class Leak(AssertionError):
@@ -43,7 +43,7 @@ def poison(trace: Trace, epoch: int) -> Trace:
 
 @pytest.fixture(scope="module")
 def trace():
-    return generate(preset("deepscaler", prompts=48), seed=11)
+    return deepscaler(11, prompts=48)
 
 
 def test_poison_is_detected(trace):

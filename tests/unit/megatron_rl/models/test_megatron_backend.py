@@ -6,9 +6,6 @@ the forward pass needs CUDA (tools/gpu_check.sh).
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +19,6 @@ from megatron_rl.models.megatron_backend import (
     to_torch_moe,
     transformer_config,
 )
-from tests.helpers import REPO
 
 CPU_BUILD = dict(dispatcher="allgather", dtype=torch.float32, expert_module="SequentialMLP", device="cpu")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -35,17 +31,6 @@ def test_megatron_backend_on_cpu_points_to_the_torch_backend():
     require_backend("torch")
     with pytest.raises(FlexFloorError, match=r"expected one of torch, megatron, got 'tpu'"):
         require_backend("tpu")
-
-
-@no_cuda
-def test_cli_rollout_with_megatron_backend_fails_with_one_line(tmp_path):
-    cfg = tmp_path / "gpu.yaml"
-    cfg.write_text("backend: megatron\n")
-    res = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "rollout", "--config", str(cfg)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2, res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "use `backend: torch`" in lines[0], res.stderr
 
 
 def test_transformer_config_carries_the_model_fields():
