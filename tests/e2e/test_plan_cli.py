@@ -1,8 +1,12 @@
 """`flexfloor plan` and `flexfloor predict` as a user runs them."""
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 
+from tests.helpers import REPO
 from tests.helpers.cli import cli
 from tests.helpers.traces import deepscaler, small_deepscaler, written
 
@@ -104,3 +108,11 @@ def test_backend_megatron_plans_megatron_cores_blocks(tmp_path):
     res = cli("plan", "--trace", path, "--floor", "3", "--layout", "planned", "--backend", "megatron", "--json",
               expect=0)
     _assert_blocks(Plan.from_dict(json.loads(res.stdout)))
+
+
+def test_a_broken_stdout_pipe_ends_quietly(trace):
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "plan", "--trace", str(trace)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # `| head -0`: the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 128 + signal.SIGPIPE and err == "", err

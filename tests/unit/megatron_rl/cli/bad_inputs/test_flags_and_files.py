@@ -2,7 +2,9 @@
 file, field or flag, exit 2, before any rank starts (issue 15 items 4.6-4.10). In-process: `main()`."""
 import fcntl
 import json
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -218,3 +220,94 @@ def test_sft_warmstart_replaces_only_its_own_export(tmp_path, capsys):
     assert err[0].startswith(f"sft_warmstart: error: --out {theirs}: "
                              "is a non-empty folder that is not a FlexFloor export")
     assert sorted(p.name for p in theirs.iterdir()) == ["config.json"] and not live_children()
+
+
+# Rollout inputs that reach the model: configs, checkpoints, traces.
+def _tiny_checkpoint(path: Path) -> Path:
+    import torch
+
+    from megatron_rl.models import MoEModelConfig, Qwen3MoeModel, save_hf_checkpoint
+
+    model = Qwen3MoeModel(MoEModelConfig(), dtype=torch.float32)
+    model.init_weights(0)
+    save_hf_checkpoint(model, path)
+    return path
+
+
+def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
+    """name -> (CLI arguments, fragments the one error line must contain)."""
+    def write(name, text):
+        (tmp / name).write_text(text)
+        return tmp / name
+
+    good = '{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 3, "response_len": 5}\n'
+    empty = tmp / "empty_ckpt"
+    empty.mkdir()
+    garbage = write("garbage.bin", "not a checkpoint")
+    torn = shutil.copytree(_tiny_checkpoint(tmp / "ckpt"), tmp / "torn_ckpt")
+    (torn / "model.safetensors").write_bytes(b"\x00" * 4)
+    incomplete = shutil.copytree(tmp / "ckpt", tmp / "incomplete_ckpt")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(incomplete / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, str(incomplete / "model.safetensors"))
+    def cfg(name, text):
+        return ["--config", write(name, text)]
+
+    def trace(name, text):
+        return ["--trace", write(name, text)]
+
+    return {
+        "unknown_key": (cfg("unknown.yaml", "ranks: 2\nbatch:\n  lenght_scale: 0.1\n"),
+                        ["unknown.yaml.batch: unknown field 'lenght_scale'"]),
+        "wrong_type": (cfg("wrong_type.yaml", "model:\n  num_layers: two\n"),
+                       ["wrong_type.yaml.model.num_layers", "expected an integer", "'two'"]),
+        "experts_not_divisible": (["--ranks", 3], ["model.num_moe_experts (8)", "divisible by ranks (3)"]),
+        "more_ranks_than_experts": (["--ranks", 16],
+                                    ["ranks (16) exceeds the model's experts (8) in model.num_moe_experts"]),
+        "checkpoint_empty_dir": (cfg("c1.yaml", f"checkpoint: {empty}\n"),
+                                 [f"{empty}/config.json", "cannot read checkpoint config"]),
+        "checkpoint_is_a_file": (cfg("c2.yaml", f"checkpoint: {garbage}\n"),
+                                 [str(garbage), "expected a HuggingFace checkpoint directory"]),
+        "checkpoint_torn_safetensors": (cfg("c3.yaml", f"checkpoint: {torn}\n"),
+                                        [f"{torn}/model.safetensors", "unreadable safetensors file"]),
+        "checkpoint_missing_tensor": (cfg("c4.yaml", f"checkpoint: {incomplete}\n"),
+                                      ["'model.layers.1.mlp.experts.5.up_proj.weight' is missing"]),
+        "checkpoint_other_model": (cfg("c5.yaml", f"checkpoint: {tmp / 'ckpt'}\nmodel:\n  num_layers: 3\n"),
+                                   [f"{tmp / 'ckpt'}: checkpoint is for another model shape",
+                                    "num_layers: checkpoint 2, model: 3"]),
+        "trace_bad_json": (trace("t1.jsonl", good + "{oops\n"), ["t1.jsonl:2:", "not valid JSON"]),
+        "trace_missing_field": (trace("t2.jsonl", good + '{"prompt_id": "b", "epoch": 0, "sample": 0}\n'),
+                                ["t2.jsonl:2:", "missing field 'prompt_len'"]),
+        "trace_negative_length": (trace("t3.jsonl", good.replace('"response_len": 5', '"response_len": -5')),
+                                  ["t3.jsonl:1:", "'response_len' must be >= 0", "-5"]),
+    }
+
+
+CASES = ["unknown_key", "wrong_type", "experts_not_divisible", "more_ranks_than_experts",
+         "checkpoint_empty_dir", "checkpoint_is_a_file", "checkpoint_torn_safetensors",
+         "checkpoint_missing_tensor", "checkpoint_other_model", "trace_bad_json", "trace_missing_field",
+         "trace_negative_length"]
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    return _bad_inputs(tmp_path_factory.mktemp("bad"))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_rollout_input_is_one_line_exit_2_before_any_rank_starts(bad_inputs, case, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args, fragments = bad_inputs[case]
+    rc = main(["rollout", "--ranks", "2", *map(str, args)])  # a later --ranks in `args` wins
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("flexfloor rollout: error: "), (rc, err[-2000:])
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    assert "[rollout]" not in err and out == "" and not live_children()  # failed before spawning ranks
+
+
+def test_bad_cases_cover_every_fixture(bad_inputs):
+    assert sorted(bad_inputs) == sorted(CASES)

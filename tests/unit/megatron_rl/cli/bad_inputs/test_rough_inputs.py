@@ -20,7 +20,8 @@ def test_a_weight_that_overflows_the_run_dtype_is_named_after_the_cast(tmp_path)
     with torch.no_grad():
         param[0, 0] = 1e300  # finite in float64, inf in float32
     save_hf_checkpoint(model, tmp_path / "ckpt")
-    assert load_hf_checkpoint(tmp_path / "ckpt", torch.float64) is not None
+    kept = dict(load_hf_checkpoint(tmp_path / "ckpt", torch.float64).named_parameters())[name]
+    assert kept[0, 0].item() == 1e300 and torch.equal(kept, param)  # float64 holds it: no error, no change
     from megatron_rl.models.hf import CheckpointError as HFCheckpointError
 
     with pytest.raises(HFCheckpointError, match=r"holds 1 value\(s\) \(largest 1e\+300\) that overflow float32 "

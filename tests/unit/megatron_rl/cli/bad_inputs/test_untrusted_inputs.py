@@ -4,8 +4,6 @@ import json
 import os
 import resource
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -144,16 +142,11 @@ def test_a_half_set_torchrun_environment_is_refused_naming_what_is_missing(capsy
                      "unset RANK WORLD_SIZE MASTER_ADDR")
 
 
-def test_overrides_after_flags_and_a_broken_stdout_pipe(tmp_path, capsys):
+def test_overrides_after_flags(tmp_path, capsys):
     trace = _trace(tmp_path / "t.jsonl")
     assert main(["plan", "--trace", str(trace), "alpha=0.1", "--ranks", "4", "seed=3", "--print-config"]) == 0
     out = capsys.readouterr().out
     assert "alpha: 0.1" in out and "seed: 3" in out and "ranks: 4" in out, out
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "plan", "--trace", str(trace)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ})
-    proc.stdout.close()  # `| head -0`: the reader is gone before the first line
-    err = proc.stderr.read().decode()
-    assert proc.wait(60) == 128 + signal.SIGPIPE and err == "", err
 
 
 def test_a_rollout_into_a_folder_in_use_is_refused(tmp_path, capsys):
