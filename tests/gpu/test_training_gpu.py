@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from tools import bench_offload, gpu_checks, grpo_precision
+from tests.gpu.checks import gpu_checks
+from tools import bench_offload, grpo_precision
 from tools.gpu_env import DEVICE, DRYRUN, dryrun_detail, needs_gpu, sized
 from tools.gpu_summary import record
 

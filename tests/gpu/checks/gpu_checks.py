@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import tempfile
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from megatron_rl.models.config import MoEModelConfig
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
 
 # The small Qwen3-MoE of check (a): 4 layers, hidden 512, 64 experts, top-8. The larger init std
 # gives logits with clear winners, so that "large margin" covers most steps.

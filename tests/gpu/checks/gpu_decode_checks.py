@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tools.gpu_checks import SMALL_QWEN3_MOE, _model
+from tests.gpu.checks.gpu_checks import SMALL_QWEN3_MOE, _model
 
 
 def _requests(n: int, vocab: int, new: int = 24):

@@ -20,9 +20,9 @@ from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.megatron_weights import canonical_parameters
 from megatron_rl.rl.grpo import policy_loss
 from megatron_rl.rl.train_step import Packed, pack, sequence_logprobs
-from tools.gpu_checks import SMALL_QWEN3_MOE
+from tests.gpu.checks.gpu_checks import SMALL_QWEN3_MOE
 
-# The GPU checks' model (tools/gpu_checks.py's): small enough for minutes on one GPU, with
+# The GPU checks' model (tests/gpu/checks/gpu_checks.py's): small enough for minutes on one GPU, with
 # Qwen3-30B-A3B's routing width; these checks draw it at the default init std.
 CHECK_CONFIG = replace(SMALL_QWEN3_MOE, init_method_std=MoEModelConfig.init_method_std)
 
@@ -35,7 +35,7 @@ def same_weights(reference: Qwen3MoeModel, dtype: torch.dtype, device) -> Qwen3M
 
 
 # Where bf16's rounding cannot flip the argmax, in standard deviations of that step's logits (as
-# tools/gpu_checks.py's greedy check): an absolute margin would depend on the model's logit scale
+# tests/gpu/checks/gpu_checks.py's greedy check): an absolute margin would depend on the model's logit scale
 # (issue 20 defect 3: 0.5 was above every margin of CHECK_CONFIG, whose logits have std ~0.45).
 GENERATION_MARGIN_STD = 0.2
 

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.gpu.checks import gpu_checks
 from tests.helpers import REPO
-from tools import gpu_checks
 from tools.gpu_summary import main, read, record, summarize
 
 TINY = replace(gpu_checks.SMALL_QWEN3_MOE, num_layers=2, hidden_size=64, num_attention_heads=4,

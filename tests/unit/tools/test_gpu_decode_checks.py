@@ -1,10 +1,10 @@
-"""The decode engine's GPU checks (tools/gpu_decode_checks.py) run small on CPU: the same engine path,
+"""The decode engine's GPU checks (tests/gpu/checks/gpu_decode_checks.py) run small on CPU: the same engine path,
 without graphs or the sync debug mode (tests/gpu/test_decode_engine_gpu.py runs them on CUDA)."""
 import pytest
 import torch
 
 from megatron_rl.models import MoEModelConfig
-from tools import gpu_decode_checks
+from tests.gpu.checks import gpu_decode_checks
 
 TINY = MoEModelConfig(num_layers=2, hidden_size=64, num_moe_experts=8, moe_router_topk=2, vocab_size=256)
 
@@ -29,7 +29,7 @@ def test_bf16_policies_on_cpu():
 def test_a_response_may_part_from_the_eager_one_only_at_a_near_tie(monkeypatch):
     """Replay vs eager is margin-aware: parting at the reference's runner-up within NEAR_TIE logit
     standard deviations is a rounding flip; parting at its last choice is not."""
-    from tools.gpu_checks import _model
+    from tests.gpu.checks.gpu_checks import _model
 
     model = _model(TINY, 0, torch.float32, "cpu")
     prompt = [3, 1, 4, 1, 5]

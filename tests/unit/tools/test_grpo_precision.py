@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from tools import gpu_checks, grpo_precision
+from tests.gpu.checks import gpu_checks
+from tools import grpo_precision
 
 TINY = replace(gpu_checks.SMALL_QWEN3_MOE, num_layers=2, hidden_size=64, num_attention_heads=4,
                num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,

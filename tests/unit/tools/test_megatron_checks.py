@@ -1,11 +1,11 @@
-"""The comparison logic of the megatron backend's GPU checks (tools/megatron_checks.py), run on CPU
+"""The comparison logic of the megatron backend's GPU checks (tests/gpu/checks/megatron_checks.py), run on CPU
 between torch-backend models: each check passes on equal models and fails on different ones."""
 from __future__ import annotations
 
 import torch
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
-from tools.megatron_checks import grad_agreement, greedy_agreement, grpo_batch, loss_falls, same_weights
+from tests.gpu.checks.megatron_checks import grad_agreement, greedy_agreement, grpo_batch, loss_falls, same_weights
 
 CFG = MoEModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
                      num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, vocab_size=96,

@@ -4,7 +4,7 @@ says how often the engine was built and its graphs captured. On the engine befor
 step built a new RecordingEngine and this test failed."""
 from dataclasses import replace
 
-from tools import gpu_checks
+from tests.gpu.checks import gpu_checks
 
 TINY = replace(gpu_checks.SMALL_QWEN3_MOE, num_layers=2, hidden_size=64, num_attention_heads=4,
                num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
