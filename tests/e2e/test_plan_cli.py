@@ -61,28 +61,6 @@ def test_predict_prints_quality_per_epoch(trace):
                for e in js["epochs"])
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--floor", "0"], "floor must be in 1..ranks"),
-    (["--epoch", "0"], "--max-response-len"),
-    (["--epoch", "7"], "no records for epoch 7"),
-])
-def test_user_errors_are_one_line_and_exit_2(trace, args, expect):
-    res = cli("plan", "--trace", str(trace), "--ranks", "8", *args)
-    assert res.returncode == 2
-    assert expect in res.stderr and "Traceback" not in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
-
-
-def test_predict_needs_two_epochs_and_a_sane_alpha(tmp_path, trace):
-    one = tmp_path / "one.jsonl"
-    one.write_text("".join(line + "\n" for line in trace.read_text().splitlines()
-                           if '"epoch": 0' in line))
-    res = cli("predict", "--trace", str(one))
-    assert res.returncode == 2 and "needs at least two epochs" in res.stderr
-    res = cli("predict", "--trace", str(trace), "--alpha", "2")
-    assert res.returncode == 2 and "--alpha must be in (0, 1)" in res.stderr
-
-
 def test_malformed_trace_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 3, '

@@ -125,10 +125,14 @@ def _cases(tmp):
             (["--trace", trace, "--max-response-len", "0"], ["--max-response-len 0: max_response_len: expected > 0"]),
             (["--trace", trace, "--ranks", "1000"], ["--ranks 1000: ranks (1000) exceeds the experts of"]),
             (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
+            (["--trace", trace, "--ranks", "8", "--floor", "0"], ["floor must be in 1..ranks"]),
+            (["--trace", trace, "--ranks", "8", "--epoch", "0"], ["--max-response-len"]),
+            (["--trace", trace, "--ranks", "8", "--epoch", "7"], ["no records for epoch 7"]),
         ],
         "predict": [
             (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
             (["--trace", trace, "--alpha", "2"], ["--alpha must be in (0, 1)"]),
+            (["--trace", trace], ["needs at least two epochs"]),
         ],
         "simulate": [
             (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
@@ -138,6 +142,9 @@ def _cases(tmp):
             (["--trace", trace, "--plot", str(planted)], [f"--plot {planted}: report.json: a symlink to"]),
             (["--trace", trace, "--plot", f"{long}/figs"], [too_long]),
             (["--trace", trace, "--floor", "0"], ["--floor 0: floor must be in 1..16"]),
+            (["--trace", "missing.jsonl"], ["missing.jsonl"]),
+            (["--trace", trace, "--epochs", "0"], ["--epochs"]),
+            (["--trace", trace, "--cost", w("cost.yaml", "step_overhead: 0.01\n")], ["cost.yaml", "step_overhead"]),
         ],
         "demo": [
             (["--ranks", "3"], ["--ranks 3:", "divisible by ranks (3)"]),
