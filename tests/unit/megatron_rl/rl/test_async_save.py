@@ -2,7 +2,6 @@
 the checksums are complete and verified; the written state is the one at save time (the next step
 may already change the weights); a failed write is the synchronous path's one line, and `latest`
 stays on the previous checkpoint."""
-import contextlib
 import threading
 
 import pytest
@@ -14,19 +13,26 @@ from megatron_rl.rl import checkpoint as ckpt
 from megatron_rl.rl.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
-from .test_checkpoint_faults import _model_and_optimizer, _step_without_expert_3
+from .test_checkpoint_faults import _model_and_optimizer, _step_without_expert_3, fill_the_disk
 
 
 def _save(writer, out, step, model, opt):
     writer.save(out, step, model, opt, None, {"data": {}}, Trace([], "h"), 0, (1, 0))
 
 
-def test_latest_moves_only_after_the_checksums_and_the_saved_state_is_the_one_at_save_time(
-        one_rank_group, tmp_path, monkeypatch):
+@pytest.fixture
+def saved_once(one_rank_group, tmp_path):
+    """A model, its optimizer and a background writer that has saved them as step 1 in tmp_path."""
     model, opt = _model_and_optimizer()
     writer = CheckpointWriter(True)
     _save(writer, tmp_path, 1, model, opt)
     writer.wait()
+    return model, opt, writer
+
+
+def test_latest_moves_only_after_the_checksums_and_the_saved_state_is_the_one_at_save_time(
+        saved_once, tmp_path, monkeypatch):
+    model, opt, writer = saved_once
     first = tmp_path / "checkpoints" / "step_000001"
     assert latest_checkpoint(tmp_path) == first
     _step_without_expert_3(model, opt)
@@ -62,21 +68,9 @@ def test_latest_moves_only_after_the_checksums_and_the_saved_state_is_the_one_at
 
 
 def test_a_failed_background_write_is_the_synchronous_one_line_and_latest_stays(
-        one_rank_group, tmp_path, monkeypatch):
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    model, opt = _model_and_optimizer()
-    writer = CheckpointWriter(True)
-    _save(writer, tmp_path, 1, model, opt)
-    writer.wait()
-    opened = FileSystem.create_stream
-
-    @contextlib.contextmanager
-    def full(self, path, mode):  # every shard write fails with ENOSPC, as on a full disk
-        with opened(self, "/dev/full" if str(path).endswith(".distcp") else path, mode) as stream:
-            yield stream
-
-    monkeypatch.setattr(FileSystem, "create_stream", full)
+        saved_once, tmp_path, monkeypatch):
+    model, opt, writer = saved_once
+    fill_the_disk(monkeypatch)
     _save(writer, tmp_path, 2, model, opt)
     with pytest.raises(CheckpointError, match="No space left on device") as e:
         writer.wait()

@@ -88,21 +88,26 @@ def test_torn_shard_and_metadata_are_one_line_errors_naming_the_file(saved):
     assert "\n" not in str(e.value)
 
 
-def test_a_full_disk_says_no_space_left_and_keeps_the_last_checkpoint(saved, monkeypatch):
+def fill_the_disk(monkeypatch):
+    """From now on every shard write fails with ENOSPC, as on a full disk."""
     import contextlib
 
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    out, first, model, opt = saved
-    target = out / "checkpoints" / "step_000002"
     opened = FileSystem.create_stream
 
     @contextlib.contextmanager
-    def full(self, path, mode):  # every shard write fails with ENOSPC, as on a full disk
+    def full(self, path, mode):
         with opened(self, "/dev/full" if str(path).endswith(".distcp") else path, mode) as stream:
             yield stream
 
     monkeypatch.setattr(FileSystem, "create_stream", full)
+
+
+def test_a_full_disk_says_no_space_left_and_keeps_the_last_checkpoint(saved, monkeypatch):
+    out, first, model, opt = saved
+    target = out / "checkpoints" / "step_000002"
+    fill_the_disk(monkeypatch)
     with pytest.raises(CheckpointError, match="No space left on device") as e:
         _save(out, 2, model, opt)
     assert str(e.value).startswith(str(target)) and "\n" not in str(e.value)
