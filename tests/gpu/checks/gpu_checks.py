@@ -27,6 +27,9 @@ from tests.helpers import REPO
 SMALL_QWEN3_MOE = MoEModelConfig(
     num_layers=4, hidden_size=512, num_attention_heads=8, num_query_groups=4, kv_channels=64,
     num_moe_experts=64, moe_router_topk=8, moe_ffn_hidden_size=256, vocab_size=4096, init_method_std=0.05)
+# The same model shrunk for the checks' CPU runs (tests/unit): seconds, not minutes.
+TINY_QWEN3_MOE = replace(SMALL_QWEN3_MOE, num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                         kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, vocab_size=256)
 
 
 def _model(mcfg: MoEModelConfig, seed: int, dtype: torch.dtype, device: str):

@@ -1,7 +1,6 @@
 """The CPU side of tools/gpu_check.sh: its summary table and exit status, and the bodies of checks
 (a) run small on CPU (the GPU runs them at size on CUDA, tests/gpu/)."""
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -10,9 +9,7 @@ from tests.gpu.checks import gpu_checks
 from tests.helpers import REPO
 from tools.gpu_summary import main, read, record, summarize
 
-TINY = replace(gpu_checks.SMALL_QWEN3_MOE, num_layers=2, hidden_size=64, num_attention_heads=4,
-               num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
-               vocab_size=256)
+TINY = gpu_checks.TINY_QWEN3_MOE
 
 
 def rows(*specs):

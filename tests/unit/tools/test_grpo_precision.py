@@ -1,15 +1,12 @@
 """The CPU side of the bf16 GRPO row (tools/grpo_precision.py): bf16 and fp32 updates on the same
 rollouts, each with its per-update figures, on a tiny model."""
-from dataclasses import replace
 
 import pytest
 
 from tests.gpu.checks import gpu_checks
 from tools import grpo_precision
 
-TINY = replace(gpu_checks.SMALL_QWEN3_MOE, num_layers=2, hidden_size=64, num_attention_heads=4,
-               num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
-               vocab_size=256)
+TINY = gpu_checks.TINY_QWEN3_MOE
 
 
 @pytest.mark.timeout(300)

@@ -2,13 +2,10 @@
 engine, its KV cache and its graphs (the weights update in place), and every step's rollout report
 says how often the engine was built and its graphs captured. On the engine before issue 30 every
 step built a new RecordingEngine and this test failed."""
-from dataclasses import replace
 
 from tests.gpu.checks import gpu_checks
 
-TINY = replace(gpu_checks.SMALL_QWEN3_MOE, num_layers=2, hidden_size=64, num_attention_heads=4,
-               num_query_groups=2, kv_channels=16, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
-               vocab_size=256)
+TINY = gpu_checks.TINY_QWEN3_MOE
 
 
 def _two_steps(ctx, cfg, out_dir):
