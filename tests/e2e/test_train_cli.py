@@ -224,12 +224,8 @@ def _small_data(tmp_path):
     return path
 
 
-def test_bad_inputs_fail_clearly(straight, tmp_path):
+def test_a_resume_into_another_model_shape_fails_clearly(straight, tmp_path):
     _, out = straight
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
-    proc = _train(_setup(tmp_path, **{"data.path": str(bad)}), tmp_path / "o1", expect=2)
-    assert f"{bad}:2: missing prompt field 'prompt'" in proc.stderr and "Traceback" not in proc.stderr
     other = _setup(tmp_path, **{"model.hidden_size": 64, "steps": 5})
     proc = _train(other, out, "--ranks", "2", expect=2)
     assert "checkpoint is for another model shape" in proc.stderr and "hidden_size" in proc.stderr

@@ -98,6 +98,8 @@ def _cases(tmp):
              ["small.jsonl: 4 usable prompts, fewer than one step's prompts_per_step (8)"]),
             (["--config", train_cfg("alphabet", rows + '{"prompt": "1+x=", "answer": "1"}\n')],
              ["alphabet.jsonl:5: character 'x'"]),
+            (["--config", train_cfg("noprompt", rows + '{"question": "2+2=", "answer": "4"}\n')],
+             ["noprompt.jsonl:5: missing prompt field 'prompt'"]),
             (["--config", train_cfg("long", rows + json.dumps({"prompt": "1+" * 8 + "1=", "answer": "9"}) + "\n")],
              ["long.jsonl:5: prompt of 19 tokens", "exceeds model.max_position_embeddings (16)"]),
             # held-out prompts (eval.path) go through the training data's checks (issue 31, defect 14)
