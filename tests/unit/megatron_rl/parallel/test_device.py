@@ -11,6 +11,7 @@ from megatron_rl.parallel import launch
 from megatron_rl.parallel.device import dist_backend, rank_device, resolve_device
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.trainer_config import TrainerConfig
+from tests.helpers import REPO
 
 
 def fake_gpus(monkeypatch, count):
@@ -34,7 +35,7 @@ def test_cuda_without_cuda_is_one_line(monkeypatch):
 @pytest.mark.parametrize("command", [["rollout", "--quiet"], ["train", "--config", "examples/tiny_cpu_grpo.yaml"]])
 def test_cli_refuses_cuda_without_cuda_with_exit_2(monkeypatch, capsys, command, tmp_path):
     fake_gpus(monkeypatch, 0)
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    monkeypatch.chdir(REPO)
     assert main([*command, "--device", "cuda", *(["--out", str(tmp_path)] if command[0] == "train" else [])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA device is visible" in err[0]
