@@ -54,7 +54,7 @@ setup(
         # `optim.offload: cpu` outside the dev install: pip install -e '.[offload]'
         "offload": ["deepspeed>=0.17,<0.20"],
         "gpu": [
-            # The H100 image's versions (docker/versions.env; tests/unit/test_docker.py holds them
+            # The H100 image's versions (docker/versions.env; tests/unit/docker/test_docker.py holds them
             # equal). TransformerEngine compiles against the installed torch, so install torch first
             # and then this extra with `pip install --no-build-isolation -e '.[gpu]'` (in an isolated
             # build env pip would compile it against another torch). NVIDIA apex is not on PyPI

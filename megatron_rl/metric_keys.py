@@ -4,7 +4,7 @@ The trainer (and the rollout phase, the lease pool, ...) produce a nested dict w
 names (`reward_mean`, `phase_s: {rollout: ...}`, the ledger's `rank_seconds: {...}`). Users
 coming from verl look for `reward/mean`, `timing_s/gen`, `actor/lr`; so both `metrics.jsonl` and
 W&B carry the grouped names of `grouped()`, from one table here. docs/training.md lists the same
-table, and tests/unit/test_metric_keys.py holds the two together.
+table, and tests/unit/megatron_rl/test_metric_keys.py holds the two together.
 
 A key the table does not know keeps its own name: a new measurement shows up under its raw name
 rather than vanish, and the docs test names it.

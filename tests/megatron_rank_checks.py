@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.trainer_config import OptimConfig
-from tools.megatron_checks import grpo_batch, grpo_loss
+from tests.gpu.checks.megatron_checks import grpo_batch, grpo_loss
 
 CFG = MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
                      num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16, vocab_size=64)

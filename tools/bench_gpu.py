@@ -50,7 +50,7 @@ PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, NVIDIA datasheets (SXM)
 
 def model_configs():
     from megatron_rl.models.config import MoEModelConfig
-    from tools.gpu_checks import SMALL_QWEN3_MOE
+    from tests.gpu.checks.gpu_checks import SMALL_QWEN3_MOE
 
     return {"small": sized(SMALL_QWEN3_MOE),
             "30b-slice": sized(MoEModelConfig(

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_rl.models.config import MoEModelConfig  # noqa: E402
-from tools import gpu_checks  # noqa: E402
+from tests.gpu.checks import gpu_checks  # noqa: E402
 
 
 def _measure(trainer, responses, advantages, replay: bool) -> dict:

@@ -12,8 +12,8 @@ Two traces of the same bucket with different inputs must be the same op, shape a
 sequence (a value read from the inputs into Python would show as a different argument), and the
 storages the region reads but did not make (weights, KV cache, RoPE tables, fp32 router copies)
 are snapshotted: `DecodeRunner._key()` must change exactly when they do, or a replay would read
-freed memory. `tests/unit/test_capture_safety.py` runs it (with negative controls) and
-tools/gpu_check.sh records it as the row `c: capture safety` (tools/gpu_decode_checks.py).
+freed memory. `tests/unit/megatron_rl/rollout/test_capture_safety.py` runs it (with negative controls) and
+tools/gpu_check.sh records it as the row `c: capture safety` (tests/gpu/checks/gpu_decode_checks.py).
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@
 #   FF_GPU_DRYRUN=1 bash tools/gpu_check.sh                   # every profile on CPU, tiny shapes (CI)
 #   FF_GPU_STAGES='^(w|c): ' bash tools/gpu_check.sh         # only the stages whose names match (a rerun)
 # Profiles and their stages: tools/gpu_timeline.py (with each stage's H200 time and the rows it
-# reports); the bodies: tools/gpu_checks.py, tools/gpu_decode_checks.py, tools/bench_gpu.py,
-# tools/megatron_checks.py, tests/gpu/.
+# reports); the bodies: tests/gpu/checks/ (gpu_checks.py, gpu_decode_checks.py, megatron_checks.py),
+# tools/bench_gpu.py, tests/gpu/.
 # - Wheels: the bare H200 lacks megatron-core and math-verify (+ two dependencies); the carried folder
 #   $FF_GPU_WHEELS (default wheels/, filled by tools/gpu_wheels.sh) is installed first with
 #   --no-index --no-deps. The dry run cannot install cp312 wheels: its import blocker

@@ -25,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools import gpu_checks  # noqa: E402
+from tests.gpu.checks import gpu_checks  # noqa: E402
 
 COLUMNS = ("before", "after", "update_rel", "update_changed", "clip_frac", "kl_after", "rollout_gap",
            "grad_norm")

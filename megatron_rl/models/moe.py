@@ -14,7 +14,7 @@ Two ways to compute, one result: with autograd on (training) each expert's two m
 own parameters; without it (rollout) the bank runs one grouped GEMM per matmul (`torch._grouped_mm`,
 as torchtitan's GroupedExperts) over a stacked copy of the weights, with the group offsets computed
 on the device: the rollout step reads nothing back from the device here. `_grouped_mm` equals the
-per-expert `F.linear` bit for bit on CPU (tests/unit/test_moe_grouped.py). Where no grouped kernel
+per-expert `F.linear` bit for bit on CPU (tests/unit/megatron_rl/models/test_moe_grouped.py). Where no grouped kernel
 exists (float64 anywhere; CUDA before sm90 or outside bfloat16; see `grouped_mm_ok`) the bank keeps
 the per-expert loop, which reads the per-expert counts back once per layer.
 

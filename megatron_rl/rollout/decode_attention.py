@@ -8,9 +8,10 @@ page size 1: stage 1 splits each row's keys into `SPLITS` chunks and runs an onl
 each, one program per (row, KV group, chunk) covering the group's H/G query heads (GQA) with one
 `tl.dot`; stage 2 merges the chunks by their log-sum-exp. Scores and sums in fp32.
 
-Tested on CPU under `TRITON_INTERPRET=1` in fp32 and fp16 against SDPA (tests/unit/test_decode_attention.py,
-skipped where triton is not installed), and compiled for sm90 without a GPU for every constant set
-the GPU checks use (tests/unit/test_decode_attention_sm90.py); the rollout engine uses it on CUDA
+Tested on CPU under `TRITON_INTERPRET=1` in fp32 and fp16 against SDPA
+(tests/unit/megatron_rl/rollout/test_decode_attention.py, skipped where triton is not installed), and
+compiled for sm90 without a GPU for every constant set the GPU checks use
+(tests/unit/megatron_rl/rollout/test_decode_attention_sm90.py); the rollout engine uses it on CUDA
 (`available`), and the torch path (SDPA over a masked key range, kv_cache.py) everywhere else.
 """
 from __future__ import annotations
@@ -109,7 +110,8 @@ def splits_for(max_len: int) -> int:
 def constants(H: int, G: int, C: int, max_len: int, splits: int | None = None, block_n: int = 32) -> dict:
     """The split kernel's compile-time constants for H query heads over G KV groups of head dim C
     and a KV cache of `max_len` positions (the merge kernel's are its C and SPLITS); one set per
-    model shape and cache length (tests/unit/test_decode_attention_sm90.py compiles each for sm90)."""
+    model shape and cache length (tests/unit/megatron_rl/rollout/test_decode_attention_sm90.py compiles
+    each for sm90)."""
     hpg, splits = H // G, splits or splits_for(max_len)
     return {"HPG": hpg, "BLOCK_H": max(16, 1 << (hpg - 1).bit_length()), "C": C, "BLOCK_N": block_n,
             "SPLITS": splits, "ITERS": math.ceil(math.ceil(max_len / splits) / block_n)}

@@ -4,19 +4,16 @@ import random
 import pytest
 import torch
 
-from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.launch import run_ranks
 from megatron_rl.rl.rollout_phase import Response
 from megatron_rl.trainer_config import GRPOConfig, OptimConfig, TrainerConfig
+from tests.helpers.train import trainer_config
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def _cfg(ranks: int) -> TrainerConfig:
-    return TrainerConfig(
-        model=MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                             kv_channels=8, num_moe_experts=8, moe_router_topk=2,
-                             moe_ffn_hidden_size=16, vocab_size=24),
+    return trainer_config(
         grpo=GRPOConfig(group_size=4, micro_batch=3, kl_coef=0.1, tis_cap=2.0),
         optim=OptimConfig(lr=1e-12, grad_clip=0.0),
         prompts_per_step=4, ranks=ranks, dtype="float64")

@@ -69,7 +69,7 @@ def test_generation_check_margin_admits_steps_of_its_own_model(megatron_harness,
 
     from megatron_rl.models import Qwen3MoeModel
     from megatron_rl.models.megatron_backend import install_megatron_moe, moe_pg_collection
-    from tools.megatron_checks import CHECK_CONFIG, GENERATION_MARGIN_STD, greedy_agreement, same_weights
+    from tests.gpu.checks.megatron_checks import CHECK_CONFIG, GENERATION_MARGIN_STD, greedy_agreement, same_weights
 
     reference = Qwen3MoeModel(CHECK_CONFIG, dtype=torch.float32)
     reference.init_weights(11)

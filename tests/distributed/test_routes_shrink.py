@@ -3,11 +3,10 @@ megatron-core CPU harness) on 2 and 4 gloo ranks and the torch backend on 4, `na
 ranks leave, their experts move to rank 0; megatron-core's layers are rebuilt on the smaller group
 and get new router hooks) against `vanilla`, float32, routing replay on: the same routes for every
 response, and the same step (the natural run's plan is forced to shrink: `_shrinking`)."""
-import json
-import os
-
 import pytest
 import torch
+
+from tests.helpers.train import each_policy, rank_results
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,30 +29,30 @@ def _shrinking(real):
     return plan
 
 
-def _train(ctx, backend: str, data: str, out: str):
+def _measure(policy, trainer):
+    from test_train_migration import _capture
+
+    if policy == "natural":
+        trainer.rollout.plan = _shrinking(trainer.rollout.plan)
+    rollouts = _capture(trainer.rollout)
+    m = trainer.step(1)
+    return {"routes": [r.routes.tolist() for r in rollouts[0].responses], "final_stage": m["final_stage"],
+            "loss": m["loss"], "agreement": m["mismatch"]["router_agreement"]}
+
+
+def _policies(ctx, backend: str, data: str, out: str):
     from dataclasses import replace
 
-    from test_train_migration import _capture, _cfg
+    from test_train_migration import _cfg
 
-    from megatron_rl.data.prompts import DataConfig, load_prompts
-    from megatron_rl.trainer import Trainer
     from megatron_rl.trainer_config import ElasticConfig
 
-    results = {}
+    configs = {}
     for policy in ("vanilla", "natural"):
-        cfg = replace(_cfg("vanilla", data), backend=backend, dtype="float32", ranks=ctx.world,
-                      elastic=ElasticConfig(policy=policy, floor=1))
-        cfg.generation.max_batch_per_rank = 4
-        trainer = Trainer(cfg, load_prompts(DataConfig(data)), ctx, os.path.join(out, policy), None)
-        if policy == "natural":
-            trainer.rollout.plan = _shrinking(trainer.rollout.plan)
-        rollouts = _capture(trainer.rollout)
-        m = trainer.step(1)
-        results[policy] = {"routes": [r.routes.tolist() for r in rollouts[0].responses],
-                           "final_stage": m["final_stage"], "loss": m["loss"],
-                           "agreement": m["mismatch"]["router_agreement"]}
-    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
-        json.dump(results, f)
+        configs[policy] = replace(_cfg("vanilla", data), backend=backend, dtype="float32", ranks=ctx.world,
+                                  elastic=ElasticConfig(policy=policy, floor=1))
+        configs[policy].generation.max_batch_per_rank = 4
+    each_policy(ctx, out, configs, _measure)
 
 
 @pytest.mark.parametrize("backend,world", [("megatron", 2), ("megatron", 4), ("torch", 4)])
@@ -65,9 +64,8 @@ def test_routes_through_a_shrink_equal_vanilla(request, backend, world, tmp_path
         request.getfixturevalue("megatron_harness")
     data = tmp_path / "arith.jsonl"
     write_jsonl(make_problems(8, seed=0, max_operand=4, ops="+"), data)
-    run_ranks(_train, world, backend, str(data), str(tmp_path), timeout_s=500.0)
-    for rank in range(world):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    run_ranks(_policies, world, backend, str(data), str(tmp_path), timeout_s=500.0)
+    for r in rank_results(tmp_path, world):
         assert r["natural"]["final_stage"] == 1 and r["vanilla"]["final_stage"] == 0, "no shrink: proves nothing"
         assert r["natural"]["routes"] == r["vanilla"]["routes"]
         assert r["natural"]["loss"] == r["vanilla"]["loss"]

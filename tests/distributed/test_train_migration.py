@@ -1,33 +1,22 @@
 """`train` with `adaptive` migrates live requests, and training stays bit-identical in float64: a
 migrated response's recorded sampling log-probs (which the truncated importance weights read) and
 its routes (which routing replay reads) travel with it, so the routes and the steps equal vanilla's."""
-import json
-import os
-
 import pytest
-import torch
 from tiny_train import laddered
+
+from tests.helpers.train import each_policy, rank_results, trainer_config, weights
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def _cfg(policy: str, data: str):
     from megatron_rl.data.prompts import DataConfig
-    from megatron_rl.models.config import MoEModelConfig
-    from megatron_rl.trainer_config import (
-        CheckpointConfig,
-        ElasticConfig,
-        GenerationConfig,
-        GRPOConfig,
-        TrainerConfig,
-    )
+    from megatron_rl.trainer_config import CheckpointConfig, ElasticConfig, GenerationConfig, GRPOConfig
     from megatron_rl.wandb_run import LoggingConfig
 
-    return TrainerConfig(
-        model=MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                             kv_channels=8, num_moe_experts=8, moe_router_topk=2,
-                             moe_ffn_hidden_size=16, vocab_size=20),
-        data=DataConfig(data), grpo=GRPOConfig(group_size=4, micro_batch=8, tis_cap=2.0, routing_replay=True),
+    return trainer_config(
+        vocab_size=20, data=DataConfig(data), grpo=GRPOConfig(group_size=4, micro_batch=8, tis_cap=2.0,
+                                                              routing_replay=True),
         generation=GenerationConfig(max_response_len=6), elastic=ElasticConfig(policy=policy),
         checkpoint=CheckpointConfig(every=0, export_hf=False), logging=LoggingConfig(wandb_mode="disabled"),
         steps=1, prompts_per_step=4, ranks=2, dtype="float64", seed=3)
@@ -72,29 +61,21 @@ def _capture(phase) -> list:
     return results
 
 
-def _train(ctx, data: str, out: str):
-    from megatron_rl.data.prompts import DataConfig, load_prompts
-    from megatron_rl.trainer import Trainer
+def _measure(policy, trainer):
+    rules: list[_Moving] = []
+    routes = _capture(trainer.rollout)
+    if policy == "adaptive":
+        trainer.rollout.plan = laddered(trainer.rollout.plan)
+        trainer.rollout._online_rule = _moving(trainer.rollout._online_rule, rules)
+    m = trainer.step(1)
+    return {"steps": [{k: m[k] for k in ("reward_mean", "loss", "grad_norm", "response_len_mean")}],
+            "weights": weights(trainer), "moves": sum(r.moves for r in rules),
+            "routes": [r.routes.tolist() for r in routes[0].responses],
+            "agreement": m["mismatch"]["router_agreement"]}
 
-    results = {}
-    for policy in ("vanilla", "adaptive"):
-        cfg = _cfg(policy, data)
-        trainer = Trainer(cfg, load_prompts(DataConfig(data)), ctx, os.path.join(out, policy), None)
-        rules: list[_Moving] = []
-        routes = _capture(trainer.rollout)
-        if policy == "adaptive":
-            trainer.rollout.plan = laddered(trainer.rollout.plan)
-            trainer.rollout._online_rule = _moving(trainer.rollout._online_rule, rules)
-        steps = []
-        for step in (1,):
-            m = trainer.step(step)
-            steps.append({k: m[k] for k in ("reward_mean", "loss", "grad_norm", "response_len_mean")})
-        digest = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
-        results[policy] = {"steps": steps, "weights": digest.tolist(), "moves": sum(r.moves for r in rules),
-                           "routes": [r.routes.tolist() for r in routes[0].responses],
-                           "agreement": m["mismatch"]["router_agreement"]}
-    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
-        json.dump(results, f)
+
+def _policies(ctx, data: str, out: str):
+    each_policy(ctx, out, {p: _cfg(p, data) for p in ("vanilla", "adaptive")}, _measure)
 
 
 def test_adaptive_training_migrates_and_equals_vanilla(tmp_path):
@@ -103,9 +84,8 @@ def test_adaptive_training_migrates_and_equals_vanilla(tmp_path):
 
     data = tmp_path / "arith.jsonl"
     write_jsonl(make_problems(8, seed=0, max_operand=4, ops="+"), data)
-    run_ranks(_train, 2, str(data), str(tmp_path), timeout_s=120.0)
-    for rank in range(2):
-        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    run_ranks(_policies, 2, str(data), str(tmp_path), timeout_s=120.0)
+    for r in rank_results(tmp_path, 2):
         assert r["adaptive"]["moves"] >= 1, "no request moved: the test proves nothing"
         assert r["adaptive"]["steps"] == r["vanilla"]["steps"]
         assert r["adaptive"]["weights"] == r["vanilla"]["weights"]  # float64, bitwise

@@ -1,12 +1,10 @@
 """Training on the length-tailed counting task (examples/tiny_cpu_tailed.yaml's, tiny): `vanilla`,
 `planned` and `adaptive` train bit-identically in float64, and every step's rollout ledger holds
 all of its rank-time: W x ticks rank-steps, W x T rank-seconds (to the ledger's 1%: ranks' clocks differ)."""
-import json
-import os
-
 import pytest
-import torch
 from tiny_train import TINY_TRAIN, laddered, tiny_train_config
+
+from tests.helpers.train import each_policy, rank_results, weights
 
 pytestmark = pytest.mark.timeout(300)
 POLICIES = ("vanilla", "planned", "adaptive")
@@ -16,30 +14,26 @@ LEARNING = ("reward_mean", "reward_std", "reward_outcomes", "loss", "grad_norm",
 STEPS = 2
 
 
-def _train(ctx, cfg_path: str, out: str):
+def _measure(policy, trainer):
+    if policy == "adaptive":  # a random policy's lengths carry no per-prompt signal: the
+        trainer.rollout.plan = laddered(trainer.rollout.plan)  # offline plan would keep every rank
+    steps = []
+    for step in range(1, STEPS + 1):
+        m = trainer.step(step)
+        secs, ticks = m["rank_seconds"], m["rank_steps"]
+        steps.append({"learning": {k: m[k] for k in LEARNING}, "final_stage": m["final_stage"],
+                      "placement": m["placement"],
+                      "seconds": [sum(secs.values()), trainer.world * m["rollout_time_s"]],
+                      "ticks": [sum(ticks.values()), trainer.world * m["rollout_steps"]]})
+    return {"steps": steps, "weights": weights(trainer)}
+
+
+def _policies(ctx, cfg_path: str, out: str):
     from megatron_rl.config import load_dataclass
-    from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.trainer import Trainer
     from megatron_rl.trainer_config import TrainerConfig
 
-    results = {}
-    for policy in POLICIES:
-        cfg = load_dataclass(TrainerConfig, cfg_path, {"elastic.policy": policy})
-        trainer = Trainer(cfg, load_prompts(cfg.data), ctx, os.path.join(out, policy), None)
-        if policy == "adaptive":  # a random policy's lengths carry no per-prompt signal: the
-            trainer.rollout.plan = laddered(trainer.rollout.plan)  # offline plan would keep every rank
-        steps = []
-        for step in range(1, STEPS + 1):
-            m = trainer.step(step)
-            secs, ticks = m["rank_seconds"], m["rank_steps"]
-            steps.append({"learning": {k: m[k] for k in LEARNING}, "final_stage": m["final_stage"],
-                          "placement": m["placement"],
-                          "seconds": [sum(secs.values()), ctx.world * m["rollout_time_s"]],
-                          "ticks": [sum(ticks.values()), ctx.world * m["rollout_steps"]]})
-        digest = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
-        results[policy] = {"steps": steps, "weights": digest.tolist()}
-    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
-        json.dump(results, f)
+    each_policy(ctx, out, {p: load_dataclass(TrainerConfig, cfg_path, {"elastic.policy": p}) for p in POLICIES},
+                _measure)
 
 
 def test_tailed_training_is_bit_identical_across_policies_and_conserves_the_ledger(tmp_path):
@@ -54,9 +48,8 @@ def test_tailed_training_is_bit_identical_across_policies_and_conserves_the_ledg
         tokenizer={"alphabet": ALPHABET}, data={"path": str(data)}, generation={"max_response_len": 24},
         elastic={"floor": 1, "shrink_cost_s": 1e-6}, grpo={"group_size": 4, "micro_batch": 8, "tis_cap": 2.0},
         steps=STEPS, dtype="float64", logging={"wandb_mode": "disabled"})
-    run_ranks(_train, 2, str(cfg), str(tmp_path / "out"), timeout_s=240.0)
-    for rank in range(2):
-        r = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+    run_ranks(_policies, 2, str(cfg), str(tmp_path / "out"), timeout_s=240.0)
+    for r in rank_results(tmp_path / "out", 2):
         for policy in POLICIES:
             for s in r[policy]["steps"]:
                 assert s["seconds"][0] == pytest.approx(s["seconds"][1], rel=0.01), (policy, s)

@@ -8,19 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.launch import run_ranks
 from megatron_rl.trainer_config import GRPOConfig, OptimConfig, TrainerConfig
+from tests.helpers.train import trainer_config
 
 pytestmark = pytest.mark.timeout(240)
 ROWS = 8
 
 
 def _cfg(ranks: int, shard: bool, dtype: str = "float64") -> TrainerConfig:
-    return TrainerConfig(
-        model=MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                             kv_channels=8, num_moe_experts=8, moe_router_topk=2,
-                             moe_ffn_hidden_size=16, vocab_size=24),
+    return trainer_config(
         grpo=GRPOConfig(group_size=4, micro_batch=1),
         # a clip far below the norm, so every step clips (the norm must then be bit-equal too)
         optim=OptimConfig(lr=1e-2, grad_clip=0.05, weight_decay=0.01, shard_optimizer=shard),

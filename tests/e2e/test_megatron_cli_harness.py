@@ -13,10 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_train_cli import CONFIG as TRAIN_CLI_CONFIG
+
+from tests.helpers.cli import cli, one_line_error
+from tests.helpers.train import learning, metrics, train
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(420)
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 ROLLOUT = dict(dtype="float32", batch=dict(prompts=4, samples=2, epochs=3, length_scale=0.003))
 FLAGS = ["dtype=float32", "batch.prompts=4", "batch.samples=2", "batch.epochs=3", "batch.length_scale=0.003"]
 
@@ -55,25 +60,23 @@ def test_megatron_rollouts_on_two_and_four_ranks_equal_the_torch_backend(megatro
     assert report["responses_sha256"] == torch_rep["responses_sha256"]
 
 
+@no_cuda
 def test_without_the_harness_backend_megatron_is_refused_on_cpu_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "rollout", "--ranks", "2", "--device", "cpu",
-                        "backend=megatron"], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and "no CUDA device" in lines[0], r.stderr[-2000:]
+    cfg = tmp_path / "gpu.yaml"
+    cfg.write_text("backend: megatron\n")
+    one_line_error(cli("rollout", "--config", cfg, "--ranks", "2", "--device", "cpu"),
+                   "no CUDA device; use `backend: torch`")
+    text = (REPO / "examples" / "tiny_cpu_grpo.yaml").read_text().replace("dtype: float64", "dtype: bfloat16")
+    cfg.write_text(text + "\nbackend: megatron\n")
+    one_line_error(train(cfg, tmp_path / "run", expect=2), "no CUDA device; use `backend: torch`")
+    assert not (tmp_path / "run").exists()  # refused before any rank or folder
 
 
 # test_train_cli's tiny GRPO run, in float32 (megatron-core runs bf16 or fp32) without the KL term
 # (not supported with backend megatron), logging off.
 TRAIN = {**TRAIN_CLI_CONFIG, "grpo": {**TRAIN_CLI_CONFIG["grpo"], "kl_coef": 0.0}, "dtype": "float32",
          "backend": "megatron", "logging": {"wandb_mode": "disabled"}}
-
-
-def _train(config: Path, out: Path, *extra: str):
-    r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(config), "--out", str(out),
-                        "--ranks", "2", "--device", "cpu", *extra], cwd=REPO, env=site_env(), capture_output=True,
-                       text=True, timeout=400, check=False)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
+TWO_CPU_RANKS = ("--ranks", "2", "--device", "cpu")
 
 
 def site_env() -> dict:
@@ -98,8 +101,8 @@ def test_flexfloor_train_backend_megatron_resumes_bit_identically_and_exports_as
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump({**TRAIN, "data": {"path": str(tmp_path / "arith.jsonl")}}))
     full = tmp_path / "full"
-    _train(config, full)
-    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    train(config, full, *TWO_CPU_RANKS, env=site_env())
+    rows = metrics(full)
     norms = [r["actor/grad_norm"] for r in rows]
     assert [r["step"] for r in rows] == [1, 2, 3] and norms[-1] > 0, norms  # step 3 updates after the resume
     ckpt = full / "checkpoints" / "step_000002"
@@ -114,12 +117,9 @@ def test_flexfloor_train_backend_megatron_resumes_bit_identically_and_exports_as
     (part / "checkpoints" / "latest").write_text("step_000002")
     lines = (part / "metrics.jsonl").read_text().splitlines()
     (part / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    r = _train(config, part)
+    r = train(config, part, *TWO_CPU_RANKS, env=site_env())
     assert "resuming from" in r.stderr and "step_000002" in r.stderr
-    again = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()]
-    learning = ("reward/", "response_length/", "actor/", "training/")
-    assert {k: v for k, v in again[-1].items() if k.startswith(learning)} == \
-        {k: v for k, v in rows[-1].items() if k.startswith(learning)}
+    assert learning(metrics(part)[-1]) == learning(rows[-1])
     a, b = load_file(str(full / "hf" / "model.safetensors")), load_file(str(part / "hf" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -1,26 +1,20 @@
 """`flexfloor plan` and `flexfloor predict` as a user runs them."""
 import json
+import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+from tests.helpers import REPO
+from tests.helpers.cli import cli
+from tests.helpers.traces import deepscaler, small_deepscaler, written
 
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trace") / "dsr.jsonl"
-    subprocess.run([sys.executable, "tools/make_trace.py", "--preset", "deepscaler", "--prompts",
-                    "64", "--epochs", "4", "--seed", "3", "--out", str(path)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=120)
-    return path
+    # what `tools/make_trace.py --preset deepscaler --prompts 64 --epochs 4 --seed 3` writes
+    return written(deepscaler(3, prompts=64, epochs=4), tmp_path_factory.mktemp("trace") / "dsr.jsonl")
 
 
 def test_plan_json_has_the_documented_fields(trace):
@@ -67,28 +61,6 @@ def test_predict_prints_quality_per_epoch(trace):
                for e in js["epochs"])
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--floor", "0"], "floor must be in 1..ranks"),
-    (["--epoch", "0"], "--max-response-len"),
-    (["--epoch", "7"], "no records for epoch 7"),
-])
-def test_user_errors_are_one_line_and_exit_2(trace, args, expect):
-    res = cli("plan", "--trace", str(trace), "--ranks", "8", *args)
-    assert res.returncode == 2
-    assert expect in res.stderr and "Traceback" not in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
-
-
-def test_predict_needs_two_epochs_and_a_sane_alpha(tmp_path, trace):
-    one = tmp_path / "one.jsonl"
-    one.write_text("".join(line + "\n" for line in trace.read_text().splitlines()
-                           if '"epoch": 0' in line))
-    res = cli("predict", "--trace", str(one))
-    assert res.returncode == 2 and "needs at least two epochs" in res.stderr
-    res = cli("predict", "--trace", str(trace), "--alpha", "2")
-    assert res.returncode == 2 and "--alpha must be in (0, 1)" in res.stderr
-
-
 def test_malformed_trace_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 3, '
@@ -103,3 +75,22 @@ def test_help_lists_the_options():
     res = cli("plan", "--help")
     assert res.returncode == 0 and "--tailguard" in res.stdout and "--model" in res.stdout
     assert "qwen3-30b-a3b@h100-80g" in res.stdout
+
+
+def test_backend_megatron_plans_megatron_cores_blocks(tmp_path):
+    from unit.elastic.planning.test_megatron_planning import _assert_blocks
+
+    from elastic.planning.plan import Plan
+
+    path = written(small_deepscaler(), tmp_path / "dsr.jsonl")
+    res = cli("plan", "--trace", path, "--floor", "3", "--layout", "planned", "--backend", "megatron", "--json",
+              expect=0)
+    _assert_blocks(Plan.from_dict(json.loads(res.stdout)))
+
+
+def test_a_broken_stdout_pipe_ends_quietly(trace):
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "plan", "--trace", str(trace)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # `| head -0`: the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 128 + signal.SIGPIPE and err == "", err

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,12 @@ import torch
 import yaml
 from conftest import documented_keys, wandb_history, wandb_records
 
+from tests.helpers import REPO as ROOT
+from tests.helpers.train import learning, metrics, train
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
+# The offline W&B run files are read back.
+_train = partial(train, env={"WANDB_MODE": "offline"})
 
 # Single-digit answers and one-token responses keep a random policy's reward above zero, so every
 # step has advantages and real updates.
@@ -25,12 +30,6 @@ CONFIG = {
     "checkpoint": {"every": 1, "export_hf": True},
     "steps": 3, "prompts_per_step": 4, "seed": 5, "dtype": "float64",
 }
-# What training sees; timings and the ledger are measurements and differ run to run.
-LEARNING = ("reward/", "response_length/", "actor/", "training/")
-
-
-def _learning(m):
-    return {k: v for k, v in m.items() if k.startswith(LEARNING)}
 
 
 def _setup(tmp_path, **changes):
@@ -50,18 +49,6 @@ def _setup(tmp_path, **changes):
     path = tmp_path / f"cfg{len(list(tmp_path.glob('cfg*.yaml')))}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def _train(config, out, *extra, expect=0):
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(config),
-                           "--out", str(out), *extra], cwd=ROOT, capture_output=True, text=True, check=False,
-                          timeout=500, env={**__import__("os").environ, "WANDB_MODE": "offline"})
-    assert proc.returncode == expect, proc.stderr[-3000:]
-    return proc
-
-
-def _metrics(out):
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
 def _weights(out):
@@ -106,10 +93,10 @@ def test_resume_matches_uninterrupted_run(straight, tmp_path):
     _train(cfg, part, "--ranks", "2", "--steps", "2")
     proc = _train(cfg, part, "--ranks", "2")
     assert "resuming from" in proc.stderr and "step_000002" in proc.stderr
-    a, b = _metrics(full), _metrics(part)
+    a, b = metrics(full), metrics(part)
     assert [m["step"] for m in b] == [1, 2, 3]
     for m_full, m_resumed in zip(a, b):
-        assert _learning(m_full) == _learning(m_resumed)
+        assert learning(m_full) == learning(m_resumed)
     assert _same_weights(full, part)
     state = json.loads((part / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
     assert state["step"] == 3 and state["data"]["position"] == 12
@@ -131,7 +118,7 @@ def test_async_save_resumes_bit_identically(straight, tmp_path):
         verify_checksums(part / "checkpoints" / f"step_{step:06d}")
     assert latest_checkpoint(part) == part / "checkpoints" / "step_000002"
     _train(cfg, part, "--ranks", "2")
-    assert [_learning(m) for m in _metrics(full)] == [_learning(m) for m in _metrics(part)]
+    assert [learning(m) for m in metrics(full)] == [learning(m) for m in metrics(part)]
     assert _same_weights(full, part)
 
 
@@ -142,8 +129,8 @@ def test_bf16_with_masters_resumes_bit_identically(tmp_path):
     _train(cfg, tmp_path / "full", "--ranks", "2")
     _train(cfg, tmp_path / "part", "--ranks", "2", "--steps", "2")
     _train(cfg, tmp_path / "part", "--ranks", "2")
-    a, b = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
-    assert [_learning(m) for m in a] == [_learning(m) for m in b]
+    a, b = metrics(tmp_path / "full"), metrics(tmp_path / "part")
+    assert [learning(m) for m in a] == [learning(m) for m in b]
     assert a[1]["actor/grad_norm"] > 0 and a[2]["actor/grad_norm"] > 0, "no update before and after the resume"
     assert _same_weights(tmp_path / "full", tmp_path / "part")
     assert next(iter(_weights(tmp_path / "full").values())).dtype == torch.bfloat16
@@ -153,7 +140,7 @@ def test_metrics_jsonl_and_offline_wandb(straight):
     from megatron_rl.metric_keys import numeric
 
     _, out = straight
-    rows = _metrics(out)
+    rows = metrics(out)
     assert len(rows) == 3
     assert {f"elastic/rank_seconds/{s}" for s in ("busy", "dummy", "transition", "leased", "idle")} <= set(rows[0])
     assert {f"timing_s/{p}" for p in ("gen", "reward", "old_log_prob", "update_actor", "sync", "step")} <= set(rows[0])
@@ -201,7 +188,7 @@ VERL_KEYS = ["critic/score/mean", "critic/advantages/mean", "critic/advantages/m
 
 
 def test_verls_metric_names_are_logged_beside_ours(straight):
-    rows = _metrics(straight[1])
+    rows = metrics(straight[1])
     for row in rows[:2]:
         assert not [k for k in VERL_KEYS if k not in row], sorted(row)
     assert [r["training/global_step"] for r in rows] == [1, 2, 3]
@@ -220,8 +207,8 @@ def test_planned_rollout_trains_exactly_like_vanilla(tmp_path, policy):
                               "elastic.shrink_cost_s": 1e-6, "data.path": str(_small_data(tmp_path))})
     _train(cfg, tmp_path / "vanilla", "--ranks", "4", "--policy", "vanilla")
     _train(cfg, tmp_path / policy, "--ranks", "4", "--policy", policy, "--floor", "2")
-    v, p = _metrics(tmp_path / "vanilla"), _metrics(tmp_path / policy)
-    assert [_learning(m) for m in v] == [_learning(m) for m in p]
+    v, p = metrics(tmp_path / "vanilla"), metrics(tmp_path / policy)
+    assert [learning(m) for m in v] == [learning(m) for m in p]
     assert _same_weights(tmp_path / "vanilla", tmp_path / policy)
     assert all(len(m["elastic/stages"]) == 1 for m in v)
     print(policy, "stages, layout per step:", [(m["elastic/stages"], m["elastic/layout"]) for m in p])
@@ -237,12 +224,8 @@ def _small_data(tmp_path):
     return path
 
 
-def test_bad_inputs_fail_clearly(straight, tmp_path):
+def test_a_resume_into_another_model_shape_fails_clearly(straight, tmp_path):
     _, out = straight
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
-    proc = _train(_setup(tmp_path, **{"data.path": str(bad)}), tmp_path / "o1", expect=2)
-    assert f"{bad}:2: missing prompt field 'prompt'" in proc.stderr and "Traceback" not in proc.stderr
     other = _setup(tmp_path, **{"model.hidden_size": 64, "steps": 5})
     proc = _train(other, out, "--ranks", "2", expect=2)
     assert "checkpoint is for another model shape" in proc.stderr and "hidden_size" in proc.stderr
@@ -276,7 +259,7 @@ def test_wandb_after_resume_keeps_the_recomputed_steps(tmp_path):
                 kept[row["trainer/step"]] = (attempt, row)
     assert sorted(kept) == list(range(1, 14))
     assert [kept[s][0] for s in (11, 12, 13)] == [1, 1, 1], "W&B would keep the killed run's rows"
-    rows = {r["step"]: r for r in _metrics(out)}
+    rows = {r["step"]: r for r in metrics(out)}
     assert sorted(rows) == list(range(1, 14))
     for s, (_, row) in kept.items():
         assert row["reward/mean"] == pytest.approx(rows[s]["reward/mean"])

@@ -9,22 +9,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.train import learning, metrics, train
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu_grpo.yaml"
 # What training sees (metrics.jsonl apart from timings, the ledger and the `lease/` figures).
 LEARNING = ("reward/", "response_length/", "actor/", "training/", "elastic/stages", "elastic/placement")
-
-
-def _learning(m: dict) -> dict:
-    return {k: v for k, v in m.items() if k.startswith(LEARNING)}
-
-
-def _run(*args, expect=0):
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, check=False,
-                          timeout=500, env={**os.environ, "WANDB_MODE": "disabled"})
-    assert proc.returncode == expect if expect == 0 else proc.returncode != 0, proc.stderr[-3000:]
-    return proc
+NATURAL = ("--policy", "natural", "--floor", "1")
+NO_WANDB = {"WANDB_MODE": "disabled"}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +25,9 @@ def warm(tmp_path_factory):
     """The example's own warm start (its 250 SFT steps on its 4 ranks), once, as the `init` of every
     run here; the runs train from it on `_data`'s 16 prompts."""
     out = tmp_path_factory.mktemp("warm") / "sft"
-    _run("tools/sft_warmstart.py", "--config", str(EXAMPLE), "--out", str(out))
+    proc = subprocess.run([sys.executable, "tools/sft_warmstart.py", "--config", str(EXAMPLE), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=500, env={**os.environ, **NO_WANDB})
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
@@ -66,22 +61,13 @@ def _config(tmp_path, warm, **leases):
     return path
 
 
-def _train(config, out, expect=0):
-    return _run("-m", "megatron_rl.cli", "train", "--config", str(config), "--out", str(out),
-                "--policy", "natural", "--floor", "1", expect=expect)
-
-
-def _metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_rewards_scored_in_leases_train_exactly_like_no_leases(warm, tmp_path):
     from safetensors.torch import load_file
 
-    _train(_config(tmp_path, warm), tmp_path / "on")
-    _train(_config(tmp_path, warm, jobs=[]), tmp_path / "off")
-    on, off = _metrics(tmp_path / "on"), _metrics(tmp_path / "off")
-    assert [_learning(m) for m in on] == [_learning(m) for m in off]
+    train(_config(tmp_path, warm), tmp_path / "on", *NATURAL, env=NO_WANDB)
+    train(_config(tmp_path, warm, jobs=[]), tmp_path / "off", *NATURAL, env=NO_WANDB)
+    on, off = metrics(tmp_path / "on"), metrics(tmp_path / "off")
+    assert [learning(m, LEARNING) for m in on] == [learning(m, LEARNING) for m in off]
     assert all("reward/mean" in m and "actor/loss" in m for m in on)  # the comparison compares something
     wa, wb = (load_file(str(tmp_path / d / "hf" / "model.safetensors")) for d in ("on", "off"))
     assert wa.keys() == wb.keys() and all(torch_equal(wa[k], wb[k]) for k in wa)
@@ -100,10 +86,11 @@ def torch_equal(a, b):
 def test_a_lease_that_ignores_preemption_ends_in_lease_timeout_with_the_step_kept(warm, tmp_path):
     out = tmp_path / "stuck"
     cfg = _config(tmp_path, warm, fault="stuck-lease", grace_s=0.5)
-    proc = _train(cfg, out, expect=1)
+    proc = train(cfg, out, *NATURAL, expect=None, env=NO_WANDB)
+    assert proc.returncode != 0, proc.stderr[-3000:]
     assert "lease 'fault-stuck' did not yield within 0.5s of pre-emption" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    done = _metrics(out)
+    done = metrics(out)
     assert done and all(m["lease/leased_rank_s"] == 0 for m in done)  # the steps before it
     assert (out / "checkpoints" / f"step_{done[-1]['step']:06d}").is_dir()
     streamed = [json.loads(line) for f in (out / "rollout").glob("responses.rank*.jsonl") for line in f.open()]

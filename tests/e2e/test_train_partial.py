@@ -3,17 +3,14 @@ none is dropped, and a resume from a checkpoint continues the carried ones exact
 routes included (routing replay on); a tampered carried route is refused naming file and field."""
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.helpers.train import learning, metrics, train
 from tests.tiny_train import rehash
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
 LEARNING = ("reward/", "response_length/", "actor/", "partial/", "mismatch/")
 
 # A short warm start gives a policy that sometimes ends at EOS and sometimes runs on: response
@@ -33,17 +30,6 @@ CONFIG = {
 }
 
 
-def _train(config: Path, out: Path, ok: bool = True):
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(config),
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, check=False, timeout=500)
-    assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
-    return proc
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     from megatron_rl.data.arith import make_problems, write_jsonl
 
@@ -51,8 +37,8 @@ def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     config = tmp_path / "partial.yaml"
     config.write_text(yaml.safe_dump({**CONFIG, "data": {"path": str(tmp_path / "arith.jsonl")}}))
     full = tmp_path / "full"
-    _train(config, full)
-    steps = _metrics(full)
+    train(config, full)
+    steps = metrics(full)
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["partial/dropped"] == 0 for m in steps)
     assert sum(m["partial/carried"] for m in steps) > 0, "nothing was carried over: the test proves nothing"
@@ -72,15 +58,13 @@ def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     shutil.rmtree(part / "checkpoints" / "step_000002")
     (part / "checkpoints" / "latest").write_text("step_000001")
     # Partial off would drop the carried groups: refused before any rank starts (issue 31, defect 4)
-    off = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(config), "--out",
-                          str(part), "partial.enabled=false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert off.returncode == 2 and off.stderr.count("\n") == 1, off.stderr
+    off = train(config, part, "partial.enabled=false", expect=2)
+    assert off.stderr.count("\n") == 1, off.stderr
     assert "trainer_state.json: partial: " in off.stderr and "partial.drop_carried=true" in off.stderr
-    proc = _train(config, part)
+    proc = train(config, part)
     assert "resuming from" in proc.stderr
-    a, b = _metrics(full)[1], _metrics(part)[1]
-    assert {k: v for k, v in a.items() if k.startswith(LEARNING)} == \
-        {k: v for k, v in b.items() if k.startswith(LEARNING)}
+    a, b = metrics(full)[1], metrics(part)[1]
+    assert learning(a, LEARNING) == learning(b, LEARNING)
 
     # A carried route naming an expert the model does not have: refused, naming file and field.
     from megatron_rl.models.routes import decode, encode
@@ -93,5 +77,6 @@ def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     state["partial"]["routes"][0][2] = encode(bad)
     f.write_text(json.dumps(state))
     rehash(f.parent, f.name)  # the tampered field is what is refused, not the checksum
-    proc = _train(config, part, ok=False)
+    proc = train(config, part, expect=None)
+    assert proc.returncode != 0, proc.stderr[-3000:]
     assert f"{f}: field partial.routes[0]: expert id 8 outside 0..7" in proc.stderr, proc.stderr[-2000:]

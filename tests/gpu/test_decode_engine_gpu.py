@@ -1,11 +1,11 @@
 """The sync-free, graph-captured decode engine on one CUDA GPU (issue 19; skipped without one). The
-bodies are tools/gpu_decode_checks.py (their CPU side: tests/unit/test_gpu_decode_checks.py); each
+bodies are tests/gpu/checks/gpu_decode_checks.py (their CPU side: tests/unit/tools/test_gpu_decode_checks.py); each
 records its row for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set."""
 import pytest
 
+from tests.gpu.checks import gpu_decode_checks
+from tests.gpu.checks.gpu_checks import SMALL_QWEN3_MOE
 from tests.gpu.test_gpu_path import _check
-from tools import gpu_decode_checks
-from tools.gpu_checks import SMALL_QWEN3_MOE
 from tools.gpu_env import DEVICE, DRYRUN, needs_gpu, sized
 
 pytestmark = [

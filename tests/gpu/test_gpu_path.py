@@ -1,5 +1,5 @@
 """Checks (a) and (b) of tools/gpu_check.sh on one CUDA GPU (skipped without one). The bodies are
-tools/gpu_checks.py, whose CPU side tests/unit/test_gpu_checks.py runs; each check here records its
+tests/gpu/checks/gpu_checks.py, whose CPU side tests/unit/tools/test_gpu_checks.py runs; each check here records its
 figures for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set. The dry run of
 tools/gpu_check.sh (FF_GPU_DRYRUN=1) runs them on CPU at tiny shapes (tools/gpu_env.py), not judged
 (but for capture safety, which means the same on CPU)."""
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tools import gpu_checks
+from tests.gpu.checks import gpu_checks
 from tools.gpu_env import DEVICE, DRYRUN, dryrun_detail, needs_gpu, sized
 from tools.gpu_summary import record
 

@@ -1,6 +1,6 @@
 """A 2-rank elastic rollout with `backend: megatron` (the EP group shrinks to rank 0 over
 megatron-core's expert blocks, and is restored) gives responses sha-identical to vanilla
-(tools/megatron_checks.elastic_vs_vanilla). NOT YET RUN ON A GPU.
+(tests/gpu/checks/megatron_checks.elastic_vs_vanilla). NOT YET RUN ON A GPU.
 
 Needs two GPUs: megatron-core's alltoall dispatcher calls NCCL collectives on the EP group with CUDA
 tensors, NCCL refuses two ranks on one device, and a host-staged gloo group cannot serve it (gloo has
@@ -21,7 +21,7 @@ WHY_TWO = ("needs 2 GPUs: megatron-core's dispatcher talks NCCL to the EP group 
 
 
 def test_two_rank_megatron_elastic_rollout_is_sha_identical_to_vanilla():
-    from tools.megatron_checks import elastic_vs_vanilla
+    from tests.gpu.checks.megatron_checks import elastic_vs_vanilla
 
     if torch.cuda.device_count() < 2:
         print(f"[megatron elastic] skipped: {WHY_TWO}; {torch.cuda.device_count()} visible")

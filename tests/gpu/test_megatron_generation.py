@@ -1,6 +1,6 @@
 """`backend: megatron` generates the torch backend's greedy tokens on the same bf16 weights where the
-logit margin is large, and reports the agreement rate (tools/megatron_checks.greedy_agreement, whose
-logic tests/unit/test_megatron_checks.py checks on CPU, at this margin on this model). One GPU, a
+logit margin is large, and reports the agreement rate (tests/gpu/checks/megatron_checks.greedy_agreement, whose
+logic tests/unit/tools/test_megatron_checks.py checks on CPU, at this margin on this model). One GPU, a
 one-rank NCCL EP group.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.models import Qwen3MoeModel
-from tools.megatron_checks import CHECK_CONFIG, GENERATION_MARGIN_STD, greedy_agreement, same_weights
+from tests.gpu.checks.megatron_checks import CHECK_CONFIG, GENERATION_MARGIN_STD, greedy_agreement, same_weights
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend's forward pass needs CUDA"),

@@ -1,7 +1,7 @@
 """Training through megatron-core's MoE layer on one GPU: the GRPO loss's gradients match the torch
 backend's within bf16 tolerance (both against an fp32 reference), and 5 GRPO steps with megatron-core's
-DDP + DistributedOptimizer (fp32 masters) lower the loss (tools/megatron_checks.py; its comparison
-logic runs on CPU in tests/unit/test_megatron_checks.py). NOT YET RUN ON A GPU.
+DDP + DistributedOptimizer (fp32 masters) lower the loss (tests/gpu/checks/megatron_checks.py; its comparison
+logic runs on CPU in tests/unit/tools/test_megatron_checks.py). NOT YET RUN ON A GPU.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from megatron_rl.models import Qwen3MoeModel
 from megatron_rl.trainer_config import OptimConfig
-from tools.megatron_checks import CHECK_CONFIG, grad_agreement, grpo_batch, loss_falls, same_weights
+from tests.gpu.checks.megatron_checks import CHECK_CONFIG, grad_agreement, grpo_batch, loss_falls, same_weights
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend needs CUDA"),

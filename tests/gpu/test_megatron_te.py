@@ -12,7 +12,7 @@ import torch
 from megatron_rl.models import Qwen3MoeModel
 from megatron_rl.models.megatron_backend import transformer_engine
 from megatron_rl.models.qwen3_moe import rope_cos_sin
-from tools.megatron_checks import CHECK_CONFIG
+from tests.gpu.checks.megatron_checks import CHECK_CONFIG
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="TransformerEngine's layers need CUDA"),

@@ -1,12 +1,13 @@
 """Issue 21's rows of tools/gpu_check.sh on one CUDA GPU (skipped without one): bf16 against fp32
 GRPO updates on the same rollouts, one row of figures per update (tools/grpo_precision.py, whose
-CPU side tests/unit/test_grpo_precision.py runs), and the offloaded optimizer step
+CPU side tests/unit/tools/test_grpo_precision.py runs), and the offloaded optimizer step
 (tools/bench_offload.py: step seconds and device bytes, DeepSpeed's CPU Adam against AdamW)."""
 import time
 
 import pytest
 
-from tools import bench_offload, gpu_checks, grpo_precision
+from tests.gpu.checks import gpu_checks
+from tools import bench_offload, grpo_precision
 from tools.gpu_env import DEVICE, DRYRUN, dryrun_detail, needs_gpu, sized
 from tools.gpu_summary import record
 

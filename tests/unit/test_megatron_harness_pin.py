@@ -3,12 +3,11 @@ refuses any other version loudly, and is never imported by the product."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import megatron_harness
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO as ROOT
 
 
 def test_the_harness_pin_is_setup_pys_megatron_core():
