@@ -40,6 +40,7 @@ class MegatronBackend(Backend):
         install_megatron_moe(model, training_groups(rank, world), **megatron_options(model.dtype))
 
     def optimizer(self, model, cfg, rank: int, world: int):
+        self.require_dtype(cfg.dtype)  # megatron-core's optimizer keeps bf16 or fp32 parameters only
         from megatron_rl.models.qwen3_moe import DTYPES
         from megatron_rl.rl.megatron_train import MegatronOptimizer, training_groups
 

@@ -23,17 +23,16 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.backends import backend
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.trainer_config import OptimConfig
 
 
-def optimizer_config(optim: OptimConfig, dtype: torch.dtype):
-    """megatron-core's OptimizerConfig for `optim`: Adam(W) with fp32 masters and fp32 state."""
+def optimizer_config(optim, dtype: torch.dtype):
+    """megatron-core's OptimizerConfig for `optim` (a `trainer_config.OptimConfig`, not imported: the
+    trainer's config sits above this module, whose backend builds the optimizer here): Adam(W) with
+    fp32 masters and fp32 state."""
     from megatron.core.optimizer import OptimizerConfig
 
-    backend("megatron").require_dtype(str(dtype).removeprefix("torch."))
     return OptimizerConfig(
         optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
@@ -88,7 +87,7 @@ class MegatronOptimizer:
     Run on CPU gloo ranks through the test harness (tests/megatron_harness.py); on GPUs by
     tools/gpu_check.sh's megatron rows."""
 
-    def __init__(self, model, mcfg: MoEModelConfig, optim: OptimConfig, dtype: torch.dtype, pgc):
+    def __init__(self, model, mcfg: MoEModelConfig, optim, dtype: torch.dtype, pgc):
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.optimizer import get_megatron_optimizer
 

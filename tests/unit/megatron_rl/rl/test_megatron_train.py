@@ -43,7 +43,7 @@ def test_optimizer_and_ddp_configs_keep_fp32_masters_and_reduce_in_fp32():
     assert oc.main_params_dtype == oc.main_grads_dtype == oc.exp_avg_dtype == oc.exp_avg_sq_dtype == torch.float32
     assert not optimizer_config(o, torch.float32).bf16
     with pytest.raises(FlexFloorError, match="backend megatron: dtype must be bfloat16 or float32, got float64"):
-        optimizer_config(o, torch.float64)
+        backend("megatron").optimizer(None, SimpleNamespace(dtype="float64", model=None, optim=o), 0, 1)
     dc = ddp_config()
     assert dc.grad_reduce_in_fp32 and dc.overlap_grad_reduce and dc.use_distributed_optimizer
     tc = training_config(MoEModelConfig(), 2, torch.bfloat16)
