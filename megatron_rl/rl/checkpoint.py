@@ -330,15 +330,24 @@ def _shards(path: Path) -> list[Path]:
 
 
 def write_checksums(path: Path, rank: int, group=None) -> None:
-    """Every rank hashes its share of the shards (in parallel); rank 0 writes `checksums.json`."""
+    """Every rank hashes its share of the shards (in parallel), rank 0 the metadata and sidecars too;
+    rank 0 writes `checksums.json`. A rank that cannot read a file sends its error in the same gather,
+    so every rank raises it (none is left waiting in a collective the failed rank never joins)."""
     world = dist.get_world_size(group)
-    mine = {p.name: _sha256(p) for p in _shards(path)[rank::world]}
+    try:
+        mine = {p.name: _sha256(p) for p in _shards(path)[rank::world]}
+        if rank == 0:
+            mine.update({name: _sha256(path / name) for name in (".metadata", *SIDECARS)})
+    except OSError as e:
+        mine = f"rank {rank}: {_cause(e)}"
     parts = [None] * world
     dist.all_gather_object(parts, mine, group=group)
+    failed = next((part for part in parts if isinstance(part, str)), None)
+    if failed is not None:
+        raise CheckpointError(f"{path}: cannot hash the checkpoint's files ({failed}); the previous "
+                              "checkpoint stays in force")
     if rank == 0:
         sums = {k: v for part in parts for k, v in part.items()}
-        for name in (".metadata", *SIDECARS):
-            sums[name] = _sha256(path / name)
         (path / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True))
 
 
