@@ -38,3 +38,9 @@ def first_use(members) -> bool:
     warmed.add(key)
     return True
 
+
+def forget() -> None:
+    """Drop every group this cache made, before the world is destroyed: the last references to
+    their backends go now, so their threads end while the interpreter is whole, not in its
+    finalization, where a rank that finished its work could still abort on the way out."""
+    _cache.update(world=None, groups={}, warmed=set())

@@ -9,6 +9,7 @@ that raises or dies ends the whole job with an error naming the rank, after at m
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.errors import InputError, shorten
+from elastic.runtime.groups import forget as forget_groups
 from megatron_rl.errors import FlexFloorError, Interrupted
 from megatron_rl.parallel.device import dist_backend, nccl_environment, rank_device
 from megatron_rl.parallel.rank_start import rank_context, worker_environment
@@ -105,9 +107,18 @@ def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid, env, de
             queue.put((rank, "error", (type(e).__name__, traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
-        default_signals()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_world()
+
+
+def leave_world() -> None:
+    """A rank's last step, on every launcher: back to default signals, then the world's groups end
+    here (the group cache's references dropped, the world destroyed, cycles that still hold a
+    backend collected), so no backend thread is left for the interpreter's finalization to meet."""
+    default_signals()
+    forget_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def _describe(errors: list[tuple[int, str, str]]) -> str:
@@ -199,8 +210,7 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
                 raise RankFailed(f"rank {rank} failed: {user or e}") from None
             raise
         finally:
-            default_signals()
-            dist.destroy_process_group()
+            leave_world()
         return out if rank == 0 else None
     ctx = rank_context(getattr(fn, "__module__", None))
     queue = ctx.Queue()
