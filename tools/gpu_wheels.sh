@@ -27,7 +27,9 @@ dest=${1:-wheels}
 mkdir -p "$dest"
 grep -v '^#' tools/gpu_wheels.txt | while read -r req _module; do
     [[ -n $req ]] || continue
+    # manylinux_2_28 (the H200 image's glibc is newer) also admits every older manylinux tag; the
+    # megatron-core wheel is tagged 2_24/2_28 only, so a 2_17/2014 platform never found it.
     python -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 \
-        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$dest" "$req"
+        --platform manylinux_2_28_x86_64 -d "$dest" "$req"
 done
 ls -l "$dest"
