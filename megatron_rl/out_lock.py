@@ -22,6 +22,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from elastic.errors import shorten
 from megatron_rl.errors import FlexFloorError
@@ -50,8 +51,9 @@ def in_use_by(path: str | Path) -> str | None:
     """Who holds `path`'s lock now (one line), or None: probed without taking it for longer than
     the probe (a shared flock, released at once)."""
     lock = Path(path) / LOCK_NAME
-    if (Path(path) / EXCL_NAME).is_file():
-        return f"the holder of {Path(path) / EXCL_NAME}"
+    excl = _excl_holder(Path(path) / EXCL_NAME)
+    if excl is not None and not excl.stale:
+        return f"{excl.who} ({Path(path) / EXCL_NAME})"
     try:
         fh = open(lock, encoding="utf-8")
     except OSError:
@@ -104,11 +106,40 @@ def hold_out_dir(path: str | Path | None, command: str, flag: str = "--out"):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+class _ExclHolder(NamedTuple):
+    pid: int | None
+    host: str
+
+    @property
+    def who(self) -> str:
+        return f"pid {self.pid} on {self.host}" if self.pid is not None else "a holder the file does not name"
+
+    @property
+    def stale(self) -> bool:
+        """Its run is gone: a dead PID on this host (another host's PID cannot be probed from here)."""
+        from megatron_rl.parallel.signals import _alive
+
+        return self.host == socket.gethostname() and self.pid is not None and not _alive(self.pid)
+
+
+def _excl_holder(lock: Path) -> _ExclHolder | None:
+    """Who `lock` (an O_EXCL lock file) names; None when there is no such file."""
+    try:
+        text = lock.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _ExclHolder(None, "?")
+    try:
+        info = json.loads(text or "{}")
+        return _ExclHolder(int(info["pid"]), str(info["host"]))
+    except (ValueError, KeyError, TypeError):
+        return _ExclHolder(None, "?")
+
+
 @contextlib.contextmanager
 def _excl_lock(path: Path, command: str, flag: str):
     """The lock without flock: a file only one process can create; a dead holder's on this host is stale."""
-    from megatron_rl.parallel.signals import _alive
-
     lock, host = path / EXCL_NAME, socket.gethostname()
     me = json.dumps({"pid": os.getpid(), "host": host, "command": command, "started": time.time()})
     for _attempt in range(2):
@@ -116,15 +147,11 @@ def _excl_lock(path: Path, command: str, flag: str):
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             break
         except FileExistsError:
-            try:
-                info = json.loads(lock.read_text(encoding="utf-8") or "{}")
-                pid, holder = int(info["pid"]), str(info["host"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pid, holder = None, "?"
-            if holder == host and pid is not None and not _alive(pid):  # stale: its run is gone
+            holder = _excl_holder(lock) or _ExclHolder(None, "?")
+            if holder.stale:
                 lock.unlink(missing_ok=True)
                 continue
-            raise OutDirInUse(f"{flag} {path}: in use by pid {pid} on {holder} ({lock}); wait for it to end, "
+            raise OutDirInUse(f"{flag} {path}: in use by {holder.who} ({lock}); wait for it to end, "
                               f"delete {lock} if that run is gone, or choose another {flag}") from None
     else:
         raise OutDirInUse(f"{flag} {path}: {lock} was taken again while its stale holder was removed")

@@ -45,3 +45,16 @@ def test_a_dead_holders_lock_file_is_stale_and_taken_over_another_hosts_is_refus
     with pytest.raises(OutDirInUse, match=rf"in use by pid 1 on gpu07 .*delete {lock} if that run is gone"):
         with hold_out_dir(tmp_path, "train"):
             pass
+
+
+def test_a_dead_holders_lock_file_does_not_make_its_run_look_in_use(tmp_path):
+    """`in_use_by` (asked by `export --to` and the output flags) judges a lock file as taking it does."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    lock = tmp_path / EXCL_NAME
+    lock.write_text(json.dumps({"pid": int(dead), "host": socket.gethostname()}))
+    assert out_lock.in_use_by(tmp_path) is None
+    lock.write_text(json.dumps({"pid": 1, "host": "gpu07"}))
+    assert out_lock.in_use_by(tmp_path) == f"pid 1 on gpu07 ({lock})"
+    lock.write_text("not json")
+    assert out_lock.in_use_by(tmp_path) == f"a holder the file does not name ({lock})"
