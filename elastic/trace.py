@@ -58,20 +58,20 @@ def parse_record(obj: object, where: str) -> TraceRecord:
             raise TraceError(f"{where}: missing field {name!r}")
         v = obj[name]
         if tp is int and (isinstance(v, bool) or not isinstance(v, int)):
-            raise TraceError(f"{where}: field {name!r} must be an integer, got {shorten(repr(v))}")
+            raise TraceError(f"{where}: field {name!r}: expected an integer, got {shorten(repr(v))}")
         if tp is str and not isinstance(v, str):
-            raise TraceError(f"{where}: field {name!r} must be a string, got {shorten(repr(v))}")
+            raise TraceError(f"{where}: field {name!r}: expected a string, got {shorten(repr(v))}")
         values[name] = v
     for name in ("epoch", "sample", "prompt_len", "response_len"):
         if values[name] < 0:
-            raise TraceError(f"{where}: field {name!r} must be >= 0, got {values[name]}")
+            raise TraceError(f"{where}: field {name!r}: expected >= 0, got {values[name]}")
     for name in ("prompt_len", "response_len"):
         if values[name] > MAX_LENGTH:
             raise TraceError(f"{where}: field {name!r} is {shorten(values[name], 40)} tokens, beyond any "
                              f"model's positions (at most {MAX_LENGTH})")
     truncated = obj.get("truncated", False)
     if not isinstance(truncated, bool):
-        raise TraceError(f"{where}: field 'truncated' must be true or false, got {shorten(repr(truncated))}")
+        raise TraceError(f"{where}: field 'truncated': expected true or false, got {shorten(repr(truncated))}")
     return TraceRecord(truncated=truncated, **values)
 
 

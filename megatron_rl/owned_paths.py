@@ -27,9 +27,11 @@ from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError, FlexFloorError
 
 EXPORT_MARKER = ".flexfloor-export"
-# The longest name a folder or file we write may have: NAME_MAX (255 bytes on Linux file systems)
-# less the ".<name>.tmp-XXXXXXXX" of the temporary folder an export is written into first.
-NAME_BYTES = 255 - 16
+# A path component's longest name on Linux file systems (NAME_MAX): ext4, xfs, btrfs, tmpfs, NFS.
+NAME_MAX = 255
+# The longest name a folder or file we write may have: NAME_MAX less the ".<name>.tmp-XXXXXXXX" of the
+# temporary folder an export is written into first.
+NAME_BYTES = NAME_MAX - 16
 
 
 def check_name_lengths(path: str | Path, flag: str) -> None:

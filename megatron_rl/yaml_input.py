@@ -41,7 +41,8 @@ class ConfigLoader(yaml.SafeLoader):
             try:
                 hash(key)
             except TypeError:
-                raise _Refused(key_node.start_mark, "a mapping key must be a plain value") from None
+                raise _Refused(key_node.start_mark,
+                               f"a mapping key: expected a plain value, got a {type(key).__name__}") from None
             if key in first:
                 raise _Refused(key_node.start_mark,
                                f"duplicate key {shorten(repr(key), 60)} (first at line {first[key] + 1}); "

@@ -27,6 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools.tool_args import add_decode_args, add_model_args  # noqa: E402
+
 DTYPES = ("float32", "bfloat16")  # torch dtype names
 
 
@@ -76,15 +78,9 @@ def timed(fn, *a) -> tuple[float, float]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=64)
+    add_decode_args(p, batch=8, prompt_len=16, new_tokens=64)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
+    add_model_args(p, layers=2, hidden=64, experts=8, topk=2, vocab=256)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
@@ -149,7 +145,7 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if args.new_tokens < 2:
-        p.error("--new-tokens must be >= 2 (decode time is t(N) - t(1))")
+        p.error(f"--new-tokens: expected >= 2 (decode time is t(N) - t(1)), got {args.new_tokens}")
     return 0 if measure(args)["same_tokens"] == 1 else 1
 
 

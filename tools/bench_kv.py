@@ -25,12 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tools.tool_args import add_trace_args  # noqa: E402
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="deepscaler", help="synthetic trace preset (elastic/sim/synth.py)")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--samples", type=int, default=8, help="GRPO group size")
+    add_trace_args(p, prompts=16, samples=8)
     p.add_argument("--length-scale", type=float, default=0.02)
     p.add_argument("--prompt-scale", type=float, default=0.25)
     p.add_argument("--budget-slots", type=int, default=16)

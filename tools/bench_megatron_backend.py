@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from elastic.planning.plan import Plan, Stage
 from elastic.runtime.runtime import _move_experts
@@ -33,19 +37,14 @@ from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
 from megatron_rl.rollout.sampling import SamplingParams
+from tools.tool_args import add_decode_args, add_model_args
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=4, help="MoE layers (Qwen3-30B-A3B has 48)")
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--ffn", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--batch", type=int, default=64, help="requests per rank")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
+    add_model_args(p, layers=4, hidden=2048, experts=128, topk=8, vocab=151936)
+    p.add_argument("--ffn", type=int, default=768, help="an expert's hidden size")
+    add_decode_args(p, batch=64, prompt_len=32, new_tokens=64)
     p.add_argument("--dispatcher", default="alltoall", choices=["alltoall", "flex", "allgather"])
     p.add_argument("--expert-modules", nargs="+", default=None,
                    help="megatron expert modules to time (default: GroupedMM SequentialMLP, plus "

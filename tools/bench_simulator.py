@@ -3,8 +3,9 @@
     python tools/bench_simulator.py [--ranks 256] [--prompts 2048] [--samples 8]
 
 Plans `vanilla` and `planned` (floor 16, TailGuard) for the last epoch of a DeepScaleR-like
-synthetic trace, then times `simulate_rollout` on each, side by side. Issue 7 asks for under 30 s
-per rollout on this (2-core) machine; the planning time is printed separately (it is the planner's).
+synthetic trace, then times `simulate_rollout` on each, side by side, against a limit of 30 s per
+rollout on a 2-core machine (exit 1 above it); the planning time is printed separately (it is the
+planner's).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, make_policy_plan
 from elastic.sim.simulate import SimConfig, simulate_rollout
 from elastic.sim.synth import generate, preset
+from tools.tool_args import add_trace_args
 
 LIMIT_S = 30.0
 
@@ -27,8 +29,7 @@ LIMIT_S = 30.0
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=256)
-    ap.add_argument("--prompts", type=int, default=2048)
-    ap.add_argument("--samples", type=int, default=8)
+    add_trace_args(ap, prompts=2048, samples=8)
     ap.add_argument("--floor", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

@@ -108,7 +108,7 @@ def figures(rows: list[dict], first: int) -> dict:
     out["step_s"] = sum(m["timing_s/step"] for m in steps) / n
     out["tokens"] = sum(m["perf/response_tokens"] for m in steps) / n
     out["tok_per_occ"] = out["tokens"] / out["occupied"]
-    out["tok_per_occ_step"] = out["tokens"] / out["occupied_steps"]
+    out["tok_per_occ_steps"] = out["tokens"] / out["occupied_steps"]
     out["steps"] = n
     return out
 
@@ -117,36 +117,35 @@ def _cut(x: float, base: float) -> str:
     return f"{1 - x / base:.1%}" if base else "-"
 
 
-def table(fig: dict[str, dict]) -> list[str]:
-    van = fig["vanilla"]
-    out = ["| policy | busy | dummy | transition | leased | idle | rollout rank-s | rollout s (median) | gen s "
-           "(median) | step s | tok/occupied rank-s | dummy cut | rollout rank-s cut | tok/occ vs vanilla |",
-           "|---|" + "---|" * 13]
-    for label, f in fig.items():
-        out.append(f"| {label} | " + " | ".join(f"{f[s]:.2f}" for s in STATES)
-                   + f" | {f['occupied']:.2f} | {f['rollout_s']:.3f} ({f['rollout_s_median']:.3f}) "
-                   f"| {f['gen_s']:.3f} ({f['gen_s_median']:.3f}) | {f['step_s']:.2f} "
-                   f"| {f['tok_per_occ']:.1f} | {_cut(f['dummy'], van['dummy'])} "
-                   f"| {_cut(f['occupied'], van['occupied'])} | {f['tok_per_occ'] / van['tok_per_occ']:.2f}x |")
-    return out
+# A table's unit: (suffix of its figures' keys, its name, the rate's denominator, number and rate
+# formats). Rank-steps (decode ticks) count what the rollout did, whatever the cores' contention.
+SECONDS = ("", "rank-s", "rank-s", ".2f", ".1f")
+STEPS = ("_steps", "rank-steps", "rank-step", ".0f", ".2f")
 
 
-def step_table(fig: dict[str, dict]) -> list[str]:
-    """The same in rank-steps (decode ticks): what the rollout did, whatever the cores' contention."""
+def table(fig: dict[str, dict], unit: tuple = SECONDS) -> list[str]:
+    """Per policy: the rollout's ranks by ledger state, tokens per occupied rank and the cuts against
+    vanilla, in `unit`; in rank-seconds with the rollout, generation and step walls too."""
+    key, name, per, num, rate = unit
+    walls = ["rollout s (median)", "gen s (median)", "step s"] if unit == SECONDS else []
+    head = ["policy", *STATES, f"rollout {name}", *walls, f"tok/occupied {per}", "dummy cut", f"rollout {name} cut",
+            "tok/occ vs vanilla"]
     van = fig["vanilla"]
-    out = ["| policy | busy | dummy | transition | leased | idle | rollout rank-steps | tok/occupied rank-step "
-           "| dummy cut | rollout rank-steps cut | tok/occ vs vanilla |", "|---|" + "---|" * 10]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
     for label, f in fig.items():
-        out.append(f"| {label} | " + " | ".join(f"{f[s + '_steps']:.0f}" for s in STATES)
-                   + f" | {f['occupied_steps']:.0f} | {f['tok_per_occ_step']:.2f} "
-                   f"| {_cut(f['dummy_steps'], van['dummy_steps'])} "
-                   f"| {_cut(f['occupied_steps'], van['occupied_steps'])} "
-                   f"| {f['tok_per_occ_step'] / van['tok_per_occ_step']:.2f}x |")
+        cells = [label, *(f"{f[s + key]:{num}}" for s in (*STATES, "occupied"))]
+        if walls:
+            cells += [f"{f['rollout_s']:.3f} ({f['rollout_s_median']:.3f})",
+                      f"{f['gen_s']:.3f} ({f['gen_s_median']:.3f})", f"{f['step_s']:.2f}"]
+        cells += [f"{f['tok_per_occ' + key]:{rate}}", _cut(f["dummy" + key], van["dummy" + key]),
+                  _cut(f["occupied" + key], van["occupied" + key]),
+                  f"{f['tok_per_occ' + key] / van['tok_per_occ' + key]:.2f}x"]
+        out.append("| " + " | ".join(cells) + " |")
     return out
 
 
 def verdict(fig: dict[str, dict]) -> list[str]:
-    """adaptive against vanilla beside the issue's goals (arXiv 2611.06984 reports 96%, 24%, +65%)."""
+    """adaptive against vanilla beside our goals (the paper, arXiv 2611.06984, reports 96%, 24%, +65%)."""
     if "adaptive" not in fig:
         return []
     a, v = fig["adaptive"], fig["vanilla"]
@@ -155,7 +154,7 @@ def verdict(fig: dict[str, dict]) -> list[str]:
              ("rollout (busy + dummy + transition) cut", _cut(a["occupied"], v["occupied"]),
               _cut(a["occupied_steps"], v["occupied_steps"]), ">= 20%"),
              ("tokens per occupied rank", f"{a['tok_per_occ'] / v['tok_per_occ']:.2f}x",
-              f"{a['tok_per_occ_step'] / v['tok_per_occ_step']:.2f}x", ">= 1.5x")]
+              f"{a['tok_per_occ_steps'] / v['tok_per_occ_steps']:.2f}x", ">= 1.5x")]
     return ["| adaptive against vanilla | rank-seconds | rank-steps | goal |", "|---|---|---|---|",
             *(f"| {name} | {sec} | {st} | {goal} |" for name, sec, st, goal in goals)]
 
@@ -190,7 +189,7 @@ def section(fig, runs, steps: int, first: int, identical: bool, machine: str, co
             "", *table(fig), "",
             ("The same rollouts in rank-steps (one decode step, shrink or restore of a rank is one step): "
              "a count free of the cores' contention, where a rank-second on a busy core stretches."), "",
-            *step_table(fig), "", *verdict(fig), "",
+            *table(fig, STEPS), "", *verdict(fig), "",
             "Held-out greedy reward (`val/reward_mean`, on the config's held-out problems):", "",
             *curves(runs), "", END]
 

@@ -30,7 +30,7 @@ def record(check: str, status: str, detail: str = "", seconds: float = 0.0, path
     """Append one result to `path` (default `$FF_GPU_RESULTS`; without either, nothing is written:
     the tests also run under plain pytest)."""
     if status not in STATUSES:
-        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+        raise ValueError(f"status: expected one of {STATUSES}, got {status!r}")
     path = path or os.environ.get("FF_GPU_RESULTS")
     if path:
         with open(path, "a", encoding="utf-8") as fh:

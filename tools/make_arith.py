@@ -14,13 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import json
 
 from megatron_rl.data.arith import heldout_problems, make_problems, write_jsonl
+from tools.tool_args import add_problem_set_args
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSONL file to write")
-    p.add_argument("--n", type=int, default=400, help="number of distinct problems")
-    p.add_argument("--seed", type=int, default=0)
+    add_problem_set_args(p, n=400)
     p.add_argument("--max-operand", type=int, default=20, help="operands are 0..MAX")
     p.add_argument("--ops", default="+", help="operators to draw from, e.g. '+-'")
     p.add_argument("--heldout-of", help="write every problem of the space this JSONL file lacks instead")

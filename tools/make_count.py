@@ -22,13 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_rl.data.arith import write_jsonl
 from megatron_rl.data.count import make_count_problems
+from tools.tool_args import add_problem_set_args
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSONL file to write")
-    p.add_argument("--n", type=int, default=64, help="number of distinct problems")
-    p.add_argument("--seed", type=int, default=0)
+    add_problem_set_args(p, n=64)
     p.add_argument("--max-value", type=int, default=99, help="numbers are 0..MAX")
     p.add_argument("--max-span", type=int, default=60, help="the longest count, b - a")
     p.add_argument("--long-share", type=float, default=0.2, help="share of problems with a span of 5 or more")

@@ -124,7 +124,7 @@ def goals_table(figures: dict, nosignal) -> list[str]:
         return f"{1 + x:.3f}x"
 
     return [
-        "| goal (issue 7) | target | objective | simulated | under the other objective | verdict |",
+        "| goal | target | objective | simulated | under the other objective | verdict |",
         "|---|---|---|---|---|---|",
         goal("planned + TailGuard (floor 4) dummy rank-s cut vs vanilla", "≥ 97%", "planned4_tg_dummy_cut",
              "occupied", _pct, lambda v: v >= 0.97),

@@ -38,7 +38,7 @@ class IdlePool:
     def __init__(self, jobs: list[LeaseJob], *, lease_s: float = 60.0, grace_s: float = 5.0,
                  poll_s: float = 0.005):
         if lease_s <= 0 or grace_s <= 0:
-            raise ValueError(f"lease_s and grace_s must be > 0, got {lease_s}, {grace_s}")
+            raise ValueError(f"lease_s and grace_s: expected both > 0, got {lease_s}, {grace_s}")
         self.jobs, self.lease_s, self.grace_s, self.poll_s = jobs, lease_s, grace_s, poll_s
         self.leases: list[dict] = []
 

@@ -8,10 +8,7 @@ from pathlib import Path
 
 from elastic.errors import shorten
 from megatron_rl.errors import FlexFloorError
-from megatron_rl.owned_paths import refuse_held_run, refuse_symlinks_out
-
-# A file name's longest component on Linux file systems (NAME_MAX): ext4, xfs, btrfs, tmpfs, NFS.
-NAME_MAX = 255
+from megatron_rl.owned_paths import NAME_MAX, refuse_held_run, refuse_symlinks_out
 
 
 def _check_path(p: Path, label: str) -> None:

@@ -35,7 +35,7 @@ def run(args) -> int:
     from elastic.trace import read_trace
 
     if not 0 < args.alpha < 1:
-        raise FlexFloorError(f"--alpha must be in (0, 1), got {args.alpha}")
+        raise FlexFloorError(f"--alpha: expected a value in (0, 1), got {args.alpha}")
     trace = read_trace(args.trace)
     if len(trace.epochs) < 2:
         raise FlexFloorError(f"{args.trace}: needs at least two epochs to evaluate a "

@@ -43,7 +43,7 @@ def chat_messages(value: Any, where: str, field: str) -> tuple[dict[str, str], .
     for i, m in enumerate(value):
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not isinstance(content, str):
-            raise ValueError(f"{where}: {field}[{i}] must be {{role, content}} strings, got {m!r:.80}")
+            raise ValueError(f"{where}: {field}[{i}]: expected {{role, content}} strings, got {m!r:.80}")
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "user" for m in messages):
         raise ValueError(f"{where}: {field} has no user message (roles: "

@@ -26,8 +26,7 @@ class PromptIterator:
     def __init__(self, num_prompts: int, batch_size: int, seed: int, shuffle: bool = True):
         if not 0 < batch_size <= num_prompts:
             raise FlexFloorError(
-                f"prompts per step must be between 1 and the dataset size {num_prompts}, "
-                f"got {batch_size}"
+                f"prompts per step: expected 1 to the dataset size {num_prompts}, got {batch_size}"
             )
         self.num_prompts = num_prompts
         self.batch_size = batch_size

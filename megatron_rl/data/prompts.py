@@ -95,7 +95,8 @@ class DataConfig:
         require(bool(self.path), "data.path: expected a dataset file or directory, got ''")
         require(self.format in ("auto", "plain", "verl"),
                 f"data.format: expected auto, plain or verl, got {self.format!r}")
-        require("{prompt}" in self.template, "data.template: must contain '{prompt}'")
+        require("{prompt}" in self.template,
+                f"data.template: expected a text containing '{{prompt}}', got {shorten(repr(self.template), 60)}")
         check_template(self.template)
 
 
@@ -159,7 +160,7 @@ def _prompt_text(cfg: DataConfig, where: str, value: Any) -> tuple[str, tuple | 
     """The prompt's text (through `data.template`) and, for a verl row, its chat messages."""
     chat = is_chat(value)
     if cfg.format == "verl" and not chat:
-        raise DatasetError(f"{where}: data.format verl: field {cfg.prompt_field!r} must be a list of "
+        raise DatasetError(f"{where}: data.format verl: field {cfg.prompt_field!r}: expected a list of "
                            f"{{role, content}} messages, got {value!r:.80}")
     if chat and cfg.format != "plain":
         try:
@@ -168,7 +169,7 @@ def _prompt_text(cfg: DataConfig, where: str, value: Any) -> tuple[str, tuple | 
             raise DatasetError(str(e)) from None
         return cfg.template.format(prompt=last_user_content(messages)), messages
     if not isinstance(value, str):
-        raise DatasetError(f"{where}: field {cfg.prompt_field!r} must be a string or a list of chat "
+        raise DatasetError(f"{where}: field {cfg.prompt_field!r}: expected a string or a list of chat "
                            f"messages, got {value!r:.80}")
     return cfg.template.format(prompt=value), None
 

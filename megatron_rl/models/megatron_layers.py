@@ -1,5 +1,5 @@
 """megatron-core's MoE layer as the `megatron` backend builds it: the module spec, the expert modules,
-and the three defects of megatron-core 0.16.1 that would stop its first run (issue 20).
+and the three defects of megatron-core 0.16.1 that would stop its first run.
 
 Experts (`EXPERTS`, reported as `backend_report()["experts"]`):
 - `TEGroupedMLP`: TransformerEngine's grouped GEMM, wherever TransformerEngine imports;

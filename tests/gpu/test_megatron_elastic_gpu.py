@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend needs CUDA"),
-    pytest.mark.timeout(400),
-]
+from tools.gpu_env import needs_cuda
+
+pytestmark = [needs_cuda, pytest.mark.timeout(400)]
 
 WHY_TWO = ("needs 2 GPUs: megatron-core's dispatcher talks NCCL to the EP group with CUDA tensors, and "
            "NCCL refuses two ranks on one GPU (a host-staged gloo group cannot carry its all-to-all)")

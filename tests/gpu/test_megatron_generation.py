@@ -10,11 +10,9 @@ import torch
 
 from megatron_rl.models import Qwen3MoeModel
 from tests.gpu.checks.megatron_checks import CHECK_CONFIG, GENERATION_MARGIN_STD, greedy_agreement, same_weights
+from tools.gpu_env import needs_cuda
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend's forward pass needs CUDA"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [needs_cuda, pytest.mark.timeout(300)]
 DIST_BACKEND = "nccl"  # for the one_rank_group fixture (tests/conftest.py)
 
 

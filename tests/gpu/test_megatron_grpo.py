@@ -11,11 +11,9 @@ import torch
 from megatron_rl.models import Qwen3MoeModel
 from megatron_rl.trainer_config import OptimConfig
 from tests.gpu.checks.megatron_checks import CHECK_CONFIG, grad_agreement, grpo_batch, loss_falls, same_weights
+from tools.gpu_env import needs_cuda
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend needs CUDA"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [needs_cuda, pytest.mark.timeout(300)]
 DIST_BACKEND = "nccl"  # for the one_rank_group fixture (tests/conftest.py)
 
 

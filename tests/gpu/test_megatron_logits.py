@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+from tools.gpu_env import needs_cuda
 
 try:
     import transformer_engine.pytorch  # noqa: F401
@@ -18,10 +19,7 @@ except ImportError:
 
 # TransformerEngine's grouped GEMM where TE imports, else our torch._grouped_mm module.
 EXPERTS = "TEGroupedMLP" if HAVE_TE else "GroupedMM"
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="the megatron backend's forward pass needs CUDA"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [needs_cuda, pytest.mark.timeout(300)]
 
 DIST_BACKEND = "nccl"  # for the one_rank_group fixture (tests/conftest.py)
 CONFIG = MoEModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4, kv_channels=32,

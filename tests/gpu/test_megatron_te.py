@@ -13,12 +13,11 @@ from megatron_rl.models import Qwen3MoeModel
 from megatron_rl.models.megatron_backend import transformer_engine
 from megatron_rl.models.qwen3_moe import rope_cos_sin
 from tests.gpu.checks.megatron_checks import CHECK_CONFIG
+from tools.gpu_env import needs_cuda
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="TransformerEngine's layers need CUDA"),
-    pytest.mark.skipif(transformer_engine()[0] is None, reason="TransformerEngine is not installed"),
-    pytest.mark.timeout(300),
-]
+pytestmark = [needs_cuda,
+              pytest.mark.skipif(transformer_engine()[0] is None, reason="TransformerEngine is not installed"),
+              pytest.mark.timeout(300)]
 DIST_BACKEND = "nccl"  # for the one_rank_group fixture (tests/conftest.py)
 
 

@@ -31,9 +31,11 @@ def test_round_trip(tmp_path):
     ("{not json", "not valid JSON"),
     ('{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 5}', "missing field 'response_len'"),
     ('{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 5, "response_len": -1}',
-     "'response_len' must be >= 0"),
+     "'response_len': expected >= 0"),
     ('{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 5, "response_len": 2.5}',
-     "must be an integer"),
+     "'response_len': expected an integer"),
+    ('{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 5, "response_len": 2, "truncated": 1}',
+     "'truncated': expected true or false, got 1"),
     ("[1, 2]", "expected a JSON object"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, line, expect):

@@ -37,7 +37,7 @@ def test_record_and_read_round_trip_and_bad_lines(tmp_path, monkeypatch):
     record("a", "pass")  # no file named: plain pytest runs write nothing
     monkeypatch.setenv("FF_GPU_RESULTS", str(path))
     record("a", "pass", "fine", 2.25)
-    with pytest.raises(ValueError, match="status must be one of"):
+    with pytest.raises(ValueError, match="status: expected one of"):
         record("a", "ok")
     with path.open("a") as fh:
         fh.write("Traceback (most recent call last):\n" + json.dumps({"check": "b", "status": "??"}) + "\n")

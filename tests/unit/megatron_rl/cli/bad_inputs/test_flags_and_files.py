@@ -1,5 +1,5 @@
 """Bad input to every command (rollout, train, plan, predict, simulate, demo) is one line naming the
-file, field or flag, exit 2, before any rank starts (issue 15 items 4.6-4.10). In-process: `main()`."""
+file, field or flag, exit 2, before any rank starts. In-process: `main()`."""
 import fcntl
 import json
 import shutil
@@ -58,7 +58,7 @@ def _cases(tmp):
     loop.symlink_to(tmp / "loop2")
     (tmp / "loop2").symlink_to(loop)
     too_long = "bytes, over the file system's limit of 255"
-    # a planted link in an output folder, out to a file of someone else's (issue 31, every writer)
+    # a planted link in an output folder, out to a file of someone else's (every writer)
     planted, theirs = tmp / "planted", w("theirs.txt", "keep me")
     planted.mkdir()
     (planted / "report.json").symlink_to(theirs)
@@ -81,7 +81,7 @@ def _cases(tmp):
             (["--out", f"{a_file}/sub"], [f"--out {a_file}/sub: cannot create the folder (Not a directory)"]),
             (["--out", "/proc/flexfloor-test"], ["--out /proc/flexfloor-test: cannot create the folder"]),
             (["--json", str(tmp / "missing" / "r.json")], [f"folder {tmp / 'missing'} does not exist"]),
-            # issue 31, defects 22 and 23: one line before the rollout, not an OSError after it
+            # one line before the rollout, not an OSError after it
             (["--json", str(loop)], [f"--json {loop}: a symlink loop"]),
             (["--json", f"{long}.json"], [too_long]),
             (["--out", f"{loop}/sub"], [f"--out {loop}/sub: a symlink loop"]),
@@ -104,7 +104,7 @@ def _cases(tmp):
              ["noprompt.jsonl:5: missing prompt field 'prompt'"]),
             (["--config", train_cfg("long", rows + json.dumps({"prompt": "1+" * 8 + "1=", "answer": "9"}) + "\n")],
              ["long.jsonl:5: prompt of 19 tokens", "exceeds model.max_position_embeddings (16)"]),
-            # held-out prompts (eval.path) go through the training data's checks (issue 31, defect 14)
+            # held-out prompts (eval.path) go through the training data's checks
             (["--config", heldout_cfg("ho_long", json.dumps({"prompt": "1+" * 8 + "1=", "answer": "9"}))],
              ["ho_long_heldout.jsonl:2: prompt of 19 tokens", "exceeds model.max_position_embeddings (16)"]),
             (["--config", heldout_cfg("ho_char", '{"prompt": "1+x=", "answer": "1"}')],
@@ -137,7 +137,7 @@ def _cases(tmp):
         ],
         "predict": [
             (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
-            (["--trace", trace, "--alpha", "2"], ["--alpha must be in (0, 1)"]),
+            (["--trace", trace, "--alpha", "2"], ["--alpha: expected a value in (0, 1)"]),
             (["--trace", trace], ["needs at least two epochs"]),
         ],
         "simulate": [
@@ -294,7 +294,7 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
         "trace_missing_field": (trace("t2.jsonl", good + '{"prompt_id": "b", "epoch": 0, "sample": 0}\n'),
                                 ["t2.jsonl:2:", "missing field 'prompt_len'"]),
         "trace_negative_length": (trace("t3.jsonl", good.replace('"response_len": 5', '"response_len": -5')),
-                                  ["t3.jsonl:1:", "'response_len' must be >= 0", "-5"]),
+                                  ["t3.jsonl:1:", "'response_len': expected >= 0", "-5"]),
     }
 
 
