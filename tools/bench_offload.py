@@ -31,7 +31,8 @@ def _slice(params: int, device: str) -> nn.Module:
 
 
 def _optimizer(model, offload: bool):
-    from megatron_rl.rl.zero import ShardedOptimizer, deepspeed_cpu_adam
+    from megatron_rl.rl.cpu_adam import deepspeed_cpu_adam
+    from megatron_rl.rl.zero import ShardedOptimizer
 
     def inner(ps):
         return deepspeed_cpu_adam(ps, 1e-4, (0.9, 0.999), 1e-8, 0.0) if offload else torch.optim.AdamW(ps, lr=1e-4)

@@ -48,15 +48,15 @@ TAG_EXPERT = 0
 _rollout_ids = itertools.count()  # every rank builds its runtimes in the same order
 
 
-def _short(cause: BaseException | str) -> str:
-    """gloo's errors carry a source path and advice; keep the sentence that says what happened."""
+def fault_cause(cause: BaseException | str) -> str:
+    """A failed collective's error (gloo's carry a source path and advice): the sentence that says what happened."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", shorten(cause, 500))
     return text.split(". This is typically")[0]
 
 
 class ElasticFault(RuntimeError):
     def __init__(self, rank: int, stage: int, phase: str, cause: BaseException | str):
-        super().__init__(f"rank {rank}, stage {stage}, phase {phase}: {_short(cause)}")
+        super().__init__(f"rank {rank}, stage {stage}, phase {phase}: {fault_cause(cause)}")
         self.rank, self.stage, self.phase = rank, stage, phase
 
 

@@ -28,7 +28,7 @@ def run(args) -> int:
     from megatron_rl.out_lock import LOCK_NAME, hold_out_dir
     from megatron_rl.owned_paths import removed_if_refused
     from megatron_rl.rollout.preflight import preflight
-    from megatron_rl.trainer import run_training
+    from megatron_rl.train_driver import run_training
     from megatron_rl.trainer_config import TrainerConfig
 
     flags = (("policy", "elastic.policy"), ("floor", "elastic.floor"), ("steps", "steps"),

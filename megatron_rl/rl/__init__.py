@@ -1,7 +1,8 @@
 """The training loop's parts: GRPO's math (`grpo.py`, free of models, ranks and I/O so it can be
-tested by hand, and what this package exports), the update step and mixed precision, `train`'s
-rollout phase (over `rollout/rank_rollout.py`) and its leases, checkpoints, the SFT warm start,
-model setup and megatron-core training."""
+tested by hand, and what this package exports), the update step, mixed precision, ZeRO-1 and its
+CPU Adam offload, `train`'s rollout phase (over `rollout/rank_rollout.py`) and its leases,
+checkpoints, the SFT warm start, model setup and megatron-core training; beside the loop, what the
+driver checks of the inputs, the one-line step faults, and rank 0's log of the run."""
 from megatron_rl.rl.grpo import (
     STAT_KEYS,
     finalize_stats,

@@ -22,6 +22,9 @@ from torch.utils._pytree import tree_map
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.rl import checkpoint as ckpt
+from megatron_rl.rl import checkpoint_checksums as checksums
+from megatron_rl.rl.checkpoint_failures import save_failure
+from megatron_rl.rl.checkpoint_state import dcp_state, is_megatron
 
 
 def host_copy(state):
@@ -54,8 +57,8 @@ class CheckpointWriter:
         path = ckpt.step_dir(out_dir, step)
         root = path.parent
         refuse_symlinks_out(root, path, root / "latest")
-        state = host_copy(ckpt._state(model, optimizer, ref_model))
-        optim = host_copy(optimizer.saved_state()) if ckpt._megatron(optimizer) else None
+        state = host_copy(dcp_state(model, optimizer, ref_model))
+        optim = host_copy(optimizer.saved_state()) if is_megatron(optimizer) else None
         # Snapshots: the next step changes the trainer state and appends to the history.
         sidecars = (json.loads(json.dumps({"step": step, **trainer_state})), list(history.records))
         staged_s = time.perf_counter() - t0
@@ -100,12 +103,12 @@ class CheckpointWriter:
                 if rank == 0:  # before the checksums, which cover them
                     ckpt.write_sidecars(path, *sidecars)
                 dist.barrier(group=self.group)  # every rank's files are whole before they are hashed
-                ckpt.write_checksums(path, rank, self.group)
+                checksums.write_checksums(path, rank, self.group)
                 dist.barrier(group=self.group)
                 if keep is not None:
-                    ckpt.verify_checksums(path, only=[".metadata", *ckpt.SIDECARS], group=self.group)
+                    checksums.verify_checksums(path, only=[".metadata", *checksums.SIDECARS], group=self.group)
             except (OSError, CheckpointException) as e:
-                message = ckpt.save_failure(path, e)
+                message = save_failure(path, e)
             except CheckpointError as e:
                 message = str(e)
             messages = [None] * dist.get_world_size(self.group)

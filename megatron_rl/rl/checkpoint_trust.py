@@ -8,7 +8,7 @@ so nothing in it may run code on load:
     file and the global, before anything is called.
   - DCP loads non-tensor values (the optimizer's `param_groups`) with torch's loader with weights_only=False;
     `SafeLoadPlanner` loads them with `weights_only=True`. Tensors already load that way.
-  - `checksums.json` (rl/checkpoint.py) detects a changed or torn file; it is no defence against
+  - `checksums.json` (rl/checkpoint_checksums.py) detects a changed or torn file; it is no defence against
     someone who can write the folder (they rewrite it too), which is why the loaders above hold
     whatever the checksums say. A checkpoint without `checksums.json` is refused unless the user
     says `checkpoint.allow_unverified: true` (`--allow-unverified-checkpoint`).

@@ -77,7 +77,7 @@ def training_groups(rank: int, world: int):
     return pgc
 
 
-OPTIM_FILE = "megatron_optim.rank{rank}.pt"  # rl/checkpoint.py's checksums cover these files
+OPTIM_FILE = "megatron_optim.rank{rank}.pt"  # rl/checkpoint_checksums.py covers these files
 
 
 class MegatronOptimizer:
@@ -127,7 +127,7 @@ class MegatronOptimizer:
         return [opt.optimizer for opt in chained]
 
     # Checkpoints: this rank's shard of the optimizer beside the DCP model shards, as tensors and
-    # plain values only (loaded with weights_only=True; rl/checkpoint.py checksums the file). Not
+    # plain values only (loaded with weights_only=True; rl/checkpoint_checksums.py hashes the file). Not
     # megatron-core's `save_parameter_state`: it gathers over gloo groups, which megatron-core does
     # not create when process groups are passed. A resume needs the same rank count.
     def save(self, path: Path, rank: int) -> None:

@@ -22,7 +22,7 @@ sharded optimizer (rl/zero.py, ZeRO-1, the default for more than one rank) keeps
 of 1/world of them instead, under the same rules.
 
 The masters form a module (`MasterWeights`) with the model's parameter names, so checkpoints key
-master weights and optimizer state by name exactly as they key the model's (rl/checkpoint.py).
+master weights and optimizer state by name exactly as they key the model's (rl/checkpoint_state.py).
 """
 from __future__ import annotations
 

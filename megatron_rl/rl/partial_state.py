@@ -65,7 +65,7 @@ class _Section:
     def int_in(self, value, lo: int, hi: int | None, where: str) -> int:
         self.of(value, int, where)
         if value < lo or (hi is not None and value >= hi):
-            self.fail(where, f"{value} outside [{lo}, {hi if hi is not None else 'inf'})")
+            self.fail(where, f"expected an integer in [{lo}, {hi if hi is not None else 'inf'}), got {value}")
         return value
 
     def check(self, section) -> tuple[int, int]:
@@ -89,7 +89,8 @@ class _Section:
                 self.fail(f"pool.pending[{i}].uid", f"group {uid} is listed twice")
             seen.add(uid)
         if trained + len(pending) != next_uid:
-            self.fail("pool", f"{trained} trained + {len(pending)} pending groups, not the {next_uid} launched")
+            self.fail("pool", f"expected trained + pending groups = the {next_uid} launched, got {trained} trained "
+                      f"+ {len(pending)} pending")
         return len(pending), len(queue)
 
     def group(self, g, where: str, next_uid: int) -> int:
@@ -101,12 +102,12 @@ class _Section:
         self.int_in(payload.get("epoch"), 0, None, f"{where}.payload.epoch")
         prompt = self.data[index]
         if g.get("prompt_id") != prompt.prompt_id:
-            self.fail(f"{where}.prompt_id", f"{g.get('prompt_id')!r}, but row {index} of {self.cfg.data.path} "
-                      f"is {prompt.prompt_id!r} (the dataset changed since the checkpoint)")
+            self.fail(f"{where}.prompt_id", f"expected {prompt.prompt_id!r} (row {index} of {self.cfg.data.path}), "
+                      f"got {g.get('prompt_id')!r} (the dataset changed since the checkpoint)")
         samples = self.of(g.get("samples"), list, f"{where}.samples")
         G = self.cfg.grpo.group_size
         if len(samples) != G:
-            self.fail(f"{where}.samples", f"a group of {len(samples)} samples, but grpo.group_size is {G}; "
+            self.fail(f"{where}.samples", f"expected a group of grpo.group_size {G} samples, got {len(samples)}; "
                       f"resume with grpo.group_size={len(samples)}")
         prompt_len = len(self.tok.encode_prompt(prompt))
         for j, s in enumerate(samples):
@@ -117,14 +118,14 @@ class _Section:
         self.of(s, dict, where)
         for key, want in (("prompt_id", prompt_id), ("sample", j), ("rid", rid), ("prompt_len", prompt_len)):
             if s.get(key) != want or isinstance(s.get(key), bool):
-                self.fail(f"{where}.{key}", f"{s.get(key)!r}, expected {want!r} (its group's)")
+                self.fail(f"{where}.{key}", f"expected {want!r} (its group's), got {s.get(key)!r}")
         done = self.of(s.get("done"), bool, f"{where}.done")
         cap = self.cfg.generation.max_response_len
         n = self.int_in(s.get("n"), 0, cap + done, f"{where}.n (generation.max_response_len is {cap})")
         tokens = self.of(s.get("tokens"), list, f"{where}.tokens")
         logprobs = self.of(s.get("logprobs"), list, f"{where}.logprobs")
         if len(tokens) != n or len(logprobs) != n:
-            self.fail(where, f"n {n}, but {len(tokens)} tokens and {len(logprobs)} log-probs")
+            self.fail(where, f"expected n {n} tokens and log-probs, got {len(tokens)} and {len(logprobs)}")
         vocab = self.cfg.model.vocab_size
         for k, t in enumerate(tokens):
             self.int_in(t, 0, vocab, f"{where}.tokens[{k}] (model.vocab_size is {vocab})")
@@ -140,4 +141,4 @@ class _Section:
                                                   f"{self.step})")
             total += self.int_in(seg[1], 1, None, f"{where}.segments[{k}][1]")
         if total != n:
-            self.fail(f"{where}.segments", f"{total} tokens, but n is {n}")
+            self.fail(f"{where}.segments", f"expected n {n} tokens, got {total}")

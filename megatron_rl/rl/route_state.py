@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.routes import decode
 
@@ -18,12 +19,13 @@ def load_routes(entries, pool, mcfg, source) -> dict[tuple[str, int], torch.Tens
     samples = {s.key: s for g in pool.pending for s in g.samples}
     out: dict[tuple[str, int], torch.Tensor] = {}
     if not isinstance(entries, list):
-        raise CheckpointError(f"{source}: field partial.routes: expected a list of [prompt_id, sample, routes]")
+        raise CheckpointError(f"{source}: field partial.routes: expected a list of [prompt_id, sample, routes], "
+                              f"got {type(entries).__name__}")
     for i, entry in enumerate(entries):
         where = f"{source}: field partial.routes[{i}]"
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                 and isinstance(entry[1], int) and not isinstance(entry[1], bool)):
-            raise CheckpointError(f"{where}: expected [prompt_id, sample, routes]")
+            raise CheckpointError(f"{where}: expected [prompt_id, sample, routes], got {shorten(repr(entry), 80)}")
         key = (entry[0], entry[1])
         s = samples.get(key)
         if s is None:
@@ -34,7 +36,7 @@ def load_routes(entries, pool, mcfg, source) -> dict[tuple[str, int], torch.Tens
             raise CheckpointError(str(e)) from None
         want = s.prompt_len + s.n - 1 if s.n else 0
         if len(routes) != want:
-            raise CheckpointError(f"{where}: {len(routes)} positions of routes, expected {want} "
-                                  f"(prompt {s.prompt_len} + {s.n} tokens - 1)")
+            raise CheckpointError(f"{where}: expected {want} positions of routes (prompt {s.prompt_len} + "
+                                  f"{s.n} tokens - 1), got {len(routes)}")
         out[key] = routes
     return out

@@ -33,7 +33,7 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
     `out_dir`'s checkpoint of step 0 (`trainer_state.json` has `sft_step`), and the function
     returns at once (`sft_stopped(losses)` is then the step); `resume` continues such a
     checkpoint from the step after it, bit-identically (its data order is keyed by seed + 1)."""
-    from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
+    from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state
 
     ws = cfg.warmstart
     if ws.path is not None:
@@ -58,35 +58,50 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
     for step in range(first, ws.sft_steps + 1):
         rows = [(tok.encode_prompt(usable[i]), tok.encode_response(usable[i].answer))
                 for i in it.next_batch().indices]
-        per_rank = len(rows) // world
-        tokens = sum(len(r) for _, r in rows[: per_rank * world])
-        optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), dtype=torch.float64, device=model.device)
-        for micro in chunks(rows[rank * per_rank : (rank + 1) * per_rank], cfg.grpo.micro_batch):
-            packed = pack(micro, tok.pad_id).to(model.device)
-            logp = sequence_logprobs(model, packed, chunk_tokens=cfg.logprob_chunk_tokens)
-            loss = -(logp * packed.loss_mask).sum() / tokens
-            loss.backward()
-            total += loss.detach().double()
-        if world > 1:
-            dist.all_reduce(total)
-        optimizer_step(optimizer, model, cfg.optim.grad_clip, world)
-        losses.append(float(total))
+        losses.append(_sft_step(cfg, model, optimizer, rows, tok.pad_id, rank, world))
         if rank == 0 and (step % 20 == 0 or step == ws.sft_steps):
-            print(f"[warmstart] step {step}/{ws.sft_steps} loss {float(total):.4f} "
+            print(f"[warmstart] step {step}/{ws.sft_steps} loss {losses[-1]:.4f} "
                   f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
         if stop is not None and stop.requested():  # polled on the last step too: no signal is lost
-            state = {"sft_step": step, "sft_data": it.state_dict(), "seed": cfg.seed, "model": cfg.model.to_dict(),
-                     "ranks": world}
-            save_checkpoint(out_dir, 0, model, optimizer, None, state, Trace([], "length history"), rank)
-            if rank == 0:
-                print(f"[warmstart] stopped after step {step}/{ws.sft_steps}; checkpoint saved",
-                      file=sys.stderr, flush=True)
+            _save_stopped(cfg, model, optimizer, it, step, out_dir, rank, world)
             losses.stopped_at = step
             break
     if hasattr(optimizer, "close"):
         optimizer.close()  # else its hooks would take the gradients of the next optimizer's steps
     return losses
+
+
+def _sft_step(cfg: TrainerConfig, model, optimizer, rows: list, pad_id: int, rank: int, world: int) -> float:
+    """One optimizer step of teacher-forced cross-entropy on `rows` ((prompt ids, response ids),
+    split evenly over the ranks); returns the loss, summed over the ranks."""
+    per_rank = len(rows) // world
+    tokens = sum(len(r) for _, r in rows[: per_rank * world])
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), dtype=torch.float64, device=model.device)
+    for micro in chunks(rows[rank * per_rank : (rank + 1) * per_rank], cfg.grpo.micro_batch):
+        packed = pack(micro, pad_id).to(model.device)
+        logp = sequence_logprobs(model, packed, chunk_tokens=cfg.logprob_chunk_tokens)
+        loss = -(logp * packed.loss_mask).sum() / tokens
+        loss.backward()
+        total += loss.detach().double()
+    if world > 1:
+        dist.all_reduce(total)
+    optimizer_step(optimizer, model, cfg.optim.grad_clip, world)
+    return float(total)
+
+
+def _save_stopped(cfg: TrainerConfig, model, optimizer, it: PromptIterator, step: int, out_dir, rank: int,
+                  world: int) -> None:
+    """The warm start stopped after `step`: its weights, optimizer and data position as `out_dir`'s
+    checkpoint of step 0 (`trainer_state.json` has `sft_step`)."""
+    from megatron_rl.rl.checkpoint import save_checkpoint
+
+    state = {"sft_step": step, "sft_data": it.state_dict(), "seed": cfg.seed, "model": cfg.model.to_dict(),
+             "ranks": world}
+    save_checkpoint(out_dir, 0, model, optimizer, None, state, Trace([], "length history"), rank)
+    if rank == 0:
+        print(f"[warmstart] stopped after step {step}/{cfg.warmstart.sft_steps}; checkpoint saved",
+              file=sys.stderr, flush=True)
 
 
 class _Losses(list):

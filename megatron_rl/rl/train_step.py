@@ -177,7 +177,8 @@ def training_optimizer(model: torch.nn.Module, optim, rank: int, world: int, lr:
     """The torch backend's optimizer for `optim` (an OptimConfig) on this rank: ZeRO-1 and/or host
     offload (`ShardedOptimizer`, rl/zero.py) when asked (sharding by default for more than one
     rank), else `make_optimizer`'s replicated one. `lr` overrides `optim.lr` (the SFT warm start)."""
-    from megatron_rl.rl.zero import ShardedOptimizer, deepspeed_cpu_adam
+    from megatron_rl.rl.cpu_adam import deepspeed_cpu_adam
+    from megatron_rl.rl.zero import ShardedOptimizer
 
     lr = optim.lr if lr is None else lr
     shard = world > 1 if optim.shard_optimizer is None else optim.shard_optimizer

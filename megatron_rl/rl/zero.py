@@ -20,9 +20,8 @@ Layout (`optim.shard_optimizer`, on by default for more than one rank):
   dense runs in the model's dtype gives every rank every dense weight (the rollout's replicas).
 
 `optim.offload: cpu` puts the masters, their gradients and the moments in host memory and steps them
-with `deepspeed.ops.adam.DeepSpeedCPUAdam` (a fused AVX Adam, JIT-built once into
-~/.cache/torch_extensions): the summed gradients go to the host once per step, the stepped masters
-come back to the device. Composes with sharding (each rank offloads its own shard).
+with DeepSpeed's CPU Adam (rl/cpu_adam.py): the summed gradients go to the host once per step, the
+stepped masters come back to the device. Composes with sharding (each rank offloads its own shard).
 
 Checkpoints key masters and moments by parameter name exactly as the unsharded optimizer does
 (`master.<name>`, `optim.state.<name>.<exp_avg|exp_avg_sq|step>`), each written by its owner, so a
@@ -31,15 +30,13 @@ checkpoint saved on W ranks resumes on any rank count (`sharded_state`, `load_sh
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.errors import shorten
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.rl.cpu_adam import adopted_form, prime_cpu_adam, saved_form
 from megatron_rl.rl.mixed_precision import MasterWeights, needs_masters
 
 
@@ -89,42 +86,6 @@ class DenseLayout:
         flat = torch.empty(self.world * self.run, dtype=shard.dtype, device=shard.device)
         _all_gather(flat, shard.contiguous(), group=group)
         return flat
-
-
-def require_cpu_adam() -> None:
-    """On the driver, for `optim.offload: cpu`, before any rank starts: DeepSpeed imports and its
-    CPU Adam loads, JIT-building it if needed (once; the ranks then load the cached build). A
-    failure is one line: the import's error, or the compiler's last error lines of the build."""
-    try:
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-    except Exception as e:  # noqa: BLE001  (a broken install raises more than ImportError)
-        raise FlexFloorError(f"optim.offload: cpu needs deepspeed (pip install deepspeed); importing it "
-                             f"failed: {type(e).__name__}: {shorten(e, 300)}") from None
-    try:
-        CPUAdamBuilder().load(verbose=False)
-    except Exception as e:  # noqa: BLE001  (torch's JIT build raises RuntimeError with ninja's output)
-        raise FlexFloorError(f"optim.offload: cpu: DeepSpeed's CPU Adam did not build "
-                             f"({_build_errors(e)}); a C++ compiler and ninja are needed once, or set "
-                             "optim.offload: none") from None
-
-
-def _build_errors(e: BaseException, keep: int = 3) -> str:
-    """The last `keep` compiler error lines of a failed JIT build's output (else its first line)."""
-    lines = [ln.strip() for ln in str(e).splitlines()]
-    errors = [ln for ln in lines if re.search(r"\berror\b", ln)]  # gcc, clang, nvcc: "file:line: error: ..."
-    shown = " | ".join(errors[-keep:]) if errors else shorten(e, 300)
-    return f"{type(e).__name__}: {shown[-600:]}"
-
-
-def deepspeed_cpu_adam(params, lr: float, betas, eps: float, weight_decay: float):
-    """DeepSpeed's CPU AdamW (adamw_mode) over host tensors; the first use JIT-builds its C++
-    extension (ninja and a C++ compiler; cached under ~/.cache/torch_extensions)."""
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except ImportError as e:  # setup.py installs it; a bare environment gets one line
-        raise RuntimeError(f"optim.offload: cpu needs deepspeed (pip install deepspeed): {e}") from None
-    return DeepSpeedCPUAdam(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                            adamw_mode=True)
 
 
 class ShardedOptimizer:
@@ -289,7 +250,7 @@ class ShardedOptimizer:
         """This rank's masters and moments by parameter name (DCP writes each key once, from its
         owner; the keys are the unsharded optimizer's)."""
         names = [n for n, _ in self.owned + self.experts]
-        state = {"optim": {"state": {n: _saved(self.inner.state[m]) for n, (_, m) in zip(names, self.pairs)
+        state = {"optim": {"state": {n: saved_form(self.inner.state[m]) for n, (_, m) in zip(names, self.pairs)
                                      if self.inner.state.get(m)}}}
         if self.masters is not None:
             state["master"] = dict(self.masters.named_parameters())
@@ -314,40 +275,13 @@ class ShardedOptimizer:
         self.inner.state.clear()
         for n, (_, m) in zip(names, self.pairs):
             if n in state["optim"]["state"]:
-                self.inner.state[m] = _adopt(state["optim"]["state"][n], self.inner, m)
+                self.inner.state[m] = adopted_form(state["optim"]["state"][n], self.inner, m)
         steps = [int(s["step"]) for s in self.inner.state.values()]
         if steps and type(self.inner).__name__ == "DeepSpeedCPUAdam":
-            _prime_cpu_adam(self.inner, max(steps))
+            prime_cpu_adam(self.inner, max(steps))
         self.copy_to_model()
 
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); the GPU image has 2.11.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _saved(state: dict) -> dict:
-    """A parameter's state with its step as a float32 tensor, as torch AdamW keeps it (DeepSpeed's
-    CPU Adam keeps an int), so both optimizers' checkpoints have the same keys and types."""
-    return {**state, "step": torch.as_tensor(state["step"], dtype=torch.float32)}
-
-
-def _prime_cpu_adam(inner, step: int) -> None:
-    """DeepSpeed's CPU Adam keeps beta^t in C++, per optimizer: a running one multiplies it by beta
-    at each step's first parameter (the previous step's last parameter left pow(beta, t - 1)), a
-    fresh one computes pow(beta, t), and the two differ in the last bit. One update of a scratch
-    tensor at the loaded step leaves the C++ state where the saving optimizer had it, so a resume
-    continues bit-identically."""
-    g = inner.param_groups[0]
-    scratch = [torch.zeros(1) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq
-    inner.ds_opt_adam.adam_update(inner.opt_id, step, g["lr"], g["betas"][0], g["betas"][1], g["eps"],
-                                  g["weight_decay"], g["bias_correction"], *scratch)
-
-
-def _adopt(saved: dict, inner: torch.optim.Optimizer, master: torch.Tensor) -> dict:
-    """A parameter's saved state in the form `inner` keeps it (DeepSpeed's CPU Adam keys its own
-    step count; torch AdamW keeps `step` as a tensor)."""
-    out = {k: v.to(master.device) if k != "step" else v for k, v in saved.items()}
-    if type(inner).__name__ == "DeepSpeedCPUAdam":
-        out["step"] = int(out["step"])
-    return out

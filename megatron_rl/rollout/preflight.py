@@ -20,6 +20,6 @@ def preflight(backend: Backend, dtype: str, leases: LeaseConfig, offload: str = 
     if {"sidecar", "sglang"} & set(leases.jobs):
         leases.sidecar.preflight()
     if offload == "cpu":
-        from megatron_rl.rl.zero import require_cpu_adam
+        from megatron_rl.rl.cpu_adam import require_cpu_adam
 
         require_cpu_adam()

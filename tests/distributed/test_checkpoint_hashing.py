@@ -1,5 +1,5 @@
 """A rank that cannot read its share of a checkpoint while hashing it: every rank raises the same
-one line, none waits in the gather for the failed rank (`rl/checkpoint.write_checksums`)."""
+one line, none waits in the gather for the failed rank (`rl/checkpoint_checksums.write_checksums`)."""
 from pathlib import Path
 
 import pytest
@@ -8,28 +8,29 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _hash(ctx, folder: str):
-    from megatron_rl.rl import checkpoint as ckpt
+    from megatron_rl.errors import CheckpointError
+    from megatron_rl.rl import checkpoint_checksums as checksums
 
     path = Path(folder)
-    real = ckpt._sha256
+    real = checksums._sha256
 
     def unreadable_on_rank_1(f: Path) -> str:
         if ctx.rank == 1:
             raise PermissionError(13, "Permission denied", str(f))
         return real(f)
 
-    ckpt._sha256 = unreadable_on_rank_1
+    checksums._sha256 = unreadable_on_rank_1
     try:
-        ckpt.write_checksums(path, ctx.rank)
+        checksums.write_checksums(path, ctx.rank)
         said = "no error"
-    except ckpt.CheckpointError as e:
+    except CheckpointError as e:
         said = str(e)
     (path.parent / f"rank{ctx.rank}.txt").write_text(said)
 
 
 def test_a_rank_that_cannot_hash_its_shards_stops_every_rank_with_its_error(tmp_path):
     from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.rl.checkpoint import CHECKSUMS, SIDECARS
+    from megatron_rl.rl.checkpoint_checksums import CHECKSUMS, SIDECARS
 
     step = tmp_path / "step_000001"
     step.mkdir()

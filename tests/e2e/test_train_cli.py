@@ -108,7 +108,8 @@ def test_async_save_resumes_bit_identically(straight, tmp_path):
     """`checkpoint.async_save` (issue 29 item 5): step 1's save is written while step 2 runs; stopped
     after step 2 and resumed, the run equals the uninterrupted synchronous one, and both saves are
     complete and verified."""
-    from megatron_rl.rl.checkpoint import latest_checkpoint, verify_checksums
+    from megatron_rl.rl.checkpoint import latest_checkpoint
+    from megatron_rl.rl.checkpoint_checksums import verify_checksums
 
     _, full = straight
     cfg = _setup(tmp_path, **{"checkpoint.async_save": True})

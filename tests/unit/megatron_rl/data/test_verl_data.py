@@ -69,7 +69,7 @@ def test_bad_verl_rows_are_one_line_each_naming_file_and_row(tmp_path):
 
 def test_a_verl_prompt_too_long_for_the_positions_names_its_row(tmp_path):
     from megatron_rl.errors import FlexFloorError
-    from megatron_rl.trainer import check_data
+    from megatron_rl.rl.input_checks import check_data
     from megatron_rl.trainer_config import TrainerConfig
 
     rows = [gsm8k_row(i, "1+1", "#### 2") for i in range(8)] + [gsm8k_row(8, "1" * 80, "#### 1")]

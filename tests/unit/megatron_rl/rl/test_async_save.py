@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint
 
 from elastic.trace import Trace
-from megatron_rl.rl import checkpoint as ckpt
+from megatron_rl.rl import checkpoint_checksums as checksums
 from megatron_rl.rl.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
@@ -48,7 +48,7 @@ def test_latest_moves_only_after_the_checksums_and_the_saved_state_is_the_one_at
         return call
 
     monkeypatch.setattr(torch.distributed.checkpoint, "save", held("write", torch.distributed.checkpoint.save))
-    monkeypatch.setattr(ckpt, "write_checksums", held("hash", ckpt.write_checksums))
+    monkeypatch.setattr(checksums, "write_checksums", held("hash", checksums.write_checksums))
     _save(writer, tmp_path, 2, model, opt)
     second = tmp_path / "checkpoints" / "step_000002"
     assert gates["write"][0].wait(60), "the writer never started"

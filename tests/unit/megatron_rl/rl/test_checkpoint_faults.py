@@ -8,8 +8,8 @@ from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.params import is_expert_param
 from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.rl.model_setup import build_model
+from megatron_rl.rl.step_faults import TrainingDiverged, check_finite
 from megatron_rl.rl.train_step import make_optimizer
-from megatron_rl.trainer import TrainingDiverged, check_finite
 from megatron_rl.trainer_config import TrainerConfig
 
 CFG = TrainerConfig(model=MoEModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2,

@@ -8,7 +8,8 @@ import pickle
 import pytest
 import torch
 
-from megatron_rl.rl.checkpoint import CheckpointError, load_checkpoint, verify_checksums
+from megatron_rl.rl.checkpoint import CheckpointError, load_checkpoint
+from megatron_rl.rl.checkpoint_checksums import verify_checksums
 from megatron_rl.rl.checkpoint_trust import UntrustedCheckpoint, read_metadata
 from tests.tiny_train import rehash as _rehash
 

@@ -7,7 +7,7 @@ import torch
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.models.routes import RouteReplay, encode, replaying, route_bytes_per_token, route_dtype
-from megatron_rl.rl.rollout_phase import RecordingEngine
+from megatron_rl.rl.recording_engine import RecordingEngine
 from megatron_rl.rollout.engine import Request
 from megatron_rl.rollout.route_record import CarriedValues
 from megatron_rl.rollout.sampling import SamplingParams
@@ -171,7 +171,8 @@ def test_carried_routes_load_checked():
     bad[2, 1, 0] = 8  # an expert id >= the expert count
     with pytest.raises(CheckpointError, match=r"^ck/trainer_state.json: field partial.routes\[0\]: expert id 8"):
         load_routes([["p", 7, encode(bad)]], pool, TINY, "ck/trainer_state.json")
-    with pytest.raises(CheckpointError, match=r"field partial.routes\[0\]: 5 positions of routes, expected 6"):
+    with pytest.raises(CheckpointError, match=r"field partial.routes\[0\]: expected 6 positions of routes "
+                                              r"\(prompt 4 \+ 3 tokens - 1\), got 5"):
         load_routes([["p", 7, encode(routes[:5])]], pool, TINY, "ck/trainer_state.json")
     with pytest.raises(CheckpointError, match=r"field partial.routes\[0\]: response \('p', 9\) is not pending"):
         load_routes([["p", 9, encode(routes)]], pool, TINY, "ck/trainer_state.json")

@@ -101,24 +101,26 @@ S1 = f"{G0}/samples/1"
 @pytest.mark.parametrize("path, value, expect", [
     ("queue", "abc", "partial.queue: expected list, got str"),
     ("pool", KeyError, "partial.pool: expected dict, got NoneType"),
-    ("queue/0/0", 10**6, "partial.queue[0][0] (data index; the dataset has 400 prompts): 1000000 outside"),
+    ("queue/0/0", 10**6, "partial.queue[0][0] (data index; the dataset has 400 prompts): "
+                         "expected an integer in [0, 400), got 1000000"),
     (f"{G0}/payload/index", 10**6, "partial.pool.pending[0].payload.index (the dataset has 400 prompts)"),
-    (f"{G0}/payload/epoch", -1, "partial.pool.pending[0].payload.epoch: -1 outside [0, inf)"),
+    (f"{G0}/payload/epoch", -1, "partial.pool.pending[0].payload.epoch: expected an integer in [0, inf), got -1"),
     (f"{S1}/logprobs/1", "x", "partial.pool.pending[0].samples[1].logprobs[1]: expected a finite log-probability"),
     (f"{S1}/logprobs/0", float("nan"), "samples[1].logprobs[0]: expected a finite log-probability <= 0, got nan"),
     (f"{S1}/logprobs/0", 0.5, "samples[1].logprobs[0]: expected a finite log-probability <= 0, got 0.5"),
-    (f"{S1}/tokens/1", 20, "samples[1].tokens[1] (model.vocab_size is 20): 20 outside [0, 20)"),
+    (f"{S1}/tokens/1", 20, "samples[1].tokens[1] (model.vocab_size is 20): expected an integer in [0, 20), got 20"),
     (f"{S1}/tokens/0", True, "samples[1].tokens[0] (model.vocab_size is 20): expected int, got bool"),
-    (f"{S1}/tokens", [5], "samples[1]: n 2, but 1 tokens and 2 log-probs"),
-    (f"{S1}/segments", [[2, 2]], "samples[1].segments[0][0] (policy version; checkpoint step 1): 2 outside"),
-    (f"{S1}/segments", [[1, 1]], "samples[1].segments: 1 tokens, but n is 2"),
-    (f"{S1}/rid", 7, "samples[1].rid: 7, expected 3 (its group's)"),
+    (f"{S1}/tokens", [5], "samples[1]: expected n 2 tokens and log-probs, got 1 and 2"),
+    (f"{S1}/segments", [[2, 2]], "samples[1].segments[0][0] (policy version; checkpoint step 1): "
+                                 "expected an integer in [1, 2), got 2"),
+    (f"{S1}/segments", [[1, 1]], "samples[1].segments: expected n 2 tokens, got 1"),
+    (f"{S1}/rid", 7, "samples[1].rid: expected 3 (its group's), got 7"),
     (f"{S1}/done", "no", "samples[1].done: expected bool, got str"),
-    (f"{G0}/uid", 2, "partial.pool.pending[0].uid: 2 outside [0, 2)"),
-    (f"{G0}/prompt_id", "arith-00004", "prompt_id: 'arith-00004', but row 3 of examples/data/arith_train.jsonl "
-                                      "is 'arith-00003' (the dataset changed since the checkpoint)"),
-    (f"{G0}/samples", [], "samples: a group of 0 samples, but grpo.group_size is 2"),
-    ("pool/trained", 3, "partial.pool: 3 trained + 1 pending groups, not the 2 launched"),
+    (f"{G0}/uid", 2, "partial.pool.pending[0].uid: expected an integer in [0, 2), got 2"),
+    (f"{G0}/prompt_id", "arith-00004", "prompt_id: expected 'arith-00003' (row 3 of examples/data/arith_train.jsonl), "
+                                      "got 'arith-00004' (the dataset changed since the checkpoint)"),
+    (f"{G0}/samples", [], "samples: expected a group of grpo.group_size 2 samples, got 0"),
+    ("pool/trained", 3, "partial.pool: expected trained + pending groups = the 2 launched, got 3 trained + 1 pending"),
 ])
 def test_a_bad_partial_section_is_one_line_naming_file_and_field(tmp_path, path, value, expect):
     with pytest.raises(CheckpointError) as e:
@@ -133,11 +135,12 @@ def test_a_partial_section_that_does_not_fit_the_config_is_refused_before_the_ra
     twice["pool"]["pending"].append(twice["pool"]["pending"][0])
     with pytest.raises(CheckpointError, match=r"pending\[1\].uid: group 1 is listed twice"):
         _partial_resume(tmp_path, twice)
-    with pytest.raises(CheckpointError, match=r"a group of 2 samples, but grpo.group_size is 4; resume with "
+    with pytest.raises(CheckpointError, match=r"expected a group of grpo.group_size 4 samples, got 2; resume with "
                                               r"grpo.group_size=2"):
         _partial_resume(tmp_path, _section(), **{"grpo.group_size": 4})
     # the carried sample has 2 tokens: with max_response_len 2 it could generate none
-    with pytest.raises(CheckpointError, match=r"samples\[1\].n \(generation.max_response_len is 2\): 2 outside"):
+    with pytest.raises(CheckpointError, match=r"samples\[1\].n \(generation.max_response_len is 2\): "
+                                              r"expected an integer in \[0, 2\), got 2"):
         _partial_resume(tmp_path, _section(), **{"generation.max_response_len": 2})
     _partial_resume(tmp_path, _section(), **{"generation.max_response_len": 3})
     # partial off: the carried work is refused, or dropped and counted when asked
