@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.trace import Trace
+from megatron_rl.backends import backend
 from megatron_rl.config import write_config
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
@@ -50,7 +51,7 @@ from megatron_rl.rl.deadline import run_deadline, stopped_summary
 from megatron_rl.rl.grpo import group_advantages
 from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
-from megatron_rl.rl.model_setup import build_model, check_init, export_hf
+from megatron_rl.rl.model_setup import check_init, export_hf
 from megatron_rl.rl.partial import PartialRollouts
 from megatron_rl.rl.resume_fit import check_resume_fit
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
@@ -71,7 +72,8 @@ class Trainer:
         rank, world = ctx.rank, ctx.world
         self.out_dir = Path(out_dir)
         self.tok = build_tokenizer(cfg.tokenizer)
-        self.model = build_model(cfg, rank, world, ctx.device)
+        self.backend = backend(cfg.backend)  # built once here, handed down to the rollout phase
+        self.model = self.backend.training_model(cfg, rank, world, ctx.device)
         self.iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
         self.history = Trace([], "length history")
         # Partial rollouts (off by default): groups carried between steps (rl/partial.py).
@@ -86,7 +88,7 @@ class Trainer:
             self.sft_stopped = sft_stopped(losses) and (sft_stopped(losses), stop.signum)
             resume = None  # the RL run starts at step 1 from the warm-started weights
         self.ref_model = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
-        self.optimizer = cfg.moe_backend.optimizer(self.model, cfg, rank, world)
+        self.optimizer = self.backend.optimizer(self.model, cfg, rank, world)
         if resume is not None:
             state, self.history = read_trainer_state(resume, cfg.model)
             load_checkpoint(resume, self.model, self.optimizer, self.ref_model,
@@ -98,7 +100,7 @@ class Trainer:
         self.scorer = Scorer(cfg.reward)
         self.peak_flops = device_peak_flops(ctx.device)
         self.validator = Validator(cfg, self.out_dir) if cfg.eval.every else None
-        self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store,
+        self.rollout = RolloutPhase(cfg, self.backend, self.model, self.tok, rank, world, ctx.store,
                                     resident_bytes=training_state_bytes(self.model, self.optimizer,
                                                                         self.ref_model, world),
                                     leases=TrainingLeases(cfg, self.tok, rank, world), out_dir=self.out_dir)
@@ -109,7 +111,7 @@ class Trainer:
         self.logger = None
         if rank == 0:
             self.logger = MetricsLogger(self.out_dir, cfg.logging,
-                                        run_config={**asdict(cfg), "moe": cfg.moe_backend.describe(),
+                                        run_config={**asdict(cfg), "moe": self.backend.describe(),
                                                     "provenance": provenance()},
                                         resume_step=self.start_step if resume is not None else None,
                                         tags=policy_tags(cfg.elastic.policy, cfg.elastic.floor))
@@ -420,11 +422,11 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.parallel.device import resolve_device
     from megatron_rl.parallel.launch import driver_process, run_ranks
+    from megatron_rl.preflight import preflight
     from megatron_rl.rl.checkpoint import checkpoint_at, latest_checkpoint
-    from megatron_rl.rollout.preflight import preflight
 
     if not preflight_done:
-        preflight(cfg.moe_backend, cfg.dtype, cfg.leases, cfg.optim.offload)
+        preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
     if cfg.logging.plot_every:
         require_matplotlib("logging.plot_every")
     device = resolve_device(cfg.device)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.backends import BACKENDS, Backend, backend
+from megatron_rl.backend_rules import BACKENDS, backend_rules
 from megatron_rl.config import (
     parse_time,
     require,
@@ -288,14 +288,9 @@ class TrainerConfig:
         require(not self.partial.enabled or self.grpo.tis_cap is not None,
                 "partial.enabled: carried responses mix tokens of older policies; set grpo.tis_cap "
                 "(truncated importance sampling from each token's behaviour log-prob)")
-        self.moe_backend.require_training(self)
+        backend_rules(self.backend).require_training(self)
         require(self.optim.offload == "none" or self.dtype != "float64",
                 "optim.offload: cpu steps fp32 masters with DeepSpeed's CPU Adam; dtype must be bfloat16 or float32")
-
-    @property
-    def moe_backend(self) -> Backend:
-        """The MoE backend `backend` names, asked instead of the name (megatron_rl/backends)."""
-        return backend(self.backend)
 
     @property
     def rows_per_rank(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastic.planning.shape import QWEN3_30B_A3B_H100
-from megatron_rl.backends import BACKENDS
+from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require, require_seed
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.parallel.dims import parallel_dims, require_floor

@@ -172,13 +172,14 @@ def step_seed(seed: int, step: int) -> int:
 
 
 class RolloutPhase:
-    def __init__(self, cfg: TrainerConfig, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int,
+    def __init__(self, cfg: TrainerConfig, backend, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int,
                  world: int, store, resident_bytes: int = 0, leases: TrainingLeases | None = None,
                  out_dir: Path | None = None):
         """`resident_bytes`: training state that stays on the device through the rollout (the
         optimizer's, `training_state_bytes`); the planner prices it with the weights and KV.
-        `leases`: what detached ranks do until the restore (None: they idle)."""
-        self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
+        `leases`: what detached ranks do until the restore (None: they idle). `backend`: the run's
+        `megatron_rl.backends.Backend`, built once by the trainer."""
+        self.cfg, self.backend, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
         self.dims = parallel_dims(world, cfg.model.num_moe_experts, cfg.backend)
         self.shape = None  # the model's shape the step's plan was priced on (its online rule's too)
         self.store = store  # the job's key-value store: the runtime's restore message goes through it
@@ -255,8 +256,8 @@ class RolloutPhase:
         engine.progress = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine),
                                    "tokens", enabled=self.rank == 0)
         engine.recorder.start({w.key: w.routes for w in work if w.routes is not None})
-        kept = cfg.moe_backend.keep_experts(self.model)
-        spec = RankRollout(plan, self.rank, self.world, self.store, backend=cfg.moe_backend,
+        kept = self.backend.keep_experts(self.model)
+        spec = RankRollout(plan, self.rank, self.world, self.store, backend=self.backend,
                            rule=self._online_rule(plan, items, history, known_prefix),
                            status_interval=cfg.elastic.status_interval, stop=stop)
         leases = self.leases
@@ -270,7 +271,7 @@ class RolloutPhase:
                 "logprobs": engine.logprobs[r.key]}, kept=lease_rewards)
         # The recorded log-probs and routes travel with a migrated request.
         outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=CarriedValues(engine))
-        cfg.moe_backend.restore_experts(self.model, kept)
+        self.backend.restore_experts(self.model, kept)
         routes = engine.recorder.routes(engine.live + engine.pending)
         local = [(r.key, r.tokens, engine.logprobs.get(r.key, []), done, routes.get(r.key))
                  for done, rs in ((True, engine.finished), (False, engine.live + engine.pending)) for r in rs]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.backends import BACKENDS, Backend, backend
+from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require, require_seed, require_size, require_timeout
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
@@ -106,11 +106,6 @@ class RolloutConfig:
             require_floor(self.floor, self.ranks)
         require_policy(self.policy, self.backend)
         self.partial.require_groups("rollout")
-
-    @property
-    def moe_backend(self) -> Backend:
-        """The MoE backend `backend` names, asked instead of the name (megatron_rl/backends)."""
-        return backend(self.backend)
 
     @staticmethod
     def upgrade(data: dict) -> dict:

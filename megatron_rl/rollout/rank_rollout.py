@@ -1,4 +1,4 @@
-"""One rank's elastic rollout, assembled once for `flexfloor rollout` (`rollout/runner.py`) and for
+"""One rank's elastic rollout, assembled once for `flexfloor rollout` (`megatron_rl/rollout_runner.py`) and for
 `train` (`rl/rollout_phase.py`).
 
 The caller builds its model and its `RolloutEngine` with this rank's requests added; the plan (and
@@ -29,7 +29,6 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from elastic.planning.plan import Plan
-from megatron_rl.backends import Backend
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.faults import fault_rank
 
@@ -42,7 +41,9 @@ class RankRollout:
     rank: int
     world: int
     store: Any  # the job's key-value store: the runtime's restore message goes through it
-    backend: Backend  # which elastic engine runs (`Backend.elastic_engine`)
+    # The run's `megatron_rl.backends.Backend`, handed down by the command or the trainer: which
+    # elastic engine runs (`Backend.elastic_engine`).
+    backend: Any
     transport: str = "direct"  # `elastic.runtime.transport.TRANSPORTS`
     rule: Any = None  # `adaptive`: the online rule (`elastic.planning.replan.OnlineRule`)
     # Run tokens per trace token (a trace replayed at a length scale); the plan and rule reason in

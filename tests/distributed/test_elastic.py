@@ -7,7 +7,7 @@ from conftest import check_timeline, write_tiny_sidecar
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.runner import run_rollout, run_rollouts
+from megatron_rl.rollout_runner import run_rollout, run_rollouts
 
 BASE = {"batch.prompts": 8, "batch.samples": 4, "batch.length_scale": 0.01, "ranks": 4,
         "sampling.temperature": 0.8, "sampling.top_p": 0.9, "timeout_s": 60.0}
@@ -78,7 +78,7 @@ def test_misprediction_delays_the_stage_and_never_cuts():
     from elastic.planning.dims import block_owners
     from elastic.planning.plan import Assignment, Plan, Stage
     from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.rollout.runner import RolloutJob, prepare, rank_jobs
+    from megatron_rl.rollout_runner import RolloutJob, prepare, rank_jobs
 
     cfg = config(policy="vanilla")
     vanilla = prepare(cfg)

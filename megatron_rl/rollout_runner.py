@@ -15,17 +15,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from elastic.planning.plan import Plan
+from megatron_rl.backends import backend
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import dist_backend, resolve_device
 from megatron_rl.parallel.dims import ranks_on_this_host
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
+from megatron_rl.preflight import preflight
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
-from megatron_rl.rollout.preflight import preflight
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
 from megatron_rl.rollout.rollout_plan import RolloutSetup, admission_lengths, model_config
 
@@ -55,9 +56,9 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     from elastic.runtime.pool import IdlePool
     from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
 
-    rank, dtype, backend = ctx.rank, DTYPES[cfg.dtype], cfg.moe_backend
+    rank, dtype, moe = ctx.rank, DTYPES[cfg.dtype], backend(cfg.backend)
     held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]
-    model = backend.build_model(mcfg, held, cfg.dtype, cfg.checkpoint, cfg.seed, ctx.device).eval()
+    model = moe.build_model(mcfg, held, cfg.dtype, cfg.checkpoint, cfg.seed, ctx.device).eval()
     # Fresh Request objects: the engine appends tokens to them, and the caller's may be shared
     # between rollouts of one world.
     mine = [replace(r, tokens=[]) for r, a in zip(requests, plan.assignments) if a.rank == rank]
@@ -72,7 +73,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         slots = kv_cache_slots(ctx.device, per_slot, cfg.kv_memory_fraction, cfg.max_batch_per_rank)
         engine = RolloutEngine(model, cfg.sampling, slots, max_len)
     engine.add(mine)
-    spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=backend, transport=cfg.transport,
+    spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=moe, transport=cfg.transport,
                        rule=rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
                        fault=cfg.fault, progress=None if quiet else _progress(time.perf_counter()))
     stops = []
@@ -108,7 +109,7 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
         migrated=sum(o.migrated for o in outcomes),
         per_rank=[o.ledger.to_dict() for o in outcomes],
         pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
-        moe=backend.rollout_report(dtype, ctx.device),
+        moe=moe.rollout_report(dtype, ctx.device),
         device=ctx.device.type, transport=cfg.transport,
         freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
         hosts={str(o.ledger.rank): o.host for o in outcomes}, ranks_per_node=ranks_on_this_host(ctx.world),
@@ -158,13 +159,13 @@ class RolloutJob:
 
 def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None = None) -> RolloutJob:
     """`device`: the config's resolved device where the caller has it (`run_rollouts`)."""
-    preflight(cfg.moe_backend, cfg.dtype, cfg.leases)
+    preflight(cfg.backend, cfg.dtype, cfg.leases)
     mcfg = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
     setup = RolloutSetup.build(cfg, mcfg, batch, history, device)
     plan = setup.plan
-    cfg.moe_backend.check_plan(plan)
+    backend(cfg.backend).check_plan(plan)
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
@@ -215,10 +216,10 @@ def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = 
     if len(worlds) != 1:
         raise FlexFloorError(f"rollouts in one world must share ranks, device and process-group backend, "
                              f"got {sorted(worlds)}")
-    (_, device, backend), = worlds
+    (_, device, group_backend), = worlds
     jobs = [prepare(c, o, d) for c, o, d in zip(cfgs, out_dirs, devices)]
     return run_ranks(rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs),
-                     device=device, transport="direct" if backend == "nccl" else "host")
+                     device=device, transport="direct" if group_backend == "nccl" else "host")
 
 
 def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
