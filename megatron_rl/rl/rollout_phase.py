@@ -29,13 +29,12 @@ from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.progress import Progress
 from megatron_rl.rewards import Verdict
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.memory import memory_budget
-from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
+from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, rank_engine, run_rank
 from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout, say_plan_notes
 from megatron_rl.rollout.route_record import CarriedValues, RouteRecorder
 from megatron_rl.rollout.sampling import SamplingParams
@@ -179,8 +178,9 @@ class RolloutPhase:
         optimizer's, `training_state_bytes`); the planner prices it with the weights and KV.
         `leases`: what detached ranks do until the restore (None: they idle). `backend`: the run's
         `megatron_rl.backends.Backend`, built once by the trainer."""
-        self.cfg, self.backend, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
-        self.dims = parallel_dims(world, cfg.model.num_moe_experts, cfg.backend)
+        self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
+        self.backend = backend
+        self.dims = cfg.dims
         self.shape = None  # the model's shape the step's plan was priced on (its online rule's too)
         self.store = store  # the job's key-value store: the runtime's restore message goes through it
         self.budget = self._memory_budget(resident_bytes)
@@ -300,11 +300,11 @@ class RolloutPhase:
         rounded up to a multiple of 64, so prompts of a few tokens more do not rebuild it."""
         cfg = self.cfg
         if self.engine is None or self.engine.cache.max_len < max_len:
-            self.engine = RecordingEngine(self.model, sampling, cfg.generation.max_batch_per_rank,
-                                          -(-max_len // 64) * 64, self.tok.eos_id,
-                                          temperature=cfg.generation.temperature, kv=cfg.generation.kv,
-                                          page_size=cfg.generation.kv_page_size,
-                                          kv_reserve=cfg.generation.kv_reserve)
+            self.engine = rank_engine(self.model, sampling, max_batch=cfg.generation.max_batch_per_rank,
+                                      max_len=-(-max_len // 64) * 64, kv=cfg.generation.kv,
+                                      page_size=cfg.generation.kv_page_size, kv_reserve=cfg.generation.kv_reserve,
+                                      engine_cls=RecordingEngine, eos_id=self.tok.eos_id,
+                                      temperature=cfg.generation.temperature)
             self.builds += 1
         else:
             self.engine.reset(sampling)

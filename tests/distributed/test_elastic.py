@@ -94,7 +94,7 @@ def test_misprediction_delays_the_stage_and_never_cuts():
     stages = [Stage((0, 1, 2, 3), (), block_owners(8, range(4))),
               Stage((0, 1), (2, 3), block_owners(8, (0, 1)))]
     plan = Plan(4, 2, 8, "planned", False, assign, stages)
-    job = RolloutJob(cfg, vanilla.mcfg, others + [longest, late], plan, None)
+    job = RolloutJob(cfg, vanilla.mcfg, vanilla.dims, others + [longest, late], plan, None)
     (report, responses), (vreport, _) = run_ranks(rank_jobs, 4, [job, vanilla], True, timeout_s=60.0)
     assert report["responses_sha256"] == vreport["responses_sha256"]
     assert report["final_stage"] == 1

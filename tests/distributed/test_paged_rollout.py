@@ -30,5 +30,6 @@ def test_paged_planned_and_adaptive_equal_the_slot_cache():
 
 def test_a_pool_smaller_than_the_longest_request_stops_before_the_ranks():
     cfg = load_dataclass(RolloutConfig, None, {**BASE, **PAGED, "kv_pages": 2})
-    with pytest.raises(FlexFloorError, match=r"kv_pages 2: the pool holds 4 positions, response \S+ needs \d+"):
+    with pytest.raises(FlexFloorError, match=r"kv_pages 2: expected a pool of at least \d+ positions \(response \S+ "
+                                                 r"needs them\), got 4"):
         prepare(cfg)
