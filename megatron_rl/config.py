@@ -35,28 +35,44 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        choices = [a for arg in args if typing.get_origin(arg) is typing.Literal for a in typing.get_args(arg)]
-        if choices and len(choices) == sum(len(typing.get_args(a)) for a in args if a is not type(None)):
-            nullable = " or null" if type(None) in args else ""
-            raise ConfigError(f"{where}: expected one of {', '.join(repr(c) for c in choices)}{nullable}, "
-                              f"got {shorten(repr(value))}")
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(repr(value))}")
+        return _coerce_union(value, tp, where)
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
             choices = ", ".join(repr(a) for a in typing.get_args(tp))
             raise ConfigError(f"{where}: expected one of {choices}, got {shorten(repr(value))}")
         return value
+    if dataclasses.is_dataclass(tp) or origin in (list, tuple, dict):
+        return _coerce_nested(value, tp, where)
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, where)
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(repr(value))}")
+    return value
+
+
+def _coerce_union(value: Any, tp: Any, where: str) -> Any:
+    """The first of a union's members `value` passes; else one error (a list of choices for Literals)."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(value, arg, where)
+        except ConfigError:
+            pass
+    choices = [a for arg in args if typing.get_origin(arg) is typing.Literal for a in typing.get_args(arg)]
+    if choices and len(choices) == sum(len(typing.get_args(a)) for a in args if a is not type(None)):
+        nullable = " or null" if type(None) in args else ""
+        raise ConfigError(f"{where}: expected one of {', '.join(repr(c) for c in choices)}{nullable}, "
+                          f"got {shorten(repr(value))}")
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(repr(value))}")
+
+
+def _coerce_nested(value: Any, tp: Any, where: str) -> Any:
+    """A section (a dataclass read from a mapping), a list or tuple item by item, or a mapping."""
+    origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -70,34 +86,41 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         item_tp = args[0] if args else Any
         items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {shorten(repr(value))}")
-        return dict(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {shorten(repr(value))}")
-        # No field means inf or nan: a timeout of .inf, a cost of nan, 1e400 (read as inf) are typos.
-        if isinstance(value, int) and abs(value) >= INT_LIMIT or not math.isfinite(value):
-            raise ConfigError(f"{where}: expected a finite number, got {shorten(repr(value), 40)}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {shorten(repr(value))}")
-        if abs(value) >= INT_LIMIT:
-            raise ConfigError(f"{where}: expected an integer of at most 2^63 - 1, got {shorten(repr(value), 40)}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {shorten(repr(value))}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {shorten(repr(value))}")
-        return value
-    if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {shorten(repr(value))}")
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {shorten(repr(value))}")
+    return dict(value)
+
+
+def _float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: expected a number, got {shorten(repr(value))}")
+    # No field means inf or nan: a timeout of .inf, a cost of nan, 1e400 (read as inf) are typos.
+    if isinstance(value, int) and abs(value) >= INT_LIMIT or not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {shorten(repr(value), 40)}")
+    return float(value)
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: expected an integer, got {shorten(repr(value))}")
+    if abs(value) >= INT_LIMIT:
+        raise ConfigError(f"{where}: expected an integer of at most 2^63 - 1, got {shorten(repr(value), 40)}")
     return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true or false, got {shorten(repr(value))}")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {shorten(repr(value))}")
+    return value
+
+
+_SCALARS = {float: _float, int: _int, bool: _bool, str: _str}
 
 
 def from_dict(cls: type[T], data: dict, where: str) -> T:

@@ -14,12 +14,12 @@ from megatron_rl.errors import CheckpointError
 from megatron_rl.metrics import require_matplotlib
 from megatron_rl.parallel.device import resolve_device
 from megatron_rl.parallel.launch import driver_process, run_ranks
+from megatron_rl.preflight import preflight
 from megatron_rl.rl.checkpoint import checkpoint_at, latest_checkpoint, point_latest, read_trainer_state, vet_checkpoint
 from megatron_rl.rl.checkpoint_retention import check_room
 from megatron_rl.rl.input_checks import checked_inputs
 from megatron_rl.rl.model_setup import check_init
 from megatron_rl.rl.resume_fit import check_resume_fit
-from megatron_rl.rollout.preflight import preflight
 from megatron_rl.trainer import Trainer
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -33,7 +33,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
     Returns rank 0's summary (None on non-zero torchrun ranks).
     """
     if not preflight_done:
-        preflight(cfg.moe_backend, cfg.dtype, cfg.leases, cfg.optim.offload)
+        preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
     if cfg.logging.plot_every:
         require_matplotlib("logging.plot_every")
     device = resolve_device(cfg.device)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.trace import Trace
+from megatron_rl.backends import backend
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import build_tokenizer
@@ -36,7 +37,7 @@ from megatron_rl.rl.deadline import run_deadline, stopped_summary
 from megatron_rl.rl.grpo import group_advantages
 from megatron_rl.rl.leases import TrainingLeases
 from megatron_rl.rl.mixed_precision import training_state_bytes
-from megatron_rl.rl.model_setup import build_model, export_hf
+from megatron_rl.rl.model_setup import export_hf
 from megatron_rl.rl.partial import PartialRollouts
 from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.run_log import RunLog
@@ -57,7 +58,8 @@ class Trainer:
         rank, world = ctx.rank, ctx.world
         self.out_dir = Path(out_dir)
         self.tok = build_tokenizer(cfg.tokenizer)
-        self.model = build_model(cfg, rank, world, ctx.device)
+        self.backend = backend(cfg.backend)  # built once here, handed down to the rollout phase
+        self.model = self.backend.training_model(cfg, rank, world, ctx.device)
         self.iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
         self.history = Trace([], "length history")
         # Partial rollouts (off by default): groups carried between steps (rl/partial.py).
@@ -72,7 +74,7 @@ class Trainer:
             self.sft_stopped = sft_stopped(losses) and (sft_stopped(losses), stop.signum)
             resume = None  # the RL run starts at step 1 from the warm-started weights
         self.ref_model = frozen_copy(self.model) if cfg.grpo.kl_coef > 0 else None
-        self.optimizer = cfg.moe_backend.optimizer(self.model, cfg, rank, world)
+        self.optimizer = self.backend.optimizer(self.model, cfg, rank, world)
         if resume is not None:
             state, self.history = read_trainer_state(resume, cfg.model)
             load_checkpoint(resume, self.model, self.optimizer, self.ref_model,
@@ -84,7 +86,7 @@ class Trainer:
         self.scorer = Scorer(cfg.reward)
         self.peak_flops = device_peak_flops(ctx.device)
         self.validator = Validator(cfg, self.out_dir) if cfg.eval.every else None
-        self.rollout = RolloutPhase(cfg, self.model, self.tok, rank, world, ctx.store,
+        self.rollout = RolloutPhase(cfg, self.backend, self.model, self.tok, rank, world, ctx.store,
                                     resident_bytes=training_state_bytes(self.model, self.optimizer,
                                                                         self.ref_model, world),
                                     leases=TrainingLeases(cfg, self.tok, rank, world), out_dir=self.out_dir)
@@ -94,7 +96,8 @@ class Trainer:
         self.saver = CheckpointWriter(cfg.checkpoint.async_save, self.deadline and self.deadline.after_save)
         self.run_log = None
         if rank == 0:
-            self.run_log = RunLog(cfg, self.out_dir, self.start_step if resume is not None else None)
+            self.run_log = RunLog(cfg, self.out_dir, self.start_step if resume is not None else None,
+                                  self.backend.describe())
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self, step: int) -> dict:

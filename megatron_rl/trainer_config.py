@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.backends import BACKENDS, Backend, backend
+from megatron_rl.backend_rules import BACKENDS, backend_rules
 from megatron_rl.config import (
     parse_time,
     require,
@@ -255,28 +255,28 @@ class TrainerConfig:
         W, E = self.ranks, self.model.num_moe_experts
         require(self.steps > 0, f"steps: expected > 0, got {self.steps}")
         require(self.prompts_per_step > 0, f"prompts_per_step: expected > 0, got {self.prompts_per_step}")
-        parallel_dims(W, E, self.backend)
+        self.dims = parallel_dims(W, E, self.backend)  # built once, handed down (not a field)
         rows = self.prompts_per_step * self.grpo.group_size
         require(rows % (W * self.grpo.minibatches) == 0,
-                f"prompts_per_step x grpo.group_size ({rows}) must divide over ranks x "
-                f"grpo.minibatches ({W} x {self.grpo.minibatches}): every rank trains on equal shares")
+                f"prompts_per_step x grpo.group_size: expected a multiple of ranks x grpo.minibatches "
+                f"({W} x {self.grpo.minibatches}: every rank trains on equal shares), got {rows}")
         require(self.warmstart.sft_steps == 0 or self.warmstart.prompts_per_step % W == 0,
-                f"warmstart.prompts_per_step ({self.warmstart.prompts_per_step}) must divide over "
-                f"ranks ({W})")
+                f"warmstart.prompts_per_step: expected a multiple of ranks ({W}), got "
+                f"{self.warmstart.prompts_per_step}")
         if self.elastic.floor is not None:
             require_floor(self.elastic.floor, W, "elastic.floor")
         require_policy(self.elastic.policy, self.backend, "elastic.policy")
         if self.tokenizer.kind == "char":
             need = len(SPECIALS) + len(self.tokenizer.alphabet)
             require(self.model.vocab_size >= need,
-                    f"model.vocab_size ({self.model.vocab_size}) is smaller than the character "
-                    f"tokenizer's {need} ids")
+                    f"model.vocab_size: expected at least the character tokenizer's {need} ids, got "
+                    f"{self.model.vocab_size}")
         require_timeout(self.timeout_s)
         require_seed(self.seed)
         require(self.generation.max_response_len < self.model.max_position_embeddings,
-                f"generation.max_response_len ({self.generation.max_response_len}) must be below "
-                f"model.max_position_embeddings ({self.model.max_position_embeddings}): a response "
-                "follows a prompt of at least one token")
+                f"generation.max_response_len: expected below model.max_position_embeddings "
+                f"({self.model.max_position_embeddings}: a response follows a prompt of at least one "
+                f"token), got {self.generation.max_response_len}")
         if self.end_by is not None:
             parse_time(self.end_by, "end_by")
         require(self.logprob_chunk_tokens >= 0,
@@ -288,14 +288,10 @@ class TrainerConfig:
         require(not self.partial.enabled or self.grpo.tis_cap is not None,
                 "partial.enabled: carried responses mix tokens of older policies; set grpo.tis_cap "
                 "(truncated importance sampling from each token's behaviour log-prob)")
-        self.moe_backend.require_training(self)
+        backend_rules(self.backend).require_training(self)
         require(self.optim.offload == "none" or self.dtype != "float64",
-                "optim.offload: cpu steps fp32 masters with DeepSpeed's CPU Adam; dtype must be bfloat16 or float32")
-
-    @property
-    def moe_backend(self) -> Backend:
-        """The MoE backend `backend` names, asked instead of the name (megatron_rl/backends)."""
-        return backend(self.backend)
+                f"optim.offload cpu (fp32 masters stepped by DeepSpeed's CPU Adam): expected dtype bfloat16 "
+                f"or float32, got {self.dtype}")
 
     @property
     def rows_per_rank(self) -> int:

@@ -42,15 +42,15 @@ def tiny_run_folder(folder: Path, steps=(1, 2)) -> Path:
     import json
 
     from elastic.trace import Trace
+    from megatron_rl.backends import backend
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.out_lock import LOCK_NAME
     from megatron_rl.rl.checkpoint import save_checkpoint
-    from megatron_rl.rl.model_setup import build_model
     from megatron_rl.rl.train_step import make_optimizer
     from megatron_rl.trainer_config import TrainerConfig
 
     cfg = TrainerConfig(model=MoEModelConfig(**TINY_TRAIN["model"]), ranks=1, prompts_per_step=1)
-    model = build_model(cfg, 0, 1)
+    model = backend(cfg.backend).training_model(cfg, 0, 1)
     opt = make_optimizer(model, 1e-2)
     out = folder / "out"
     for step in steps:

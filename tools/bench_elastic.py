@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     from megatron_rl.config import load_dataclass
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import run_rollouts
+    from megatron_rl.rollout_runner import run_rollouts
 
     base = {"batch.prompts": args.prompts, "batch.samples": args.samples,
             "batch.length_scale": args.length_scale, "ranks": 4}

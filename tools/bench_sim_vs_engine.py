@@ -16,7 +16,7 @@ them instead of measuring again (the real runs are the expensive part; the model
    `ElasticRuntime` carries out plans of the chains W -> ... -> floor, W -> floor and W -> 1 on a
    small batch: the measured shrinks and restores fit the transition costs (`calibrate_transitions`).
 2. Real runs, in the same round and world of ranks: the rollout `flexfloor rollout --ranks W
-   --policy P --floor F` runs (`megatron_rl.rollout.runner`: plan, engine, `ElasticRuntime`, ledger)
+   --policy P --floor F` runs (`megatron_rl.rollout_runner`: plan, engine, `ElasticRuntime`, ledger)
    on the built-in tiny CPU example (a DeepScaleR-like trace replay, lengths scaled for CPU), every
    policy once per round in a rotating order. One world for probes and runs: rollouts started as
    separate `flexfloor rollout` processes measured 6-19% slower per step than probes taken in
@@ -173,7 +173,7 @@ def probe_points(g: int) -> list[tuple[int, int, int]]:
 def _round(ctx, mcfg: MoEModelConfig, sizes, steps: int, seed: int, chains, jobs):
     """One round in one world of ranks: the probes, then every job's rollout (what `flexfloor
     rollout` runs). Rank 0 returns `((samples, shrinks, restores), reports)`."""
-    from megatron_rl.rollout.runner import rank_jobs
+    from megatron_rl.rollout_runner import rank_jobs
 
     samples = _probe_steps(ctx, mcfg, sizes, probe_points, steps, seed)
     shrinks, restores = _probe_shrinks(ctx, mcfg, chains, seed)
@@ -187,7 +187,7 @@ def measure_round(cfgs: list[RolloutConfig], floor: int, steps: int, out_dirs: l
     world: the probes and the runs share the processes and the moment they are measured in.
     Returns (probe, reports, plans); with an out dir, each run leaves plan.json and ledger.json."""
     from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.rollout.runner import prepare
+    from megatron_rl.rollout_runner import prepare
 
     world, mcfg = cfgs[0].ranks, cfgs[0].model
     sizes = list(range(world, 0, -1))

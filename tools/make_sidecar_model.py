@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from elastic.errors import InputError
+from megatron_rl.backends import backend
 from megatron_rl.config import load_dataclass
 from megatron_rl.data.arith import make_problems, write_jsonl
 from megatron_rl.rl.sft import run_warmstart
@@ -56,7 +57,7 @@ def main() -> int:
     t0 = time.perf_counter()
     try:
         cfg = load_dataclass(TrainerConfig, args.config, overrides)
-        losses = run_warmstart(cfg, str(out / "model"))
+        losses = run_warmstart(cfg, backend(cfg.backend), str(out / "model"))
     except InputError as e:
         print(f"make_sidecar_model: error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from elastic.errors import InputError
+from megatron_rl.backends import backend
 from megatron_rl.config import load_dataclass
 from megatron_rl.rl.sft import run_warmstart
 from megatron_rl.trainer_config import TrainerConfig
@@ -29,7 +30,7 @@ def main() -> int:
     overrides = {k: v for k, v in (("warmstart.sft_steps", args.steps), ("ranks", args.ranks)) if v is not None}
     try:
         cfg = load_dataclass(TrainerConfig, args.config, overrides)
-        losses = run_warmstart(cfg, args.out)
+        losses = run_warmstart(cfg, backend(cfg.backend), args.out)
     except InputError as e:
         print(f"sft_warmstart: error: {e}", file=sys.stderr)
         return 2

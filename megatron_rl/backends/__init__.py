@@ -1,46 +1,30 @@
-"""The MoE backend of a run, picked once from its config and asked everywhere below.
+"""The MoE backend of a run as an object that builds: its training model and optimizer, its elastic
+engine, and how the trainer keeps its expert modules across a rollout.
 
-A config's `backend` names one (`BACKENDS`); `backend(name)` gives its object, which the config
-hands down as `cfg.moe_backend` (as megatron-core picks its dispatcher class once, and vLLM its
-executor): code below asks it instead of comparing the name. A `Backend` holds what differs
-between the plain-PyTorch MoE (`torch.py`) and megatron-core's (`megatron.py`): the dtypes it runs,
-what it needs of the machine, the training model and optimizer, the elastic engine, and how the
-trainer keeps its expert modules across a rollout.
-
-This module imports neither torch nor megatron-core (each backend imports them inside its methods):
-config validation and the pure-Python planner side use it.
+The config names the backend (`backend_rules.BACKENDS`) and checks what it can (`backend_rules`:
+dtypes, training refusals, the preflight); `backend(name)` gives the object, which the command or
+its rank entry builds once and hands down (as megatron-core picks its dispatcher class once, and
+vLLM its executor): code below asks it instead of comparing the name. It stands above rollout/ and
+rl/, whose engines and optimizers it builds; nothing there imports it. A `Backend` holds what
+differs between the plain-PyTorch MoE (`torch.py`) and megatron-core's (`megatron.py`).
 """
 from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
 
-from megatron_rl.config import require
-from megatron_rl.errors import ConfigError
-
-BACKENDS = ("torch", "megatron")
+from megatron_rl.backend_rules import BackendRules, backend_rules
 
 
 class Backend(ABC):
     """One MoE backend. The defaults are what both backends share."""
 
     name: str = ""
-    # The dtypes (`models.qwen3_moe.DTYPES` names) it runs; None: every one the model runs.
-    dtypes: tuple[str, ...] | None = None
 
-    def require_dtype(self, dtype: str) -> None:
-        """The one home of "backend B runs only these dtypes" (configs, preflight, the optimizer)."""
-        if self.dtypes is not None:
-            require(dtype in self.dtypes,
-                    f"backend {self.name}: dtype must be {' or '.join(self.dtypes)}, got {dtype}")
-
-    def require_training(self, cfg) -> None:
-        """What `train` with this backend cannot do, refused at config load (`TrainerConfig`)."""
-        self.require_dtype(cfg.dtype)
-
-    def preflight(self, dtype: str) -> None:
-        """The backend's libraries and device, then a dtype it runs (`rollout/preflight.py`)."""
-        self.require_dtype(dtype)
+    @property
+    def rules(self) -> BackendRules:
+        """What its config checked (`backend_rules`): the dtypes it runs, what training refuses."""
+        return backend_rules(self.name)
 
     def describe(self) -> dict:
         """What hosts the MoE layers, for the training run's W&B config."""
@@ -68,6 +52,25 @@ class Backend(ABC):
             model.init_weights(seed)
         if device is not None:
             model.to(device)
+        return model
+
+    def training_model(self, cfg, rank: int, world: int, device=None):
+        """This rank's model on `device` as this backend trains it (`cfg`: a TrainerConfig): dense
+        weights and the experts megatron-core's contiguous blocks give it, its EP dispatcher, then
+        `for_training`. On the device before the megatron layers are installed, which need CUDA."""
+        import torch.distributed as dist
+
+        from elastic.planning.dims import block_owners
+        from megatron_rl.models.moe import LocalDispatcher
+        from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
+
+        owners = block_owners(cfg.model.num_moe_experts, range(world))
+        held = [e for e, rs in owners.items() if rank in rs]
+        model = self.build_model(cfg.model, held, cfg.dtype, cfg.init, cfg.seed, device)
+        model.recompute_activations = cfg.recompute_activations
+        model.set_dispatcher(LocalDispatcher() if world == 1 else
+                             AllToAllDispatcher(dist.group.WORLD, [owners[e][0] for e in sorted(owners)]))
+        self.for_training(model, rank, world)
         return model
 
     @abstractmethod
@@ -99,11 +102,9 @@ class Backend(ABC):
 
 @functools.cache
 def backend(name: str) -> Backend:
-    """The backend called `name` (one of `BACKENDS`), built once per process."""
+    """The backend called `name` (one of `backend_rules.BACKENDS`), built once per process."""
     from megatron_rl.backends.megatron import MegatronBackend
     from megatron_rl.backends.torch import TorchBackend
 
-    for kind in (TorchBackend, MegatronBackend):
-        if kind.name == name:
-            return kind()
-    raise ConfigError(f"backend: expected one of {', '.join(BACKENDS)}, got {name!r}")
+    backend_rules(name)  # an unknown name is the config's error
+    return next(kind() for kind in (TorchBackend, MegatronBackend) if kind.name == name)

@@ -5,26 +5,10 @@ bfloat16 or float32; experts in megatron-core's contiguous blocks; no online rul
 from __future__ import annotations
 
 from megatron_rl.backends import Backend
-from megatron_rl.config import require
 
 
 class MegatronBackend(Backend):
     name = "megatron"
-    dtypes = ("bfloat16", "float32")  # what megatron-core's layers and optimizer run
-
-    def require_training(self, cfg) -> None:
-        super().require_training(cfg)
-        require(cfg.grpo.kl_coef == 0, "backend megatron: grpo.kl_coef > 0 (a frozen reference model) "
-                                       "is not supported yet; use kl_coef: 0 or backend: torch")
-        require(cfg.optim.offload == "none", "optim.offload: cpu is for backend torch (megatron-core's "
-                                             "DistributedOptimizer keeps its own state)")
-
-    def preflight(self, dtype: str) -> None:
-        # Through the module: tests stand in for the CUDA check (`megatron_backend.require_backend`).
-        from megatron_rl.models import megatron_backend
-
-        megatron_backend.require_backend()
-        super().preflight(dtype)
 
     def describe(self) -> dict:
         from megatron_rl.models.megatron_backend import backend_report
@@ -40,7 +24,7 @@ class MegatronBackend(Backend):
         install_megatron_moe(model, training_groups(rank, world), **megatron_options(model.dtype))
 
     def optimizer(self, model, cfg, rank: int, world: int):
-        self.require_dtype(cfg.dtype)  # megatron-core's optimizer keeps bf16 or fp32 parameters only
+        self.rules.require_dtype(cfg.dtype)  # megatron-core's optimizer keeps bf16 or fp32 parameters only
         from megatron_rl.models.qwen3_moe import DTYPES
         from megatron_rl.rl.megatron_train import MegatronOptimizer, training_groups
 

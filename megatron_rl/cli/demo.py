@@ -16,7 +16,7 @@ def run(args) -> int:
     from megatron_rl.cli.rollout import resolve_rollout
     from megatron_rl.config import config_yaml
     from megatron_rl.parallel.launch import driver_process
-    from megatron_rl.rollout.runner import run_rollouts
+    from megatron_rl.rollout_runner import run_rollouts
 
     elastic = {"policy": "planned", "floor": args.floor or 1, "tailguard": True}
     cfgs = [resolve_rollout(args, {"policy": ("vanilla", "demo's first run")}),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elastic.planning.shape import QWEN3_30B_A3B_H100
-from megatron_rl.backends import BACKENDS
+from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require, require_seed
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.parallel.dims import parallel_dims, require_floor
@@ -47,15 +47,15 @@ class PlanConfig:
 
         require(self.model in SHAPES, f"model: expected one of {', '.join(sorted(SHAPES))}, got {self.model!r}")
         experts = SHAPES[self.model].num_experts
-        require(self.ranks >= 1, f"ranks must be >= 1, got {self.ranks}")
-        require(self.ranks <= experts, f"ranks ({self.ranks}) exceeds the experts of {self.model} "
-                                       f"({experts}): a rank that owns no expert cannot take part")
+        require(self.ranks >= 1, f"ranks: expected >= 1, got {self.ranks}")
+        require(self.ranks <= experts, f"ranks: expected at most the experts of {self.model} ({experts}: a "
+                                       f"rank that owns no expert cannot take part), got {self.ranks}")
         if self.floor is not None:
             require_floor(self.floor, self.ranks)
         # The layout planned, built once (not a field: `--print-config` prints the fields): a
         # planned world need not divide the experts under the torch backend.
         self.dims = parallel_dims(self.ranks, experts, self.backend, f"the experts of {self.model}", even=False)
-        require(0 < self.alpha < 1, f"alpha must be in (0, 1), got {self.alpha}")
+        require(0 < self.alpha < 1, f"alpha: expected in (0, 1), got {self.alpha}")
         require_seed(self.seed)
         require(self.epoch is None or self.epoch >= 0, f"epoch: expected >= 0, got {self.epoch}")
         require(self.max_response_len is None or self.max_response_len > 0,

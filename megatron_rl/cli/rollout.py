@@ -78,7 +78,7 @@ def run(args) -> int:
 def _rollout(args, cfg, out_dir) -> int:
     from elastic.ledger import format_report
     from megatron_rl.config import write_config
-    from megatron_rl.rollout.runner import run_rollout
+    from megatron_rl.rollout_runner import run_rollout
 
     if out_dir is not None:
         write_config(cfg, out_dir)

@@ -27,7 +27,7 @@ def run(args) -> int:
     from megatron_rl.config import config_yaml
     from megatron_rl.out_lock import LOCK_NAME, hold_out_dir
     from megatron_rl.owned_paths import removed_if_refused
-    from megatron_rl.rollout.preflight import preflight
+    from megatron_rl.preflight import preflight
     from megatron_rl.train_driver import run_training
     from megatron_rl.trainer_config import TrainerConfig
 
@@ -40,7 +40,7 @@ def run(args) -> int:
         print(config_yaml(cfg), end="")
         return 0
     # What this machine cannot run is refused before any output.
-    preflight(cfg.moe_backend, cfg.dtype, cfg.leases, cfg.optim.offload)
+    preflight(cfg.backend, cfg.dtype, cfg.leases, cfg.optim.offload)
     with removed_if_refused(args.out, "checkpoints", LOCK_NAME):  # a refused run leaves nothing it made
         check_out_dir(args.out, "--out")
         check_out_dir(Path(args.out) / "checkpoints", "--out")  # read-only: found now, not at the first save

@@ -1,4 +1,5 @@
-"""Building, checking and exporting the policy model: shared by the GRPO trainer and the SFT warm start.
+"""Checking and exporting the policy model: shared by the GRPO trainer and the SFT warm start (the
+run's `Backend.training_model` builds it).
 
 Lives apart from `trainer.py` so that `rl/sft.py` and the trainer both import it and neither imports
 the other.
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from elastic.planning.dims import block_owners
@@ -22,23 +22,6 @@ def check_init(cfg: TrainerConfig) -> None:
     from megatron_rl.models.hf import check_same_shape
 
     check_same_shape(cfg.init, cfg.model)
-
-
-def build_model(cfg: TrainerConfig, rank: int, world: int, device: torch.device | None = None):
-    """This rank's model on `device` as its backend trains it (`Backend.build_model`, then
-    `for_training`): dense weights and the experts Megatron's contiguous blocks give it. On the
-    device before the megatron backend is installed, which needs it on CUDA."""
-    from megatron_rl.models.moe import LocalDispatcher
-    from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
-
-    owners = block_owners(cfg.model.num_moe_experts, range(world))
-    held = [e for e, rs in owners.items() if rank in rs]
-    model = cfg.moe_backend.build_model(cfg.model, held, cfg.dtype, cfg.init, cfg.seed, device)
-    model.recompute_activations = cfg.recompute_activations
-    model.set_dispatcher(LocalDispatcher() if world == 1 else
-                         AllToAllDispatcher(dist.group.WORLD, [owners[e][0] for e in sorted(owners)]))
-    cfg.moe_backend.for_training(model, rank, world)
-    return model
 
 
 def export_hf(model, model_cfg, path: str | Path, rank: int, world: int, tokenizer=None,

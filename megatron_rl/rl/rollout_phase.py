@@ -28,14 +28,13 @@ from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.progress import Progress
 from megatron_rl.rewards import Verdict
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rl.recording_engine import RecordingEngine
 from megatron_rl.rollout.engine import Request
 from megatron_rl.rollout.memory import memory_budget
-from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
+from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, rank_engine, run_rank
 from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout, say_plan_notes
 from megatron_rl.rollout.route_record import CarriedValues
 from megatron_rl.rollout.sampling import SamplingParams
@@ -104,14 +103,16 @@ def step_seed(seed: int, step: int) -> int:
 
 
 class RolloutPhase:
-    def __init__(self, cfg: TrainerConfig, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int,
+    def __init__(self, cfg: TrainerConfig, backend, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int,
                  world: int, store, resident_bytes: int = 0, leases: TrainingLeases | None = None,
                  out_dir: Path | None = None):
         """`resident_bytes`: training state that stays on the device through the rollout (the
         optimizer's, `training_state_bytes`); the planner prices it with the weights and KV.
-        `leases`: what detached ranks do until the restore (None: they idle)."""
+        `leases`: what detached ranks do until the restore (None: they idle). `backend`: the run's
+        `megatron_rl.backends.Backend`, built once by the trainer."""
         self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
-        self.dims = parallel_dims(world, cfg.model.num_moe_experts, cfg.backend)
+        self.backend = backend
+        self.dims = cfg.dims
         self.shape = None  # the model's shape the step's plan was priced on (its online rule's too)
         self.store = store  # the job's key-value store: the runtime's restore message goes through it
         self.budget = self._memory_budget(resident_bytes)
@@ -187,8 +188,8 @@ class RolloutPhase:
         engine.progress = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine),
                                    "tokens", enabled=self.rank == 0)
         engine.recorder.start({w.key: w.routes for w in work if w.routes is not None})
-        kept = cfg.moe_backend.keep_experts(self.model)
-        spec = RankRollout(plan, self.rank, self.world, self.store, backend=cfg.moe_backend,
+        kept = self.backend.keep_experts(self.model)
+        spec = RankRollout(plan, self.rank, self.world, self.store, backend=self.backend,
                            rule=self._online_rule(plan, items, history, known_prefix),
                            status_interval=cfg.elastic.status_interval, stop=stop)
         leases = self.leases
@@ -202,7 +203,7 @@ class RolloutPhase:
                 "logprobs": engine.logprobs[r.key]}, kept=lease_rewards)
         # The recorded log-probs and routes travel with a migrated request.
         outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=CarriedValues(engine))
-        cfg.moe_backend.restore_experts(self.model, kept)
+        self.backend.restore_experts(self.model, kept)
         routes = engine.recorder.routes(engine.live + engine.pending)
         local = [(r.key, r.tokens, engine.logprobs.get(r.key, []), done, routes.get(r.key))
                  for done, rs in ((True, engine.finished), (False, engine.live + engine.pending)) for r in rs]
@@ -231,11 +232,11 @@ class RolloutPhase:
         rounded up to a multiple of 64, so prompts of a few tokens more do not rebuild it."""
         cfg = self.cfg
         if self.engine is None or self.engine.cache.max_len < max_len:
-            self.engine = RecordingEngine(self.model, sampling, cfg.generation.max_batch_per_rank,
-                                          -(-max_len // 64) * 64, self.tok.eos_id,
-                                          temperature=cfg.generation.temperature, kv=cfg.generation.kv,
-                                          page_size=cfg.generation.kv_page_size,
-                                          kv_reserve=cfg.generation.kv_reserve)
+            self.engine = rank_engine(self.model, sampling, max_batch=cfg.generation.max_batch_per_rank,
+                                      max_len=-(-max_len // 64) * 64, kv=cfg.generation.kv,
+                                      page_size=cfg.generation.kv_page_size, kv_reserve=cfg.generation.kv_reserve,
+                                      engine_cls=RecordingEngine, eos_id=self.tok.eos_id,
+                                      temperature=cfg.generation.temperature)
             self.builds += 1
         else:
             self.engine.reset(sampling)

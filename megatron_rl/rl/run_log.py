@@ -18,11 +18,12 @@ from megatron_rl.wandb_run import policy_tags
 
 
 class RunLog:
-    def __init__(self, cfg: TrainerConfig, out_dir: Path, resume_step: int | None):
-        """`resume_step`: the step a resumed run continues after (None: a new run)."""
+    def __init__(self, cfg: TrainerConfig, out_dir: Path, resume_step: int | None, moe: dict):
+        """`resume_step`: the step a resumed run continues after (None: a new run); `moe`: what hosts
+        the MoE layers (the backend's `describe()`), for the run's W&B config."""
         self.cfg, self.out_dir = cfg, out_dir
         self.logger = MetricsLogger(out_dir, cfg.logging,
-                                    run_config={**asdict(cfg), "moe": cfg.moe_backend.describe(),
+                                    run_config={**asdict(cfg), "moe": moe,
                                                 "provenance": provenance()},
                                     resume_step=resume_step, tags=policy_tags(cfg.elastic.policy, cfg.elastic.floor))
 

@@ -118,19 +118,20 @@ def sft_pending(state: dict) -> bool:
     return "sft_step" in state
 
 
-def _sft_rank(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str):
+def _sft_rank(ctx, cfg: TrainerConfig, backend, data: PromptDataset, out_dir: str):
     from megatron_rl.data.tokenizer import build_tokenizer
-    from megatron_rl.rl.model_setup import build_model, export_hf
+    from megatron_rl.rl.model_setup import export_hf
 
-    model = build_model(cfg, ctx.rank, ctx.world, ctx.device)
+    model = backend.training_model(cfg, ctx.rank, ctx.world, ctx.device)
     losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), data, ctx.rank, ctx.world)
     export_hf(model, cfg.model, out_dir, ctx.rank, ctx.world)
     return losses
 
 
-def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
-    """SFT-only run on `cfg.ranks` ranks; writes a HuggingFace checkpoint usable as `init:`. The
-    export replaces `out_dir` only where `flexfloor export --to` may (owned_paths.check_export_target)."""
+def run_warmstart(cfg: TrainerConfig, backend, out_dir: str) -> list[float]:
+    """SFT-only run on `cfg.ranks` ranks with the run's `backend` (`megatron_rl.backends.backend`);
+    writes a HuggingFace checkpoint usable as `init:`. The export replaces `out_dir` only where
+    `flexfloor export --to` may (owned_paths.check_export_target)."""
     import contextlib
 
     from megatron_rl.data.prompts import load_prompts
@@ -145,4 +146,4 @@ def run_warmstart(cfg: TrainerConfig, out_dir: str) -> list[float]:
     check_init(cfg)
     data = load_prompts(cfg.data)
     with hold_out_dir(other_run, "sft_warmstart") if other_run else contextlib.nullcontext():
-        return run_ranks(_sft_rank, cfg.ranks, cfg, data, out_dir, timeout_s=cfg.timeout_s, device=device)
+        return run_ranks(_sft_rank, cfg.ranks, cfg, backend, data, out_dir, timeout_s=cfg.timeout_s, device=device)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastic.planning.policies import POLICIES
-from megatron_rl.backends import BACKENDS, Backend, backend
+from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require, require_seed, require_size, require_timeout
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
@@ -33,10 +33,11 @@ class BatchConfig:
     max_prompt_len: int = 16
 
     def __post_init__(self):
-        require(self.prompts > 0 and self.samples > 0, "batch.prompts and batch.samples must be > 0")
-        require(self.epochs >= 2, f"batch.epochs must be >= 2 (the planner needs history), got {self.epochs}")
-        require(0 < self.length_scale <= 1, f"batch.length_scale must be in (0, 1], got {self.length_scale}")
-        require(self.max_prompt_len > 0, f"batch.max_prompt_len must be > 0, got {self.max_prompt_len}")
+        require(self.prompts > 0 and self.samples > 0,
+                f"batch.prompts/samples: expected > 0, got {self.prompts}/{self.samples}")
+        require(self.epochs >= 2, f"batch.epochs: expected >= 2 (the planner needs history), got {self.epochs}")
+        require(0 < self.length_scale <= 1, f"batch.length_scale: expected in (0, 1], got {self.length_scale}")
+        require(self.max_prompt_len > 0, f"batch.max_prompt_len: expected > 0, got {self.max_prompt_len}")
         require_size(self.prompts * self.samples * self.epochs, "batch.prompts x samples x epochs")
         require_size(self.max_prompt_len, "batch.max_prompt_len")
 
@@ -86,31 +87,29 @@ class RolloutConfig:
     partial: PartialConfig = field(default_factory=PartialConfig)
 
     def __post_init__(self):
-        if self.checkpoint is None:  # else the checkpoint's config.json decides, checked when read
-            parallel_dims(self.ranks, self.model.num_moe_experts, self.backend)
+        # The layout, built once here (not a field: `--print-config` prints the fields) and handed
+        # down; with a checkpoint its config.json's experts decide it (`rollout_plan.model_config`).
+        self.dims = None
+        if self.checkpoint is None:
+            self.dims = parallel_dims(self.ranks, self.model.num_moe_experts, self.backend)
         else:
-            require(self.ranks > 0, f"ranks must be > 0, got {self.ranks}")
-        require(self.max_batch_per_rank > 0, "max_batch_per_rank must be > 0")
+            require(self.ranks > 0, f"ranks: expected > 0, got {self.ranks}")
+        require(self.max_batch_per_rank > 0, f"max_batch_per_rank: expected > 0, got {self.max_batch_per_rank}")
         require_size(self.max_batch_per_rank, "max_batch_per_rank")
-        require(self.status_interval > 0, f"status_interval must be > 0, got {self.status_interval}")
+        require(self.status_interval > 0, f"status_interval: expected > 0, got {self.status_interval}")
         require_timeout(self.timeout_s)
         require_seed(self.seed)
         require_seed(self.sampling.seed, "sampling.seed")
         require(0 < self.kv_memory_fraction <= 1,
-                f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+                f"kv_memory_fraction: expected in (0, 1], got {self.kv_memory_fraction}")
         require_kv(self.kv, self.kv_page_size, self.kv_reserve, "")
         if self.kv_pages is not None:
-            require(self.kv == "paged", "kv_pages: only for kv: paged")
+            require(self.kv == "paged", f"kv_pages: expected with kv: paged (a pool of pages), got kv: {self.kv}")
             require_size(self.kv_pages, "kv_pages")
         if self.floor is not None:
             require_floor(self.floor, self.ranks)
         require_policy(self.policy, self.backend)
         self.partial.require_groups("rollout")
-
-    @property
-    def moe_backend(self) -> Backend:
-        """The MoE backend `backend` names, asked instead of the name (megatron_rl/backends)."""
-        return backend(self.backend)
 
     @staticmethod
     def upgrade(data: dict) -> dict:

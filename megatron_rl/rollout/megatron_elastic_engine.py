@@ -34,9 +34,9 @@ def check_plan(plan: Plan) -> None:
     """Refuse, before any rank starts, a plan whose stages megatron-core's layers cannot hold."""
     if plan.ownership != "blocks":
         raise FlexFloorError(
-            f"backend 'megatron': the plan owns experts {plan.ownership!r}, not in megatron-core's contiguous "
-            "blocks; plan it with the megatron backend's layout (megatron_rl.parallel.dims.parallel_dims) "
-            "or use `backend: torch`")
+            f"backend 'megatron': expected a plan owning experts in megatron-core's contiguous blocks, got "
+            f"{plan.ownership!r}; plan it with the megatron backend's layout (megatron_rl.parallel.dims."
+            "parallel_dims) or use `backend: torch`")
     try:
         plan.check()
     except ValueError as e:
@@ -83,8 +83,8 @@ class MegatronElasticEngine(ElasticRolloutEngine):
                                  "them") from None
         if owners != blocks:
             raise FlexFloorError(
-                f"backend 'megatron': the plan's stage on ranks {members} places experts off megatron-core's "
-                "contiguous blocks; plan it with elastic.planning.dims.block_owners or use `backend: torch`")
+                f"backend 'megatron': a stage on ranks {members}: expected experts in megatron-core's contiguous "
+                "blocks, got other owners; plan it with elastic.planning.dims.block_owners or use `backend: torch`")
         if self._built() and self.model.moe_layers[0].layer.ep_group is group and not (self.incoming or self.dropped):
             return  # already over this group with these experts (training built them over the world)
         pgc = moe_pg_collection(group, self.self_group)

@@ -1,8 +1,10 @@
-"""One rank's elastic rollout, assembled once for `flexfloor rollout` (`rollout/runner.py`) and for
-`train` (`rl/rollout_phase.py`).
+"""One rank's elastic rollout, assembled once for `flexfloor rollout` (`megatron_rl/rollout_runner.py`)
+and for `train` (`rl/rollout_phase.py`).
 
-The caller builds its model and its `RolloutEngine` with this rank's requests added; the plan (and
-for `adaptive` the online rule) comes from `rollout_plan.py`. Then, on every rank:
+The caller builds its model, then its `RolloutEngine` by `rank_engine` (the one home of the KV
+cache's sizing, for both) with this rank's requests added; the plan (and for `adaptive` the online
+rule) comes from `rollout_plan.py`, and the run's `Backend` is handed down in `spec.backend`. Then,
+on every rank:
 
     outcome = run_rank(spec, engine, pool=..., stream=..., carried=...)
     ... the caller's own work on this rank (the trainer puts its expert modules back) ...
@@ -29,7 +31,6 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from elastic.planning.plan import Plan
-from megatron_rl.backends import Backend
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.faults import fault_rank
 
@@ -42,7 +43,9 @@ class RankRollout:
     rank: int
     world: int
     store: Any  # the job's key-value store: the runtime's restore message goes through it
-    backend: Backend  # which elastic engine runs (`Backend.elastic_engine`)
+    # The run's `megatron_rl.backends.Backend`, handed down by the command or the trainer: which
+    # elastic engine runs (`Backend.elastic_engine`).
+    backend: Any
     transport: str = "direct"  # `elastic.runtime.transport.TRANSPORTS`
     rule: Any = None  # `adaptive`: the online rule (`elastic.planning.replan.OnlineRule`)
     # Run tokens per trace token (a trace replayed at a length scale); the plan and rule reason in
@@ -103,6 +106,29 @@ class ResponseStream:
             (self.folder / f"ledger.rank{self.rank}.json").write_text(json.dumps(ledger.to_dict()))
         for name, what in self.kept.items():
             (self.folder / f"{name}.rank{self.rank}.json").write_text(json.dumps(what()))
+
+
+def rank_engine(model, sampling, *, max_batch: int, max_len: int, kv: str = "slots", page_size: int = 16,
+                kv_reserve: float = 0.1, kv_pages: int | None = None, memory_fraction: float | None = None,
+                engine_cls: type[RolloutEngine] = RolloutEngine, **extra) -> RolloutEngine:
+    """This rank's engine over `model` (its weights loaded), the one home of its KV sizing, for
+    `flexfloor rollout` and the trainer (`engine_cls`, `extra`: its recording engine and arguments).
+    `slots`: `max_batch` slots of `max_len` positions, fewer on a GPU whose `memory_fraction` less
+    what is in use cannot hold them (nano-vllm's rule; None: all of them). `paged`: `kv_pages`
+    pages, else with a `memory_fraction` the slot rule's budget in pages, else the engine's default."""
+    from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
+
+    mcfg = model.config
+    if kv == "paged":
+        if kv_pages is None and memory_fraction is not None:
+            per_page = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, page_size, mcfg.kv_channels, model.dtype)
+            kv_pages = kv_cache_slots(model.device, per_page, memory_fraction, max_batch * -(-max_len // page_size))
+        return engine_cls(model, sampling, max_batch, max_len, kv="paged", kv_pages=kv_pages, page_size=page_size,
+                          kv_reserve=kv_reserve, **extra)
+    if memory_fraction is not None:
+        per_slot = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, max_len, mcfg.kv_channels, model.dtype)
+        max_batch = kv_cache_slots(model.device, per_slot, memory_fraction, max_batch)
+    return engine_cls(model, sampling, max_batch, max_len, **extra)
 
 
 def elastic_engine(spec: RankRollout, engine: RolloutEngine, carried: dict | None = None):

@@ -26,19 +26,19 @@ from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.memory import memory_budget, model_shape
 
 
-def model_config(cfg: RolloutConfig) -> MoEModelConfig:
-    """The model's configuration; a checkpoint is checked here (headers only), before any rank starts.
-    With a checkpoint its config.json decides; a `model:` other than the built-in default must then
-    equal it, so a config never silently runs another model than it names."""
+def model_config(cfg: RolloutConfig) -> tuple[MoEModelConfig, ParallelDims]:
+    """The model's configuration and the command's layout over it, each built once; a checkpoint is
+    checked here (headers only), before any rank starts. With a checkpoint its config.json decides;
+    a `model:` other than the built-in default must then equal it, so a config never silently runs
+    another model than it names. Without one, the config built the layout at load (`cfg.dims`)."""
     if cfg.checkpoint is None:
-        return cfg.model
+        return cfg.model, cfg.dims
     from megatron_rl.models.hf import check_hf_checkpoint, check_same_shape
 
     if cfg.model != MoEModelConfig():
         check_same_shape(cfg.checkpoint, cfg.model, where="model:")
     mcfg = check_hf_checkpoint(cfg.checkpoint)
-    parallel_dims(cfg.ranks, mcfg.num_moe_experts, cfg.backend, f"num_experts of {cfg.checkpoint}")
-    return mcfg
+    return mcfg, parallel_dims(cfg.ranks, mcfg.num_moe_experts, cfg.backend, f"num_experts of {cfg.checkpoint}")
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,13 @@ class RolloutSetup:
     device: str
 
     @classmethod
-    def build(cls, cfg: RolloutConfig, mcfg: MoEModelConfig, batch, history,
+    def build(cls, cfg: RolloutConfig, mcfg: MoEModelConfig, dims: ParallelDims, batch, history,
               device: str | None = None) -> RolloutSetup:
-        """`device`: the config's resolved device where the caller has it (`resolve_device`)."""
+        """`mcfg`, `dims`: `model_config`'s; `device`: the config's resolved device where the caller
+        has it (`resolve_device`)."""
         device = device or resolve_device(cfg.device)
         # Every rank computes on that device; one GPU (or this host's RAM over the ranks on it)
         # stands for each rank's budget.
-        dims = parallel_dims(cfg.ranks, mcfg.num_moe_experts, cfg.backend)
         budget = memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(device), dims.ranks_per_node)
         plan, shape = plan_rollout(batch, history, policy=cfg.policy, dims=dims, floor=cfg.floor,
                                    tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,

@@ -7,7 +7,7 @@ from conftest import check_timeline, write_tiny_sidecar
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.runner import run_rollout, run_rollouts
+from megatron_rl.rollout_runner import run_rollout, run_rollouts
 
 BASE = {"batch.prompts": 8, "batch.samples": 4, "batch.length_scale": 0.01, "ranks": 4,
         "sampling.temperature": 0.8, "sampling.top_p": 0.9, "timeout_s": 60.0}
@@ -78,7 +78,7 @@ def test_misprediction_delays_the_stage_and_never_cuts():
     from elastic.planning.dims import block_owners
     from elastic.planning.plan import Assignment, Plan, Stage
     from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.rollout.runner import RolloutJob, prepare, rank_jobs
+    from megatron_rl.rollout_runner import RolloutJob, prepare, rank_jobs
 
     cfg = config(policy="vanilla")
     vanilla = prepare(cfg)
@@ -94,7 +94,7 @@ def test_misprediction_delays_the_stage_and_never_cuts():
     stages = [Stage((0, 1, 2, 3), (), block_owners(8, range(4))),
               Stage((0, 1), (2, 3), block_owners(8, (0, 1)))]
     plan = Plan(4, 2, 8, "planned", False, assign, stages)
-    job = RolloutJob(cfg, vanilla.mcfg, others + [longest, late], plan, None)
+    job = RolloutJob(cfg, vanilla.mcfg, vanilla.dims, others + [longest, late], plan, None)
     (report, responses), (vreport, _) = run_ranks(rank_jobs, 4, [job, vanilla], True, timeout_s=60.0)
     assert report["responses_sha256"] == vreport["responses_sha256"]
     assert report["final_stage"] == 1

@@ -6,7 +6,7 @@ from megatron_rl.config import load_dataclass
 from megatron_rl.models import Qwen3MoeModel
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.runner import run_rollout
+from megatron_rl.rollout_runner import run_rollout
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -34,12 +34,12 @@ def _batch():
 def _grads(ctx, ranks):
     import torch.distributed as dist
 
-    from megatron_rl.rl.model_setup import build_model
+    from megatron_rl.backends import backend
     from megatron_rl.rl.train_step import frozen_copy, make_optimizer
     from megatron_rl.rl.update import PolicyUpdate
 
     cfg = _cfg(ranks)
-    model = build_model(cfg, ctx.rank, ctx.world)
+    model = backend(cfg.backend).training_model(cfg, ctx.rank, ctx.world)
     ref = frozen_copy(model)
     with torch.no_grad():  # a reference that differs from the policy, so the KL term has a gradient
         for p in ref.parameters():

@@ -18,11 +18,12 @@ CFG = TrainerConfig(model=MoEModelConfig(num_layers=2, hidden_size=32, num_atten
 
 def _save_and_export(ctx, out: str) -> None:
     from elastic.trace import Trace
+    from megatron_rl.backends import backend
     from megatron_rl.rl.checkpoint import save_checkpoint
-    from megatron_rl.rl.model_setup import build_model, export_hf
+    from megatron_rl.rl.model_setup import export_hf
     from megatron_rl.rl.train_step import make_optimizer
 
-    model = build_model(CFG, ctx.rank, ctx.world)
+    model = backend(CFG.backend).training_model(CFG, ctx.rank, ctx.world)
     state = {"data": {}, "model": CFG.model.to_dict(), "ranks": ctx.world}
     save_checkpoint(out, 1, model, make_optimizer(model, 1e-2), None, state, Trace([], "h"), ctx.rank)
     export_hf(model, CFG.model, f"{out}/hf", ctx.rank, ctx.world, shard_bytes=SHARD_BYTES)

@@ -10,7 +10,7 @@ from conftest import check_timeline
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.runner import run_rollouts
+from megatron_rl.rollout_runner import run_rollouts
 
 BASE = {"batch.prompts": 8, "batch.samples": 4, "batch.length_scale": 0.01, "ranks": 4,
         "sampling.greedy": False, "sampling.temperature": 0.8, "sampling.top_p": 0.9, "timeout_s": 60.0}

@@ -6,7 +6,7 @@ import pytest
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.runner import prepare, run_rollouts
+from megatron_rl.rollout_runner import prepare, run_rollouts
 
 BASE = {"batch.prompts": 8, "batch.samples": 4, "batch.length_scale": 0.01, "ranks": 4,
         "sampling.greedy": False, "sampling.temperature": 0.8, "sampling.top_p": 0.9, "timeout_s": 60.0}
@@ -30,5 +30,6 @@ def test_paged_planned_and_adaptive_equal_the_slot_cache():
 
 def test_a_pool_smaller_than_the_longest_request_stops_before_the_ranks():
     cfg = load_dataclass(RolloutConfig, None, {**BASE, **PAGED, "kv_pages": 2})
-    with pytest.raises(FlexFloorError, match=r"kv_pages 2: the pool holds 4 positions, response \S+ needs \d+"):
+    with pytest.raises(FlexFloorError, match=r"kv_pages 2: expected a pool of at least \d+ positions \(response \S+ "
+                                                 r"needs them\), got 4"):
         prepare(cfg)

@@ -95,7 +95,7 @@ def test_a_partial_rollout_shrinks_leases_and_restores_as_before():
     and every response is either finished or reported as carried."""
     from megatron_rl.config import load_dataclass
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import run_rollouts
+    from megatron_rl.rollout_runner import run_rollouts
 
     cfg = load_dataclass(RolloutConfig, None, {
         "batch.prompts": 16, "batch.samples": 4, "ranks": 4, "policy": "planned", "floor": 1,

@@ -28,12 +28,12 @@ class _StopAt:
 
 
 def _warmstart(ctx, cfg, out: str, stop_at: int | None, resume: str | None):
+    from megatron_rl.backends import backend
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.data.tokenizer import build_tokenizer
-    from megatron_rl.rl.model_setup import build_model
     from megatron_rl.rl.sft import sft_stopped, sft_warmstart
 
-    model = build_model(cfg, ctx.rank, ctx.world)
+    model = backend(cfg.backend).training_model(cfg, ctx.rank, ctx.world)
     losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), load_prompts(cfg.data), ctx.rank,
                            ctx.world, _StopAt(stop_at) if stop_at else None, out,
                            resume=Path(resume) if resume else None)

@@ -24,7 +24,7 @@ def _instrumented_rollout(ctx, job, warm: bool) -> list[str]:
 
     import elastic.runtime.runtime as rt
     from elastic.runtime import groups, transport
-    from megatron_rl.rollout.runner import rank_jobs
+    from megatron_rl.rollout_runner import rank_jobs
 
     events, seen = [], set()
     real_new_group, real_barrier, real_warm = dist.new_group, dist.barrier, rt.warm_groups
@@ -78,7 +78,7 @@ def _dispatch_grads(ctx, transport_name: str):
 
 
 def _rank(ctx, jobs, warm_job):
-    from megatron_rl.rollout.runner import rank_jobs
+    from megatron_rl.rollout_runner import rank_jobs
 
     cold = _instrumented_rollout(ctx, warm_job, warm=False)
     warm = _instrumented_rollout(ctx, warm_job, warm=True)
@@ -91,7 +91,7 @@ def _rank(ctx, jobs, warm_job):
 
 
 def test_host_staged_equals_direct_and_warm_groups_leave_nothing_to_create():
-    from megatron_rl.rollout.runner import prepare
+    from megatron_rl.rollout_runner import prepare
 
     natural = dict(policy="natural", floor=1, **{"sampling.greedy": False, "sampling.top_p": 0.9})
     jobs = [prepare(config(policy="vanilla", **{"sampling.greedy": False, "sampling.top_p": 0.9})),

@@ -68,14 +68,14 @@ def _optimizer_state(optimizer) -> dict:
 
 
 def _equal_to_unsharded(ctx, dtype):
-    from megatron_rl.rl.model_setup import build_model
+    from megatron_rl.backends import backend
     from megatron_rl.rl.train_step import training_optimizer
     from megatron_rl.rl.zero import ShardedOptimizer
 
     out = {}
     for shard in (False, True):
         cfg = _cfg(ctx.world, shard, dtype)
-        model = build_model(cfg, ctx.rank, ctx.world)
+        model = backend(cfg.backend).training_model(cfg, ctx.rank, ctx.world)
         optimizer = training_optimizer(model, cfg.optim, ctx.rank, ctx.world)
         assert isinstance(optimizer, ShardedOptimizer) == shard
         _steps(model, optimizer, cfg, ctx.rank, ctx.world, 1, 3)
@@ -100,15 +100,15 @@ def test_sharded_training_is_bit_equal_to_unsharded(ranks):
 
 def _resume(ctx, tmp: str, save_world: int, offload: str = "none"):
     from elastic.trace import Trace
+    from megatron_rl.backends import backend
     from megatron_rl.rl.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_rl.rl.model_setup import build_model
     from megatron_rl.rl.train_step import training_optimizer
 
     cfg = _cfg(ctx.world, True, "float64" if offload == "none" else "float32")
     cfg = replace(cfg, optim=replace(cfg.optim, offload=offload))
 
     def fresh():
-        model = build_model(cfg, ctx.rank, ctx.world)
+        model = backend(cfg.backend).training_model(cfg, ctx.rank, ctx.world)
         return model, training_optimizer(model, cfg.optim, ctx.rank, ctx.world)
 
     if ctx.world == save_world:
@@ -166,14 +166,14 @@ OFFLOAD_TOL = 1e-3
 
 
 def _offload_vs_adamw(ctx):
-    from megatron_rl.rl.model_setup import build_model
+    from megatron_rl.backends import backend
     from megatron_rl.rl.train_step import training_optimizer
 
     out = {}
     for offload in ("none", "cpu"):
         cfg = _cfg(1, False, "float32")
         cfg = replace(cfg, optim=replace(cfg.optim, offload=offload, lr=1e-3))
-        model = build_model(cfg, ctx.rank, ctx.world)
+        model = backend(cfg.backend).training_model(cfg, ctx.rank, ctx.world)
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
         opt = training_optimizer(model, cfg.optim, ctx.rank, ctx.world)
         _steps(model, opt, cfg, ctx.rank, ctx.world, 1, 20)
@@ -222,14 +222,14 @@ def _cross(ctx, jobs: list):
     from pathlib import Path
 
     from elastic.trace import Trace
+    from megatron_rl.backends import backend
     from megatron_rl.rl.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_rl.rl.model_setup import build_model
     from megatron_rl.rl.train_step import training_optimizer
 
     out = []
     for what, folder, shard in jobs:
         cfg = _cfg(ctx.world, shard)
-        model = build_model(cfg, ctx.rank, ctx.world)
+        model = backend(cfg.backend).training_model(cfg, ctx.rank, ctx.world)
         opt = training_optimizer(model, cfg.optim, ctx.rank, ctx.world)
         if what == "save":
             _steps(model, opt, cfg, ctx.rank, ctx.world, 1, 2)

@@ -65,7 +65,7 @@ def test_an_hf_checkpoint_of_nan_weights_is_refused(tmp_path, capsys):
 
 def test_a_reused_rollout_out_drops_the_files_of_an_earlier_run(tmp_path):
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import prepare
+    from megatron_rl.rollout_runner import prepare
 
     out = tmp_path / "run"
     out.mkdir()

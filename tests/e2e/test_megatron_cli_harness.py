@@ -34,7 +34,7 @@ def _cfg(**fields):
 
 @pytest.mark.slow
 def test_megatron_rollouts_on_two_and_four_ranks_equal_the_torch_backend(megatron_harness, tmp_path):
-    from megatron_rl.rollout.runner import run_rollouts
+    from megatron_rl.rollout_runner import run_rollouts
 
     # 2 ranks, one world (what `flexfloor rollout` runs, three times): torch, megatron vanilla,
     # megatron natural floor 1.

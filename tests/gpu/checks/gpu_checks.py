@@ -153,7 +153,7 @@ def elastic_on_one_device(*, device: str = "cuda", prompts: int = 8, samples: in
     through the transport) on 2 ranks sharing `device` through the host-staged transport."""
     from megatron_rl.config import load_dataclass
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import run_rollouts
+    from megatron_rl.rollout_runner import run_rollouts
 
     base = {"ranks": 2, "device": device, "transport": "host", "batch.prompts": prompts,
             "batch.samples": samples, "batch.length_scale": length_scale, "timeout_s": 120.0}

@@ -140,7 +140,7 @@ def bf16_policies(*, device: str = "cuda", dtype: str = "bfloat16", prompts: int
     (docs/rollout.md, "bf16 on GPUs"); the others are measured, not judged."""
     from megatron_rl.config import load_dataclass
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import run_rollouts
+    from megatron_rl.rollout_runner import run_rollouts
 
     base = {"ranks": 2, "device": device, "transport": "host", "dtype": dtype, "batch.prompts": prompts,
             "batch.samples": samples, "batch.length_scale": length_scale, "timeout_s": 120.0}

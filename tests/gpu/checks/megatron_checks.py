@@ -140,7 +140,7 @@ def elastic_vs_vanilla(fields: dict) -> dict:
     blocks) against vanilla on the same weights; `fields` are RolloutConfig fields (backend, device,
     dtype). Needs two GPUs: megatron-core's dispatcher talks to the EP group directly."""
     from megatron_rl.rollout.config import BatchConfig, RolloutConfig
-    from megatron_rl.rollout.runner import run_rollouts
+    from megatron_rl.rollout_runner import run_rollouts
 
     batch = BatchConfig(prompts=6, samples=2, epochs=3, length_scale=0.004)
     cfgs = [RolloutConfig(ranks=2, policy=p, floor=1, batch=batch, **fields) for p in ("vanilla", "planned")]

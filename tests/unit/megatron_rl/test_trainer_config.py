@@ -24,9 +24,9 @@ def test_qwen3_30b_example_validates_through_the_same_dataclasses():
 
 @pytest.mark.parametrize("override, message", [
     ({"ranks": 3}, "experts must divide over the ranks"),
-    ({"prompts_per_step": 3}, "must divide over ranks x grpo.minibatches"),
+    ({"prompts_per_step": 3}, "expected a multiple of ranks x grpo.minibatches"),
     ({"grpo.group_size": 1}, "grpo.group_size: expected >= 2"),
-    ({"model.vocab_size": 10}, "smaller than the character tokenizer"),
+    ({"model.vocab_size": 10}, "expected at least the character tokenizer's"),
     ({"elastic.policy": "fastest"}, "elastic.policy: expected one of"),
     ({"grpo.clip_lo": 0.1}, "unknown field 'clip_lo'"),
 ])

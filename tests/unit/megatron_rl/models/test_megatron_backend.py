@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_rl.backend_rules import backend_rules
 from megatron_rl.backends import backend
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
@@ -30,10 +31,10 @@ def test_megatron_backend_on_cpu_points_to_the_torch_backend():
     with pytest.raises(FlexFloorError, match=r"no CUDA device; use `backend: torch`"):
         require_backend()
     with pytest.raises(FlexFloorError, match=r"no CUDA device; use `backend: torch`"):
-        backend("megatron").preflight("bfloat16")
-    backend("torch").preflight("float64")
+        backend_rules("megatron").preflight("bfloat16")
+    backend_rules("torch").preflight("float64")
     with pytest.raises(FlexFloorError, match=r"expected one of torch, megatron, got 'tpu'"):
-        backend("tpu")
+        backend_rules("tpu")
 
 
 def test_transformer_config_carries_the_model_fields():

@@ -85,7 +85,7 @@ def test_config_fields_validated(cls, field):
 
 
 def test_kv_memory_fraction_bounds():
-    with pytest.raises(ConfigError, match=r"kv_memory_fraction must be in \(0, 1\]"):
+    with pytest.raises(ConfigError, match=r"kv_memory_fraction: expected in \(0, 1\]"):
         load_dataclass(RolloutConfig, None, {"kv_memory_fraction": 1.5})
 
 

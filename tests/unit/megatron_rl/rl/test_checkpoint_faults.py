@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from elastic.trace import Trace
+from megatron_rl.backends import backend
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.params import is_expert_param
 from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from megatron_rl.rl.model_setup import build_model
 from megatron_rl.rl.step_faults import TrainingDiverged, check_finite
 from megatron_rl.rl.train_step import make_optimizer
 from megatron_rl.trainer_config import TrainerConfig
@@ -19,7 +19,7 @@ CFG = TrainerConfig(model=MoEModelConfig(num_layers=1, hidden_size=16, num_atten
 
 
 def _model_and_optimizer():
-    model = build_model(CFG, 0, 1)
+    model = backend(CFG.backend).training_model(CFG, 0, 1)
     return model, make_optimizer(model, 1e-2)
 
 
@@ -171,7 +171,7 @@ def test_a_save_that_cannot_fit_is_refused_at_start(tmp_path, monkeypatch, capsy
     from megatron_rl.rl.checkpoint_retention import check_room, save_bytes
 
     cfg = replace(CFG, dtype="bfloat16")
-    n = sum(p.numel() for p in build_model(CFG, 0, 1).parameters())
+    n = sum(p.numel() for p in backend(CFG.backend).training_model(CFG, 0, 1).parameters())
     assert save_bytes(cfg) == n * 14  # bf16 weights, fp32 masters and two fp32 moments
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(checkpoint_retention.shutil, "disk_usage", lambda p: usage(0, 0, 10**12))

@@ -25,9 +25,9 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refus
 
 
 def test_trainer_config_refuses_what_the_megatron_path_cannot_do():
-    with pytest.raises(ConfigError, match="backend megatron: dtype must be bfloat16 or float32, got float64"):
+    with pytest.raises(ConfigError, match="backend megatron: expected dtype bfloat16 or float32, got float64"):
         TrainerConfig(backend="megatron", dtype="float64")
-    with pytest.raises(ConfigError, match=r"backend megatron: grpo.kl_coef > 0 .* is not supported yet"):
+    with pytest.raises(ConfigError, match=r"backend megatron: expected grpo.kl_coef 0 .* got 0.1"):
         TrainerConfig(backend="megatron", grpo=GRPOConfig(kl_coef=0.1))
     assert TrainerConfig(backend="megatron", dtype="bfloat16").backend == "megatron"
 
@@ -42,7 +42,7 @@ def test_optimizer_and_ddp_configs_keep_fp32_masters_and_reduce_in_fp32():
     assert oc.bf16 and oc.params_dtype == torch.bfloat16 and oc.use_distributed_optimizer
     assert oc.main_params_dtype == oc.main_grads_dtype == oc.exp_avg_dtype == oc.exp_avg_sq_dtype == torch.float32
     assert not optimizer_config(o, torch.float32).bf16
-    with pytest.raises(FlexFloorError, match="backend megatron: dtype must be bfloat16 or float32, got float64"):
+    with pytest.raises(FlexFloorError, match="backend megatron: expected dtype bfloat16 or float32, got float64"):
         backend("megatron").optimizer(None, SimpleNamespace(dtype="float64", model=None, optim=o), 0, 1)
     dc = ddp_config()
     assert dc.grad_reduce_in_fp32 and dc.overlap_grad_reduce and dc.use_distributed_optimizer
@@ -122,10 +122,10 @@ def test_rollout_prepares_a_blocks_plan_for_megatron(monkeypatch):
     # As on a CUDA machine, where require_backend passes.
     from megatron_rl.models import megatron_backend
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import prepare
+    from megatron_rl.rollout_runner import prepare
 
     monkeypatch.setattr(megatron_backend, "require_backend", lambda: None)
-    with pytest.raises(FlexFloorError, match="backend megatron: dtype must be bfloat16 or float32, got float64"):
+    with pytest.raises(FlexFloorError, match="backend megatron: expected dtype bfloat16 or float32, got float64"):
         prepare(RolloutConfig(backend="megatron"))
     job = prepare(RolloutConfig(backend="megatron", dtype="float32", policy="planned", floor=1))
     assert job.plan.ownership == "blocks"

@@ -114,7 +114,7 @@ def test_cpu_refusal_is_one_line(cfg):
 
     from megatron_rl.config import load_dataclass
     from megatron_rl.rollout.config import RolloutConfig
-    from megatron_rl.rollout.runner import prepare
+    from megatron_rl.rollout_runner import prepare
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")

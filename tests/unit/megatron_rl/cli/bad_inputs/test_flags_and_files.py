@@ -129,7 +129,7 @@ def _cases(tmp):
         "plan": [
             (["--trace", trace, "--max-response-len", "-5"], ["--max-response-len -5: max_response_len: expected > 0"]),
             (["--trace", trace, "--max-response-len", "0"], ["--max-response-len 0: max_response_len: expected > 0"]),
-            (["--trace", trace, "--ranks", "1000"], ["--ranks 1000: ranks (1000) exceeds the experts of"]),
+            (["--trace", trace, "--ranks", "1000"], ["--ranks 1000: ranks: expected at most the experts of"]),
             (["--trace", latin1_trace], [f"{latin1_trace}:2: not UTF-8 text"]),
             (["--trace", trace, "--ranks", "8", "--floor", "0"], ["floor must be in 1..ranks"]),
             (["--trace", trace, "--ranks", "8", "--epoch", "0"], ["--max-response-len"]),

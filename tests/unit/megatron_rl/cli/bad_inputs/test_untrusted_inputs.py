@@ -46,12 +46,12 @@ BAD_VALUES = [
     ("train", "data.template='{prompt} {x}'", "only {prompt} may be filled in, got {x}"),
     ("train", "data.template='{prompt} {'", "Single '{'"),
     ("train", "data.template='{0}{prompt}'", "got {0}"),
-    ("train", "generation.max_response_len=4096", "must be below model.max_position_embeddings"),
+    ("train", "generation.max_response_len=4096", "expected below model.max_position_embeddings"),
     ("train", "grpo.group_size=1000000", "grpo.group_size 1000000 = 4e+06 responses per rollout, above the "
                                           "limit of 2^20"),
     ("train", "partial.over_sample=-1", "partial.over_sample: expected a number >= 0"),  # also when off
     ("train", "partial.token_budget=-1", "partial.token_budget: only read with end 'budget'"),
-    ("rollout", "max_batch_per_rank=0", "max_batch_per_rank must be > 0"),
+    ("rollout", "max_batch_per_rank=0", "max_batch_per_rank: expected > 0"),
     ("rollout", "batch.prompts=100000000", "batch.prompts x samples x epochs: expected an integer in [1, 2^24]"),
     ("train", "model.vocab_size=1000000000000", "vocab_size: expected an integer in [1, 2^24]"),
     ("rollout", "sampling.seed=-1", "sampling.seed: expected an integer in [0, 2^32)"),

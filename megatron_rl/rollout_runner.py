@@ -4,6 +4,10 @@ The driver (the `flexfloor` process, or every rank under torchrun) builds the sa
 deterministically; each rank builds its model with the experts stage 0 gives it, runs the elastic
 runtime (vanilla is the one-stage plan), streams finished responses to `out_dir`, and rank 0 gathers
 the ledger and the responses into the report.
+
+`flexfloor rollout`'s driver, as `trainer.py` is `train`'s: it stands above what it assembles
+(rollout/, the backends), builds the run's `Backend`, the layout and the plan once, and hands them
+down to the rank rollout.
 """
 from __future__ import annotations
 
@@ -14,19 +18,19 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from elastic.planning.dims import ParallelDims
 from elastic.planning.plan import Plan
+from megatron_rl.backends import backend
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.device import dist_backend, resolve_device
-from megatron_rl.parallel.dims import ranks_on_this_host
 from megatron_rl.parallel.launch import ParallelContext, run_ranks
+from megatron_rl.preflight import preflight
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
-from megatron_rl.rollout.preflight import preflight
-from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, run_rank
+from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, rank_engine, run_rank
 from megatron_rl.rollout.rollout_plan import RolloutSetup, admission_lengths, model_config
 
 
@@ -50,30 +54,22 @@ def _progress(start: float):
     return report
 
 
-def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, requests: list[Request],
-               plan: Plan, out_dir: str | None, quiet: bool, rule=None):
-    from elastic.runtime.pool import IdlePool
-    from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
-
-    rank, dtype, backend = ctx.rank, DTYPES[cfg.dtype], cfg.moe_backend
+def _rank_main(ctx: ParallelContext, job: RolloutJob, quiet: bool):
+    """This rank's part of `job`: its model and engine, the plan carried out, the report on rank 0."""
+    cfg, plan, rank, moe = job.cfg, job.plan, ctx.rank, backend(job.cfg.backend)
     held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]
-    model = backend.build_model(mcfg, held, cfg.dtype, cfg.checkpoint, cfg.seed, ctx.device).eval()
+    model = moe.build_model(job.mcfg, held, cfg.dtype, cfg.checkpoint, cfg.seed, ctx.device).eval()
     # Fresh Request objects: the engine appends tokens to them, and the caller's may be shared
     # between rollouts of one world.
-    mine = [replace(r, tokens=[]) for r, a in zip(requests, plan.assignments) if a.rank == rank]
-    max_len = max([len(r.prompt) + r.max_new_tokens for r in requests] + [1])
+    mine = [replace(r, tokens=[]) for r, a in zip(job.requests, plan.assignments) if a.rank == rank]
+    max_len = max([len(r.prompt) + r.max_new_tokens for r in job.requests] + [1])
     # After the weights: the KV cache takes what the device has left (all of max_batch_per_rank on CPU).
-    if cfg.kv == "paged":
-        engine = RolloutEngine(model, cfg.sampling, cfg.max_batch_per_rank, max_len, kv="paged",
-                               kv_pages=kv_pool_pages(cfg, mcfg, ctx.device, max_len),
-                               page_size=cfg.kv_page_size, kv_reserve=cfg.kv_reserve)
-    else:
-        per_slot = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, max_len, mcfg.kv_channels, dtype)
-        slots = kv_cache_slots(ctx.device, per_slot, cfg.kv_memory_fraction, cfg.max_batch_per_rank)
-        engine = RolloutEngine(model, cfg.sampling, slots, max_len)
+    engine = rank_engine(model, cfg.sampling, max_batch=cfg.max_batch_per_rank, max_len=max_len, kv=cfg.kv,
+                         page_size=cfg.kv_page_size, kv_reserve=cfg.kv_reserve, kv_pages=cfg.kv_pages,
+                         memory_fraction=cfg.kv_memory_fraction)
     engine.add(mine)
-    spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=backend, transport=cfg.transport,
-                       rule=rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
+    spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=moe, transport=cfg.transport,
+                       rule=job.rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
                        fault=cfg.fault, progress=None if quiet else _progress(time.perf_counter()))
     stops = []
     if cfg.partial.enabled:  # the end rule of a partial rollout (elastic/runtime/stop.py)
@@ -83,37 +79,15 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
             stops.append(batch_stop(cfg.partial.rule(), [(a.prompt_id, a.sample) for a in plan.assignments], e))
             return stops[-1]
         spec.stop = stop
-
-    def pool(fault_here: bool) -> IdlePool:
-        leases = cfg.leases
-        jobs = lease_jobs(leases.jobs, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
-                          sidecar=sidecar_job(leases.jobs, leases.sidecar, rank, ctx.world),
-                          fault=cfg.fault if fault_here else None)
-        return IdlePool(jobs, lease_s=leases.lease_s, grace_s=leases.grace_s)
-
-    stream = None if out_dir is None else ResponseStream(out_dir, rank, engine, _row)
-    outcome = run_rank(spec, engine, pool=pool, stream=stream)
+    stream = None if job.out_dir is None else ResponseStream(job.out_dir, rank, engine, _row)
+    outcome = run_rank(spec, engine, pool=_lease_pool(cfg, engine, rank, ctx.world), stream=stream)
     responses = [_row(r) for r in engine.finished]
     unfinished = [len(r.tokens) for r in engine.live + engine.pending]
     gathered = gather_rollout(spec, engine, outcome, (responses, unfinished, engine.kv_report()), to=0)
     if gathered is None:
         return None
-    outcomes = gathered.outcomes
     all_responses = [r for rs, _, _ in gathered.payloads for r in rs]
-    report = gathered.summary()
-    report.update(
-        policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
-        stages=[list(s.members) for s in plan.stages],
-        responses=len(all_responses), responses_sha256=responses_sha256(all_responses),
-        migrated=sum(o.migrated for o in outcomes),
-        per_rank=[o.ledger.to_dict() for o in outcomes],
-        pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
-        moe=backend.rollout_report(dtype, ctx.device),
-        device=ctx.device.type, transport=cfg.transport,
-        freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
-        hosts={str(o.ledger.rank): o.host for o in outcomes}, ranks_per_node=ranks_on_this_host(ctx.world),
-        kv=kv_summary(cfg.kv, [kv for _, _, kv in gathered.payloads]),
-    )
+    report = _report(job, gathered, all_responses, moe.rollout_report(model.dtype, ctx.device), ctx.device)
     if stops:
         left = [n for _, ns, _ in gathered.payloads for n in ns]
         report["partial"] = {"rule": cfg.partial.rule().describe, "target_groups": stops[0].target,
@@ -122,17 +96,36 @@ def _rank_main(ctx: ParallelContext, cfg: RolloutConfig, mcfg: MoEModelConfig, r
     return report, all_responses
 
 
-def kv_pool_pages(cfg: RolloutConfig, mcfg: MoEModelConfig, device, max_len: int) -> int:
-    """The paged cache's pool: `kv_pages`, else by the slot cache's budget rule, in pages (all of
-    max_batch_per_rank full-length sequences' pages on CPU)."""
-    from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
+def _lease_pool(cfg: RolloutConfig, engine: RolloutEngine, rank: int, world: int):
+    """`run_rank`'s `pool(fault_here)`: the side work of this rank while it is detached."""
+    from elastic.runtime.pool import IdlePool
 
-    if cfg.kv_pages is not None:
-        return cfg.kv_pages
-    per_page = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, cfg.kv_page_size, mcfg.kv_channels,
-                          DTYPES[cfg.dtype])
-    per_seq = -(-max_len // cfg.kv_page_size)
-    return kv_cache_slots(device, per_page, cfg.kv_memory_fraction, cfg.max_batch_per_rank * per_seq)
+    def pool(fault_here: bool) -> IdlePool:
+        leases = cfg.leases
+        jobs = lease_jobs(leases.jobs, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
+                          sidecar=sidecar_job(leases.jobs, leases.sidecar, rank, world),
+                          fault=cfg.fault if fault_here else None)
+        return IdlePool(jobs, lease_s=leases.lease_s, grace_s=leases.grace_s)
+    return pool
+
+
+def _report(job: RolloutJob, gathered, responses: list[dict], moe: dict, device) -> dict:
+    """The rollout report (rank 0): the ledger's summary, the plan, every rank's outcome."""
+    cfg, plan, outcomes = job.cfg, job.plan, gathered.outcomes
+    report = gathered.summary()
+    report.update(
+        policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
+        stages=[list(s.members) for s in plan.stages],
+        responses=len(responses), responses_sha256=responses_sha256(responses),
+        migrated=sum(o.migrated for o in outcomes),
+        per_rank=[o.ledger.to_dict() for o in outcomes],
+        pool={str(o.ledger.rank): o.pool_report for o in outcomes if o.pool_report},
+        moe=moe, device=device.type, transport=cfg.transport,
+        freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
+        hosts={str(o.ledger.rank): o.host for o in outcomes}, ranks_per_node=job.dims.ranks_per_node,
+        kv=kv_summary(cfg.kv, [kv for _, _, kv in gathered.payloads]),
+    )
+    return report
 
 
 def kv_summary(kind: str, per_rank: list[dict]) -> dict:
@@ -150,6 +143,7 @@ class RolloutJob:
 
     cfg: RolloutConfig
     mcfg: MoEModelConfig
+    dims: ParallelDims  # the command's layout, built once (`rollout_plan.model_config`)
     requests: list[Request]  # in plan.assignments order
     plan: Plan
     out_dir: str | None
@@ -158,13 +152,13 @@ class RolloutJob:
 
 def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None = None) -> RolloutJob:
     """`device`: the config's resolved device where the caller has it (`run_rollouts`)."""
-    preflight(cfg.moe_backend, cfg.dtype, cfg.leases)
-    mcfg = model_config(cfg)
+    preflight(cfg.backend, cfg.dtype, cfg.leases)
+    mcfg, dims = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
-    setup = RolloutSetup.build(cfg, mcfg, batch, history, device)
+    setup = RolloutSetup.build(cfg, mcfg, dims, batch, history, device)
     plan = setup.plan
-    cfg.moe_backend.check_plan(plan)
+    backend(cfg.backend).check_plan(plan)
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
@@ -181,7 +175,7 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None =
             for stale in Path(out_dir).glob(pattern):
                 stale.unlink()
         (Path(out_dir) / "plan.json").write_text(plan.to_json())
-    return RolloutJob(cfg, mcfg, requests, plan, out_dir, setup.rule)
+    return RolloutJob(cfg, mcfg, dims, requests, plan, out_dir, setup.rule)
 
 
 def _check_pool(cfg: RolloutConfig, requests: list[Request]) -> None:
@@ -191,15 +185,16 @@ def _check_pool(cfg: RolloutConfig, requests: list[Request]) -> None:
     r = max(requests, key=lambda r: len(r.prompt) + r.max_new_tokens)
     need = len(r.prompt) + r.max_new_tokens
     if -(-need // cfg.kv_page_size) > cfg.kv_pages:
-        raise FlexFloorError(f"kv_pages {cfg.kv_pages}: the pool holds {cfg.kv_pages * cfg.kv_page_size} positions, "
-                             f"response {r.prompt_id}/{r.sample} needs {need}; raise kv_pages or use kv: slots")
+        raise FlexFloorError(f"kv_pages {cfg.kv_pages}: expected a pool of at least {need} positions (response "
+                             f"{r.prompt_id}/{r.sample} needs them), got {cfg.kv_pages * cfg.kv_page_size}; "
+                             "raise kv_pages or use kv: slots")
 
 
 def rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
     """This rank's part of every prepared job, in order, inside an existing world (what
     `run_rollouts` runs on each rank; benchmarks call it to share a world with other measurements).
     Returns (report, responses) per job on rank 0, None per job on the other ranks."""
-    return [_rank_main(ctx, j.cfg, j.mcfg, j.requests, j.plan, j.out_dir, quiet, j.rule) for j in jobs]
+    return [_rank_main(ctx, j, quiet) for j in jobs]
 
 
 def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = None,
@@ -213,12 +208,12 @@ def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = 
     devices = [resolve_device(c.device) for c in cfgs]
     worlds = {(c.ranks, d, dist_backend(d, c.transport)) for c, d in zip(cfgs, devices)}
     if len(worlds) != 1:
-        raise FlexFloorError(f"rollouts in one world must share ranks, device and process-group backend, "
+        raise FlexFloorError(f"rollouts in one world: expected one (ranks, device, process-group backend), "
                              f"got {sorted(worlds)}")
-    (_, device, backend), = worlds
+    (_, device, group), = worlds
     jobs = [prepare(c, o, d) for c, o, d in zip(cfgs, out_dirs, devices)]
     return run_ranks(rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs),
-                     device=device, transport="direct" if backend == "nccl" else "host")
+                     device=device, transport="direct" if group == "nccl" else "host")
 
 
 def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):

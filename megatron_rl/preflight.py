@@ -4,15 +4,15 @@ so a run that cannot start stops with one line instead of inside W ranks.
 """
 from __future__ import annotations
 
-from megatron_rl.backends import Backend
+from megatron_rl.backend_rules import backend_rules
 from megatron_rl.rollout.lease_jobs import LeaseConfig
 
 
-def preflight(backend: Backend, dtype: str, leases: LeaseConfig, offload: str = "none") -> None:
-    """The backend's libraries and device and a dtype it runs (`Backend.preflight`), sglang for an
+def preflight(backend: str, dtype: str, leases: LeaseConfig, offload: str = "none") -> None:
+    """The backend's libraries and device and a dtype it runs (`BackendRules.preflight`), sglang for an
     `sglang` lease, a sidecar's checkpoint headers and queries, and DeepSpeed's CPU Adam for
     `optim.offload: cpu`."""
-    backend.preflight(dtype)
+    backend_rules(backend).preflight(dtype)
     if "sglang" in leases.jobs:
         from megatron_rl.rollout.sglang_lease import require_sglang
 
