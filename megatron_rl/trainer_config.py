@@ -79,7 +79,7 @@ class OptimConfig:
     # ZeRO-1 (rl/zero.py): each rank keeps the optimizer state of 1/world of the dense parameters.
     # null: on for more than one rank. The megatron backend has its own DistributedOptimizer.
     shard_optimizer: bool | None = None
-    # cpu: masters and moments in host memory, stepped by DeepSpeed's CPU Adam (rl/zero.py).
+    # cpu: masters and moments in host memory, stepped by DeepSpeed's CPU Adam (rl/cpu_adam.py).
     offload: Literal["none", "cpu"] = "none"
 
     def __post_init__(self):
