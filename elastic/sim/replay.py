@@ -150,9 +150,9 @@ class TraceResult:
 
 def simulate_trace(trace: Trace, policy: Policy, *, ranks: int, cost: CostModel, shape: ModelShape,
                    config: SimConfig | None = None, epochs: list[int] | None = None) -> TraceResult:
-    if shape.num_experts != cost.num_experts:
+    if shape.num_experts != cost.shape.num_experts:
         raise ValueError(f"model shape {shape.name!r} has {shape.num_experts} experts, "
-                         f"cost model {cost.name!r} {cost.num_experts}")
+                         f"cost model {cost.name!r} {cost.shape.num_experts}")
     result = TraceResult(policy, ranks)
     for e in epochs if epochs is not None else rollout_epochs(trace):
         batch = trace.epoch(e)
