@@ -137,6 +137,10 @@ class TraceResult:
         out["migrated_responses"] = sum(r.migrated for r in self.rollouts)
         if self.partial is not None:
             out["partial"] = dict(self.partial)
+        peaks = [p for r in self.rollouts for p in (r.peak_concurrent or ())]
+        if peaks:  # a `slots` or `paged` admission (elastic/sim/admission.py)
+            out["kv"] = {"peak_concurrent_per_rank": max(peaks),
+                         "mean_peak_concurrent_per_rank": sum(peaks) / len(peaks)}
         out["per_rollout"] = [
             {"rollout_time_s": r.ledger.wall_s, "lower_bound_s": r.lower_bound_s,
              "rank_seconds": r.ledger.rank_seconds(), "transitions": [list(t) for t in r.transitions],

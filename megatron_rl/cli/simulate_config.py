@@ -30,6 +30,10 @@ class SimulateConfig:
     lease: bool = False
     migrate: int = 0
     epochs: list[int] | None = None  # default: every epoch that has an earlier one
+    # KV admission (elastic/sim/admission.py): `tokens`, every request at the prefill; `slots` or
+    # `paged` (pages of kv_page_size positions), each request as its rank's KV budget has room.
+    kv: Literal["tokens", "slots", "paged"] = "tokens"
+    kv_page_size: int = 16
     partial: PartialConfig = field(default_factory=PartialConfig)  # partial rollouts (elastic/sim/partial.py)
 
     def __post_init__(self):
@@ -48,6 +52,7 @@ class SimulateConfig:
         require_policy(self.policy, self.backend)
         require(self.check_every >= 1, f"check_every must be >= 1, got {self.check_every}")
         require(self.migrate >= 0, f"migrate must be >= 0, got {self.migrate}")
+        require(self.kv_page_size >= 1, f"kv_page_size: expected >= 1, got {self.kv_page_size}")
 
     @property
     def shape(self) -> ModelShape:

@@ -105,3 +105,16 @@ def test_step_table_prices_whole_tables_as_the_scalar_calls_do():
         for g in (1, 4, 8, 16, 64):
             want = [cost.decode_step_s(int(b), int(c), g) for b, c in zip(batch, context)]
             np.testing.assert_allclose(step_table(cost, batch, context, g), want, rtol=1e-12)
+
+
+def test_simulate_model_names_the_cost_models_shape(capsys, tailed_trace):
+    import yaml
+
+    from megatron_rl.cli import main
+
+    argv = ["simulate", "--trace", str(tailed_trace), "--model", "qwen3-30b-a3b@h200-141g", "--print-config"]
+    assert main(argv) == 0
+    shape = yaml.safe_load(capsys.readouterr().out)["cost"]["shape"]
+    assert (shape["name"], shape["memory_per_rank_bytes"]) == ("qwen3-30b-a3b@h200-141g", 141 * 10**9)
+    assert main(argv + ["cost.shape.ranks_per_node=4"]) == 2
+    assert "cost.shape: expected --model or cost.shape fields, not both" in capsys.readouterr().err
