@@ -122,14 +122,15 @@ class CostModel:
         """HBM bytes one rank's step reads (arrays broadcast): the dense weights if it has tokens,
         its live KV, and the experts it owns that the group's tokens hit (uniform routing). Over the
         device's peak bandwidth, the step's roofline (tools/bench_gpu.py)."""
+        s = self.shape
         n = np.asarray(batch, dtype=np.float64)
         kv = np.asarray(kv_tokens, dtype=np.float64)
         own = np.asarray(experts_owned, dtype=np.float64)
         big_n = np.asarray(group_tokens, dtype=np.float64)
         # An expert is read if at least one of the group's tokens picks it (uniform routing).
-        hit = 1.0 - np.power(1.0 - self.shape.topk / self.shape.num_experts, big_n)
-        expert_read = own * hit * self.shape.expert_params_per_layer * self.shape.num_layers * self.shape.bytes_per_param
-        return (n > 0) * self.shape.step_dense_bytes + kv * self.shape.kv_bytes_per_token + expert_read
+        hit = 1.0 - np.power(1.0 - s.topk / s.num_experts, big_n)
+        expert_read = own * hit * s.expert_params_per_layer * s.num_layers * s.bytes_per_param
+        return (n > 0) * s.step_dense_bytes + kv * s.kv_bytes_per_token + expert_read
 
     def rank_compute_s(self, batch, kv_tokens, experts_owned, group_tokens):
         """Seconds one rank spends on its own step (arrays broadcast). `kv_tokens` is the summed
@@ -200,14 +201,16 @@ class CostModel:
             return 0.0
         survivors = max(1, round(ep_size * (1 - experts_moved / self.shape.num_experts)))
         per_receiver = -(-experts_moved // survivors)
-        bw = self.transfer_intra_bytes_per_s if ep_size <= self.shape.ranks_per_node else self.transfer_inter_bytes_per_s
+        intra = ep_size <= self.shape.ranks_per_node
+        bw = self.transfer_intra_bytes_per_s if intra else self.transfer_inter_bytes_per_s
         return self.shrink_fixed_s + per_receiver * self.shape.expert_bytes / bw
 
     def migrate_s(self, kv_bytes: float, ep_size: int) -> float:
         """The planner's estimate of moving KV cache inside a group of `ep_size`, `kv_bytes` being
         what the busiest rank sends or receives (moves between distinct pairs run at once) over the
         group's slower link; it rides on a shrink's barrier."""
-        bw = self.transfer_intra_bytes_per_s if ep_size <= self.shape.ranks_per_node else self.transfer_inter_bytes_per_s
+        intra = ep_size <= self.shape.ranks_per_node
+        bw = self.transfer_intra_bytes_per_s if intra else self.transfer_inter_bytes_per_s
         return float(kv_bytes) / bw
 
     def transfer_s(self, moves: Iterable[tuple[int, int, int]]) -> float:

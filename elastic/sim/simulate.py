@@ -112,7 +112,8 @@ class _Rollout:
     def __init__(self, plan: Plan, batch: Sequence[TraceRecord], cost: CostModel, shape: ModelShape,
                  config: SimConfig):
         if plan.num_experts != cost.shape.num_experts:
-            raise ValueError(f"plan has {plan.num_experts} experts, cost model {cost.name!r} has {cost.shape.num_experts}")
+            raise ValueError(f"plan has {plan.num_experts} experts, cost model {cost.name!r} has "
+                             f"{cost.shape.num_experts}")
         rank_of = plan.rank_of()
         missing = [r.key for r in batch if r.key not in rank_of]
         if missing:

@@ -42,14 +42,15 @@ def _features(base: CostModel, batch: float, context: float, ep_size: int, busy:
     """A step's time is linear in these, with coefficients [overhead, 1/hbm, 1/flops] and then
     [in-node all-to-all latency per layer, and per extra peer], or with `host_sizes` one latency
     per layer for each of those EP sizes; plus `_unfitted_s`."""
+    s = base.shape
     g, n = float(ep_size), float(batch)
-    kv, own, big_n = n * context, base.shape.num_experts / g, n * busy
-    hit = 1.0 - (1.0 - base.shape.topk / base.shape.num_experts) ** big_n
-    mem = (n > 0) * base.shape.step_dense_bytes + kv * base.shape.kv_bytes_per_token \
-        + own * hit * base.shape.expert_params_per_layer * base.shape.num_layers * base.shape.bytes_per_param
-    flops = 2.0 * n * base.shape.step_dense_params + kv * base.shape.attn_flops_per_kv_token \
-        + 2.0 * big_n * base.shape.topk * own / base.shape.num_experts * base.shape.expert_params_per_layer * base.shape.num_layers
-    intra_layers = float(base.shape.num_layers) if 1 < g <= base.shape.ranks_per_node else 0.0
+    kv, own, big_n = n * context, s.num_experts / g, n * busy
+    hit = 1.0 - (1.0 - s.topk / s.num_experts) ** big_n
+    mem = (n > 0) * s.step_dense_bytes + kv * s.kv_bytes_per_token \
+        + own * hit * s.expert_params_per_layer * s.num_layers * s.bytes_per_param
+    flops = 2.0 * n * s.step_dense_params + kv * s.attn_flops_per_kv_token \
+        + 2.0 * big_n * s.topk * own / s.num_experts * s.expert_params_per_layer * s.num_layers
+    intra_layers = float(s.num_layers) if 1 < g <= s.ranks_per_node else 0.0
     c = float(base.contention(busy))
     if host_sizes:
         return [c, c * mem, c * flops] + [intra_layers * (g == h) for h in host_sizes]
@@ -58,7 +59,8 @@ def _features(base: CostModel, batch: float, context: float, ep_size: int, busy:
 
 def _unfitted_s(base: CostModel, batch: float, ep_size: int) -> float:
     """The all-to-all terms `calibrate` keeps at `base`: traffic, and the inter-node latency."""
-    intra = float(base.shape.num_layers * base.intra_latency_s(ep_size)) if 1 < ep_size <= base.shape.ranks_per_node else 0.0
+    in_node = 1 < ep_size <= base.shape.ranks_per_node
+    intra = float(base.shape.num_layers * base.intra_latency_s(ep_size)) if in_node else 0.0
     return float(base.a2a_s(ep_size, batch)) - intra
 
 

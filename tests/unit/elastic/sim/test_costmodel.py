@@ -60,7 +60,8 @@ def test_transfers_across_nodes_are_slower_than_inside_one():
     assert spread == pytest.approx(c.shrink_fixed_s + c.shape.expert_bytes / c.transfer_inter_bytes_per_s)
     assert c.shrink_s(0, 8) == 0.0 and c.shrink_s(64, 8) < c.shrink_s(64, 16)
     # 16 -> 8 moves 64 experts onto 8 survivors across nodes: 8 experts each.
-    assert c.shrink_s(64, 16) == pytest.approx(c.shrink_fixed_s + 8 * c.shape.expert_bytes / c.transfer_inter_bytes_per_s)
+    per_expert = c.shape.expert_bytes / c.transfer_inter_bytes_per_s
+    assert c.shrink_s(64, 16) == pytest.approx(c.shrink_fixed_s + 8 * per_expert)
 
 
 def test_yaml_overrides_and_names_the_file_on_mistakes(tmp_path):
