@@ -26,7 +26,7 @@ rather than turning the difference into a throughput. In the dry run of tools/gp
 (FF_GPU_DRYRUN=1) the same paths run on CPU at tiny shapes and nothing is judged.
 
 `--table PATH` also measures the slice's graphed step time over batch x context and writes it with
-the cost model's fit to it (`elastic.sim.costmodel.calibrate`: step overhead, HBM and FLOP rates of
+the cost model's fit to it (`elastic.sim.step_fit.calibrate`: step overhead, HBM and FLOP rates of
 this device); docs/simulator.md says which constants that measures.
 """
 from __future__ import annotations
@@ -76,20 +76,17 @@ def build(mcfg, device: str, dtype, seed: int):
 
 
 def cost_shape(mcfg, bytes_per_param: int, hbm: float):
-    """The cost model describing `mcfg` on one device (its dense weights read per step: all but the
-    input embedding table, of which a step reads B rows)."""
-    from elastic.sim.costmodel import CostModel
-    from megatron_rl.rollout.memory import kv_bytes_per_token, weight_bytes
+    """The cost model describing `mcfg` on one device (`ModelShape.step_dense_params`: the dense
+    weights a step reads, all but the input embedding table, of which it reads B rows)."""
+    import torch
 
-    dense, _ = weight_bytes(mcfg, bytes_per_param)
-    D, L = mcfg.hidden_size, mcfg.num_layers
-    return CostModel(name=f"{L}-layer {mcfg.num_moe_experts}-expert slice", num_layers=L, hidden_size=D,
-                     num_experts=mcfg.num_moe_experts, topk=mcfg.moe_router_topk,
-                     expert_params_per_layer=3 * D * mcfg.moe_ffn_hidden_size,
-                     dense_params=dense // bytes_per_param - mcfg.vocab_size * D, bytes_per_param=bytes_per_param,
-                     kv_bytes_per_token=kv_bytes_per_token(mcfg, bytes_per_param),
-                     attn_flops_per_kv_token=4 * mcfg.num_attention_heads * mcfg.kv_channels * L,
-                     ranks_per_node=1, hbm_bytes_per_s=hbm)
+    from elastic.sim.costmodel import CostModel
+    from megatron_rl.rollout.memory import memory_budget
+
+    # The cost model reads no memory figure; an H100's 80 GB stands in for the record.
+    budget = memory_budget(mcfg, bytes_per_param, torch.device("cpu"), 1, device_bytes=80 * 10**9)
+    return CostModel(name=f"{mcfg.num_layers}-layer {mcfg.num_moe_experts}-expert slice",
+                     shape=mcfg.shape(bytes_per_param, budget, ranks_per_node=1), hbm_bytes_per_s=hbm)
 
 
 class Ours:
@@ -256,7 +253,7 @@ def step_table(ours, mcfg, args, batches=(1, 16, 64), contexts=(128, 1024), step
 
 
 def calibrate_table(table: list[list[float]], mcfg, bytes_per_param: int, hbm: float) -> dict:
-    from elastic.sim.costmodel import calibrate, fit_error
+    from elastic.sim.step_fit import calibrate, fit_error
 
     base = cost_shape(mcfg, bytes_per_param, hbm)
     fit = calibrate(table, base)

@@ -11,7 +11,7 @@ them instead of measuring again (the real runs are the expensive part; the model
    model and `RolloutEngine` on batches of b requests at context c held by k of the g members (the
    others run dummy steps, as drained members do), with the runtime's status all-reduce after
    every step; the slowest member's mean step time is one `(b, c, g, seconds, k)` sample.
-   `elastic.sim.costmodel.calibrate` fits a cost model with the tiny model's shape: overhead, compute
+   `elastic.sim.step_fit.calibrate` fits a cost model with the tiny model's shape: overhead, compute
    rates, the effective cores the ranks share and one all-to-all latency per group size. Then
    `ElasticRuntime` carries out plans of the chains W -> ... -> floor, W -> floor and W -> 1 on a
    small batch: the measured shrinks and restores fit the transition costs (`calibrate_transitions`).
@@ -47,8 +47,9 @@ sys.path.insert(0, str(ROOT))
 from elastic.ledger import STATES  # noqa: E402
 from elastic.planning.plan import Plan  # noqa: E402
 from elastic.sim.calibrate import PER_PART, WHOLE_STEP, fit_to_ledgers  # noqa: E402
-from elastic.sim.costmodel import CostModel, calibrate, calibrate_transitions, fit_error  # noqa: E402
+from elastic.sim.costmodel import CostModel  # noqa: E402
 from elastic.sim.simulate import SimConfig, simulate_rollout  # noqa: E402
+from elastic.sim.step_fit import calibrate, calibrate_transitions, fit_error  # noqa: E402
 from elastic.trace import TraceRecord  # noqa: E402
 from megatron_rl.models.config import MoEModelConfig  # noqa: E402
 from megatron_rl.rollout.config import RolloutConfig  # noqa: E402
@@ -61,17 +62,12 @@ JUDGED_SHARE = 0.02
 
 def tiny_cost(m: MoEModelConfig, dtype_bytes: int, ranks_per_node: int, host_cores: int) -> CostModel:
     """A cost model with the CPU model's shape; its rates are what `calibrate` fits."""
-    heads_dim = m.num_attention_heads * m.kv_channels
-    kv_dim = m.num_query_groups * m.kv_channels
-    attn = 2 * m.hidden_size * heads_dim + 2 * m.hidden_size * kv_dim + m.hidden_size * m.num_moe_experts
-    return CostModel(
-        name="cpu-tiny", num_layers=m.num_layers, hidden_size=m.hidden_size, num_experts=m.num_moe_experts,
-        topk=m.moe_router_topk, expert_params_per_layer=3 * m.hidden_size * m.moe_ffn_hidden_size,
-        dense_params=m.num_layers * attn + m.vocab_size * m.hidden_size, bytes_per_param=dtype_bytes,
-        kv_bytes_per_token=m.num_layers * 2 * kv_dim * dtype_bytes,
-        attn_flops_per_kv_token=4 * heads_dim * m.num_layers, ranks_per_node=ranks_per_node,
-        host_cores=host_cores,
-    )
+    import torch
+
+    from megatron_rl.rollout.memory import memory_budget
+
+    budget = memory_budget(m, dtype_bytes, torch.device("cpu"), ranks_per_node)
+    return CostModel(name="cpu-tiny", shape=m.shape(dtype_bytes, budget, ranks_per_node), host_cores=host_cores)
 
 
 def _probe_model(ctx, mcfg: MoEModelConfig, owners: dict[int, int], seed: int):

@@ -219,19 +219,23 @@ def params_table(names) -> list[str]:
 def cost_table(cost: CostModel) -> list[str]:
     lines = ["| constant | value |", "|---|---|"]
     for k, v in cost.to_dict().items():
-        lines.append(f"| `{k}` | {v} |")
+        for name, value in v.items() if k == "shape" else [(k, v)]:  # the model's shape, then the hardware
+            lines.append(f"| `{'shape.' if k == 'shape' else ''}{name}` | {value} |")
     return lines
 
 
+KV_ADMISSION_MARKS = ("<!-- kv_admission:begin -->", "<!-- kv_admission:end -->")
+
+
 def _kept_sections(path: Path) -> list[list[str]]:
-    """The benches' own sections of the file, as they are: tools/bench_partial.py's and
-    tools/bench_train_elastic.py's."""
+    """The benches' own sections of the file, as they are: tools/bench_partial.py's,
+    tools/bench_train_elastic.py's and the KV admission table's (its commands are in it)."""
     import bench_partial
     import bench_train_elastic
 
     text = path.read_text(encoding="utf-8") if path.exists() else ""
-    return [text[text.index(b):text.index(e) + len(e)].split("\n")
-            for b, e in ((m.BEGIN, m.END) for m in (bench_partial, bench_train_elastic)) if b in text and e in text]
+    marks = [(m.BEGIN, m.END) for m in (bench_partial, bench_train_elastic)] + [KV_ADMISSION_MARKS]
+    return [text[text.index(b):text.index(e) + len(e)].split("\n") for b, e in marks if b in text and e in text]
 
 
 def main(argv=None) -> int:

@@ -2,10 +2,14 @@
 
 Defaults describe Qwen3-30B-A3B in bf16 on 80 GB H100s, the setup arXiv 2611.06984 measured
 (from its HuggingFace config.json; the byte figures follow from it):
-- 48 layers, 128 experts, top-8, expert FFN 768, hidden 2048.
+- 48 layers, 128 experts, top-8, expert FFN 768, hidden 2048, 32 query heads and 4 KV heads of 128,
+  vocabulary 151936.
 - One expert in one layer: 3 x 2048 x 768 params x 2 B = 9.44 MB; all 48 layers: 453 MB.
 - KV cache: 48 layers x 2 (K, V) x 4 KV heads x 128 head dim x 2 B = 96 KiB per token.
 - Replicated dense weights (attention, embeddings, router): about 3.1 GB per rank.
+
+This is the one description of a model the planner and the cost model share: the runtime builds
+it from the real model's configuration (`MoEModelConfig.shape`), the cost model composes it.
 """
 from __future__ import annotations
 
@@ -78,18 +82,29 @@ class ModelShape:
     hidden_size: int = 2048
     expert_ffn: int = 768
     bytes_per_param: int = 2
-    kv_bytes_per_token: int = 48 * 2 * 4 * 128 * 2
+    # None: the K and V of every layer, num_layers x 2 x num_query_groups x kv_channels x
+    # bytes_per_param; a training rollout's budget adds the recorded routes (`MemoryBudget`).
+    kv_bytes_per_token: int | None = None
     dense_bytes: int = int(3.1e9)
     memory_per_rank_bytes: int = 80 * 10**9
     # Share of device memory the runtime may use (activations, allocator slack and CUDA graphs
     # take the rest); 0.9 is the vLLM/SGLang default `gpu_memory_utilization` neighbourhood.
     memory_utilization: float = 0.9
     ranks_per_node: int = 8
+    # Attention and vocabulary: what a decode step reads and computes beside the experts.
+    num_attention_heads: int = 32
+    num_query_groups: int = 4
+    kv_channels: int = 128
+    vocab_size: int = 151936
 
     def __post_init__(self):
+        if self.kv_bytes_per_token is None:
+            object.__setattr__(self, "kv_bytes_per_token", self.num_layers * 2 * self.num_query_groups
+                               * self.kv_channels * self.bytes_per_param)
         for name in ("num_experts", "topk", "num_layers", "hidden_size", "expert_ffn",
                      "bytes_per_param", "kv_bytes_per_token", "memory_per_rank_bytes",
-                     "ranks_per_node"):
+                     "ranks_per_node", "num_attention_heads", "num_query_groups", "kv_channels",
+                     "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelShape.{name} must be > 0, got {getattr(self, name)}")
         if self.dense_bytes < 0:
@@ -102,9 +117,32 @@ class ModelShape:
             raise ValueError(f"ModelShape.topk ({self.topk}) exceeds num_experts ({self.num_experts})")
 
     @property
+    def expert_params_per_layer(self) -> int:
+        """Gate, up and down projections of one expert in one layer."""
+        return 3 * self.hidden_size * self.expert_ffn
+
+    @property
     def expert_bytes(self) -> int:
-        """One expert across all layers (gate, up and down projections)."""
-        return 3 * self.hidden_size * self.expert_ffn * self.bytes_per_param * self.num_layers
+        """One expert across all layers (what a shrink moves per expert)."""
+        return self.expert_params_per_layer * self.bytes_per_param * self.num_layers
+
+    @property
+    def step_dense_params(self) -> int:
+        """Weights every decode step of a rank with tokens reads: per layer the attention (q and o
+        of hidden x heads x head dim, k and v of hidden x KV heads x head dim) and the router, plus
+        the LM head (the input embedding is read a row per token, the norms are negligible)."""
+        d, c = self.hidden_size, self.kv_channels
+        attention = 2 * d * self.num_attention_heads * c + 2 * d * self.num_query_groups * c
+        return self.num_layers * (attention + d * self.num_experts) + self.vocab_size * d
+
+    @property
+    def step_dense_bytes(self) -> int:
+        return self.step_dense_params * self.bytes_per_param
+
+    @property
+    def attn_flops_per_kv_token(self) -> int:
+        """QK^T and PV over one cached token: 2 x 2 flops x query heads x head dim x layers."""
+        return 4 * self.num_attention_heads * self.kv_channels * self.num_layers
 
     @cached_property
     def budget(self) -> MemoryBudget:

@@ -1,6 +1,6 @@
 """Fit a cost model to measured rollout ledgers (the real engine's rank-seconds per state).
 
-`costmodel.calibrate` fits step constants to probed step times. A shared or noisy machine makes
+`step_fit.calibrate` fits step constants to probed step times. A shared or noisy machine makes
 probes taken at another moment unreliable, so this second stage scales the parts of a decode step
 to whole rollouts measured beside the ones to be predicted:
 
@@ -25,8 +25,9 @@ import numpy as np
 
 from elastic.ledger import STATES
 from elastic.planning.plan import Plan
-from elastic.sim.costmodel import CostModel, nonneg_lstsq
+from elastic.sim.costmodel import CostModel
 from elastic.sim.simulate import SimConfig, simulate_rollout
+from elastic.sim.step_fit import nonneg_lstsq
 from elastic.trace import TraceRecord
 
 _OFF_RATE = 1e30  # a rate that makes its term vanish (rates must stay > 0)

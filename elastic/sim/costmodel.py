@@ -1,9 +1,11 @@
 """Cost model: how long a decode step, an all-to-all, a prefill and a shrink take, in place of GPUs.
 
-The simulator and the planner both price a plan with this model. Defaults describe Qwen3-30B-A3B
-in bf16 on H100-80GB SXM nodes of 8 GPUs (the setup arXiv 2611.06984 measured). Each constant says
+The simulator and the planner both price a plan with this model. It composes the model's shape
+(`ModelShape`: sizes, layers, heads, ranks per node; Qwen3-30B-A3B in bf16 by default) and adds the
+hardware: H100-80GB SXM nodes of 8 GPUs (the setup arXiv 2611.06984 measured). Each constant says
 where it comes from; the ones marked *assumption* have no public measurement we could find and are
-the first to recalibrate (`calibrate`, or a YAML file of field overrides: `flexfloor simulate --cost`).
+the first to recalibrate (`step_fit.calibrate`, or a YAML file of field overrides: `flexfloor
+simulate --cost`).
 
 One rank's decode step (its own compute and memory traffic, phases added, not overlapped):
     bytes  = [batch > 0] * dense weights + KV bytes of its live context + activated expert weights
@@ -18,13 +20,13 @@ group tokens, which the analytical lower bound relies on.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
 from elastic.planning.busiest import busiest_load
-from elastic.planning.shape import QWEN3_30B_A3B_H100 as _QWEN3
+from elastic.planning.shape import QWEN3_30B_A3B_H100, ModelShape
 
 # DeepEP v1 low-latency kernels (docs/legacy.md of deepseek-ai/DeepEP, H800 + CX7 400 Gb/s, 128
 # tokens per rank, hidden 7168, top-8, FP8 dispatch + BF16 combine): dispatch + combine latency per
@@ -49,24 +51,10 @@ def _require(cond: bool, message: str) -> None:
 class CostModel:
     # `decode_step_s` broadcasts over numpy arrays (`step_cost.step_table` prices whole tables at once).
     takes_arrays = True
-    name: str = _QWEN3.name
-    # ---- model (Qwen3-30B-A3B HF config.json): the defaults are the planner's shape's ---------------
-    num_layers: int = _QWEN3.num_layers
-    hidden_size: int = _QWEN3.hidden_size
-    num_experts: int = _QWEN3.num_experts
-    topk: int = _QWEN3.topk
-    # gate + up + down of one expert in one layer: 3 x 2048 x 768.
-    expert_params_per_layer: int = 3 * _QWEN3.hidden_size * _QWEN3.expert_ffn
-    # Weights read by every decode step of a rank that has tokens: attention per layer (q 2048x4096,
-    # k and v 2048x512, o 4096x2048) + router (2048x128), times 48 layers, + the 151936x2048 LM head.
-    dense_params: int = 48 * (2 * 2048 * 4096 + 2 * 2048 * 512 + 2048 * 128) + 151936 * 2048
-    bytes_per_param: int = _QWEN3.bytes_per_param
-    # 48 layers x (K, V) x 4 KV heads x 128 head dim x 2 bytes = 96 KiB.
-    kv_bytes_per_token: int = _QWEN3.kv_bytes_per_token
-    # QK^T and PV over one cached token: 2 x 2 flops x 32 q heads x 128 head dim x 48 layers.
-    attn_flops_per_kv_token: int = 4 * 32 * 128 * 48
+    name: str = ""  # "": the shape's name
+    # ---- the model and its nodes: sizes, layers, heads, ranks per node (elastic/planning/shape.py) --
+    shape: ModelShape = QWEN3_30B_A3B_H100
     # ---- hardware (H100 SXM5 80GB, nodes of 8) ----------------------------------------------------
-    ranks_per_node: int = _QWEN3.ranks_per_node
     # 70% of the 3.35 TB/s HBM3 peak (NVIDIA H100 datasheet); 70% is an assumption for decode kernels.
     hbm_bytes_per_s: float = 0.70 * 3.35e12
     # 40% of the 989 TFLOP/s dense BF16 peak (datasheet); assumption for small-batch GEMMs.
@@ -108,13 +96,14 @@ class CostModel:
     host_cores: float = 0
 
     def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self.shape.name)
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in _MAY_BE_ZERO:
                 _require(v > 0, f"{f.name} must be > 0, got {v}")
         for name in _MAY_BE_ZERO:
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        _require(self.topk <= self.num_experts, f"topk {self.topk} exceeds num_experts {self.num_experts}")
         pts = [tuple(p) for p in self.a2a_inter_latency_s]
         _require(len(pts) >= 1 and all(len(p) == 2 and p[0] > 0 and p[1] >= 0 for p in pts),
                  "a2a_inter_latency_s must be a list of [ep_size, seconds] pairs")
@@ -128,29 +117,20 @@ class CostModel:
                  "a2a_host_latency_s ep sizes must be strictly increasing")
         object.__setattr__(self, "a2a_host_latency_s", tuple((int(e), float(s)) for e, s in host))
 
-    # ---- derived sizes ----------------------------------------------------------------------------
-    @property
-    def expert_bytes(self) -> int:
-        """One expert across all layers (what a shrink moves per expert)."""
-        return self.expert_params_per_layer * self.bytes_per_param * self.num_layers
-
-    @property
-    def dense_bytes(self) -> int:
-        return self.dense_params * self.bytes_per_param
-
     # ---- per-rank compute and memory ----------------------------------------------------------------
     def step_bytes(self, batch, kv_tokens, experts_owned, group_tokens):
         """HBM bytes one rank's step reads (arrays broadcast): the dense weights if it has tokens,
         its live KV, and the experts it owns that the group's tokens hit (uniform routing). Over the
         device's peak bandwidth, the step's roofline (tools/bench_gpu.py)."""
+        s = self.shape
         n = np.asarray(batch, dtype=np.float64)
         kv = np.asarray(kv_tokens, dtype=np.float64)
         own = np.asarray(experts_owned, dtype=np.float64)
         big_n = np.asarray(group_tokens, dtype=np.float64)
         # An expert is read if at least one of the group's tokens picks it (uniform routing).
-        hit = 1.0 - np.power(1.0 - self.topk / self.num_experts, big_n)
-        expert_read = own * hit * self.expert_params_per_layer * self.num_layers * self.bytes_per_param
-        return (n > 0) * self.dense_bytes + kv * self.kv_bytes_per_token + expert_read
+        hit = 1.0 - np.power(1.0 - s.topk / s.num_experts, big_n)
+        expert_read = own * hit * s.expert_params_per_layer * s.num_layers * s.bytes_per_param
+        return (n > 0) * s.step_dense_bytes + kv * s.kv_bytes_per_token + expert_read
 
     def rank_compute_s(self, batch, kv_tokens, experts_owned, group_tokens):
         """Seconds one rank spends on its own step (arrays broadcast). `kv_tokens` is the summed
@@ -159,23 +139,23 @@ class CostModel:
         kv = np.asarray(kv_tokens, dtype=np.float64)
         own = np.asarray(experts_owned, dtype=np.float64)
         big_n = np.asarray(group_tokens, dtype=np.float64)
-        routed = big_n * self.topk * own / self.num_experts
+        routed = big_n * self.shape.topk * own / self.shape.num_experts
         mem = self.step_bytes(n, kv, own, big_n)
-        flops = (2.0 * n * self.dense_params
-                 + 2.0 * routed * self.expert_params_per_layer * self.num_layers
-                 + kv * self.attn_flops_per_kv_token)
+        flops = (2.0 * n * self.shape.step_dense_params
+                 + 2.0 * routed * self.shape.expert_params_per_layer * self.shape.num_layers
+                 + kv * self.shape.attn_flops_per_kv_token)
         return mem / self.hbm_bytes_per_s + flops / self.flops_per_s
 
     def a2a_s(self, ep_size, tokens_per_rank):
         """Dispatch + combine over all layers for one step of an EP group (0 for a group of one)."""
         g = np.asarray(ep_size, dtype=np.float64)
-        traffic = np.asarray(tokens_per_rank, dtype=np.float64) * self.topk * self.hidden_size * 3.0
+        traffic = np.asarray(tokens_per_rank, dtype=np.float64) * self.shape.topk * self.shape.hidden_size * 3.0
         eps = np.array([p[0] for p in self.a2a_inter_latency_s], dtype=np.float64)
         lats = np.array([p[1] for p in self.a2a_inter_latency_s], dtype=np.float64)
         inter = np.interp(np.log2(np.maximum(g, 1.0)), np.log2(eps), lats) + traffic / self.a2a_inter_bytes_per_s
         intra = self.intra_latency_s(g) + traffic / self.a2a_intra_bytes_per_s
-        per_layer = np.where(g > self.ranks_per_node, inter, intra)
-        return np.where(g > 1, per_layer * self.num_layers, 0.0)
+        per_layer = np.where(g > self.shape.ranks_per_node, inter, intra)
+        return np.where(g > 1, per_layer * self.shape.num_layers, 0.0)
 
     def intra_latency_s(self, ep_size):
         """In-node all-to-all latency per MoE layer: the host table where there is one, else
@@ -200,7 +180,7 @@ class CostModel:
         g = np.asarray(ep_size, dtype=np.float64)
         k = g if busy is None else np.asarray(busy, dtype=np.float64)
         n = np.asarray(batch_per_rank, dtype=np.float64)
-        t = self.rank_compute_s(n, n * context, self.num_experts / g, n * k)
+        t = self.rank_compute_s(n, n * context, self.shape.num_experts / g, n * k)
         out = self.contention(k) * (self.step_overhead_s + t) + self.a2a_s(g, n)
         return float(out) if np.ndim(out) == 0 else out
 
@@ -210,7 +190,7 @@ class CostModel:
         are hundreds of tokens, responses thousands)."""
         p = float(prompt_tokens)
         g = float(ep_size)
-        t = self.rank_compute_s(p, p, self.num_experts / g, p * g)
+        t = self.rank_compute_s(p, p, self.shape.num_experts / g, p * g)
         return float(self.contention(g) * (self.step_overhead_s + t) + self.a2a_s(g, p))
 
     def shrink_s(self, experts_moved: int, ep_size: int) -> float:
@@ -219,16 +199,18 @@ class CostModel:
         receiving an equal share over the slower link the group uses."""
         if experts_moved <= 0:
             return 0.0
-        survivors = max(1, round(ep_size * (1 - experts_moved / self.num_experts)))
+        survivors = max(1, round(ep_size * (1 - experts_moved / self.shape.num_experts)))
         per_receiver = -(-experts_moved // survivors)
-        bw = self.transfer_intra_bytes_per_s if ep_size <= self.ranks_per_node else self.transfer_inter_bytes_per_s
-        return self.shrink_fixed_s + per_receiver * self.expert_bytes / bw
+        intra = ep_size <= self.shape.ranks_per_node
+        bw = self.transfer_intra_bytes_per_s if intra else self.transfer_inter_bytes_per_s
+        return self.shrink_fixed_s + per_receiver * self.shape.expert_bytes / bw
 
     def migrate_s(self, kv_bytes: float, ep_size: int) -> float:
         """The planner's estimate of moving KV cache inside a group of `ep_size`, `kv_bytes` being
         what the busiest rank sends or receives (moves between distinct pairs run at once) over the
         group's slower link; it rides on a shrink's barrier."""
-        bw = self.transfer_intra_bytes_per_s if ep_size <= self.ranks_per_node else self.transfer_inter_bytes_per_s
+        intra = ep_size <= self.shape.ranks_per_node
+        bw = self.transfer_intra_bytes_per_s if intra else self.transfer_inter_bytes_per_s
         return float(kv_bytes) / bw
 
     def transfer_s(self, moves: Iterable[tuple[int, int, int]]) -> float:
@@ -237,12 +219,12 @@ class CostModel:
         moves = list(moves)
         if not moves:
             return 0.0
-        return self.shrink_fixed_s + busiest_load((src, dst, self.expert_bytes / self.link_bytes_per_s(src, dst))
+        return self.shrink_fixed_s + busiest_load((src, dst, self.shape.expert_bytes / self.link_bytes_per_s(src, dst))
                                                   for _e, src, dst in moves)
 
     def link_bytes_per_s(self, src: int, dst: int) -> float:
         """The rate of the link between ranks `src` and `dst`: in-node or across nodes."""
-        same_node = src // self.ranks_per_node == dst // self.ranks_per_node
+        same_node = src // self.shape.ranks_per_node == dst // self.shape.ranks_per_node
         return self.transfer_intra_bytes_per_s if same_node else self.transfer_inter_bytes_per_s
 
     def min_decode_step_s(self, context, ep_size):
@@ -273,142 +255,3 @@ class CostModel:
 
 
 DEFAULT_COST = CostModel()
-
-
-# ---- calibration from measured step times ---------------------------------------------------------
-# Fitted fields, in feature order: each is a feature's coefficient or its inverse (a rate); on a
-# CPU host the in-node all-to-all features are one latency per EP size instead (`a2a_host_latency_s`).
-_FITTED = ("step_overhead_s", "hbm_bytes_per_s", "flops_per_s", "a2a_intra_latency_s", "a2a_intra_per_peer_s")
-_RATES = ("hbm_bytes_per_s", "flops_per_s")
-
-
-def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares `x @ coef ~ y` with every coefficient >= 0: a column whose coefficient comes
-    out negative is dropped (coefficient 0) and the rest refitted. All-zero columns stay 0."""
-    coef = np.zeros(x.shape[1])
-    active = [j for j in range(x.shape[1]) if np.abs(x[:, j]).max() > 0]
-    scale = np.abs(x).max(axis=0)
-    while active:
-        sol, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol / scale[active]
-            break
-        active = [j for j, c in zip(active, sol) if c >= 0]
-    return coef
-
-
-def _sample(s: Sequence[float]) -> tuple[float, float, int, float, int]:
-    """`(batch_per_rank, context, ep_size, seconds[, busy])`, busy defaulting to every member."""
-    b, c, g, secs, *rest = s
-    return float(b), float(c), int(g), float(secs), int(rest[0]) if rest else int(g)
-
-
-def _features(base: CostModel, batch: float, context: float, ep_size: int, busy: int,
-              host_sizes: Sequence[int] = ()) -> list[float]:
-    """A step's time is linear in these, with coefficients [overhead, 1/hbm, 1/flops] and then
-    [in-node all-to-all latency per layer, and per extra peer], or with `host_sizes` one latency
-    per layer for each of those EP sizes; plus `_unfitted_s`."""
-    g, n = float(ep_size), float(batch)
-    kv, own, big_n = n * context, base.num_experts / g, n * busy
-    hit = 1.0 - (1.0 - base.topk / base.num_experts) ** big_n
-    mem = (n > 0) * base.dense_bytes + kv * base.kv_bytes_per_token \
-        + own * hit * base.expert_params_per_layer * base.num_layers * base.bytes_per_param
-    flops = 2.0 * n * base.dense_params + kv * base.attn_flops_per_kv_token \
-        + 2.0 * big_n * base.topk * own / base.num_experts * base.expert_params_per_layer * base.num_layers
-    intra_layers = float(base.num_layers) if 1 < g <= base.ranks_per_node else 0.0
-    c = float(base.contention(busy))
-    if host_sizes:
-        return [c, c * mem, c * flops] + [intra_layers * (g == h) for h in host_sizes]
-    return [c, c * mem, c * flops, intra_layers, intra_layers * max(g - 2.0, 0.0)]
-
-
-def _unfitted_s(base: CostModel, batch: float, ep_size: int) -> float:
-    """The all-to-all terms `calibrate` keeps at `base`: traffic, and the inter-node latency."""
-    intra = float(base.num_layers * base.intra_latency_s(ep_size)) if 1 < ep_size <= base.ranks_per_node else 0.0
-    return float(base.a2a_s(ep_size, batch)) - intra
-
-
-def _fit_steps(samples: list[tuple[float, float, int, float, int]], base: CostModel) -> CostModel:
-    host_sizes = sorted({g for _b, _c, g, _s, _k in samples if 1 < g <= base.ranks_per_node}) \
-        if base.host_cores else []
-    x = np.array([_features(base, b, c, g, k, host_sizes) for b, c, g, _, k in samples], dtype=np.float64)
-    y = np.array([s - _unfitted_s(base, b, g) for b, _c, g, s, _k in samples], dtype=np.float64)
-    # Relative errors: a short step's miss counts as much as a long one's.
-    w = 1.0 / np.array([s for _b, _c, _g, s, _k in samples], dtype=np.float64)
-    coef = nonneg_lstsq(x * w[:, None], y * w)
-    fitted = {}
-    for j, name in enumerate(_FITTED[:3] if host_sizes else _FITTED):
-        if x[:, j].max() <= 0:  # a feature the samples do not exercise keeps base's value
-            continue
-        if name in _RATES:
-            # A zero coefficient means the term does not show in the samples: a huge rate, not inf.
-            fitted[name] = 1.0 / float(coef[j]) if coef[j] > 0 else 1e30
-        else:
-            fitted[name] = float(coef[j])
-    if host_sizes:
-        fitted["a2a_host_latency_s"] = tuple((g, float(c)) for g, c in zip(host_sizes, coef[3:]))
-    return replace(base, name=f"{base.name}+calibrated", **fitted)
-
-
-def calibrate(samples: Sequence[Sequence[float]], base: CostModel = DEFAULT_COST) -> CostModel:
-    """Fit the step-time constants to measured `(batch_per_rank, mean_context, ep_size, seconds)`
-    samples, optionally with a fifth element: the members holding requests (the rest run dummy
-    steps; default all).
-
-    The shape fields (layers, experts, bytes per parameter and per KV token) stay those of `base`, so
-    pass a `base` that describes the measured model (e.g. the tiny CPU model with `ranks_per_node`
-    set to the ranks of the machine). Least squares on relative errors with every coefficient kept
-    non-negative (`nonneg_lstsq`). A feature absent from the samples (e.g. no multi-rank group)
-    keeps its `base` value; one fitted to zero becomes negligible.
-
-    With `base.host_cores` > 0 (ranks sharing a CPU host) the in-node all-to-all is fitted as one
-    latency per sampled EP size (`a2a_host_latency_s`), and, given samples with fewer busy members
-    than others, the effective cores too: the count in 0.5..host_cores (steps of 1/8) whose fit has
-    the least mean relative error, since other load on the host leaves the ranks fewer cores than
-    it has.
-    """
-    if len(samples) < 2:
-        raise ValueError(f"calibrate needs at least 2 step-time samples, got {len(samples)}")
-    pts = [_sample(s) for s in samples]
-    if not base.host_cores or len({k for *_, k in pts}) < 2:
-        return _fit_steps(pts, base)
-    fits = [_fit_steps(pts, replace(base, host_cores=float(n)))
-            for n in np.arange(0.5, base.host_cores + 1e-9, 0.125)]
-    return min(fits, key=lambda m: fit_error(m, pts))
-
-
-def fit_error(model: CostModel, samples: Sequence[Sequence[float]]) -> float:
-    """Mean relative error of `model.decode_step_s` on the samples (how good a calibration is)."""
-    errs = [abs(model.decode_step_s(b, c, g, k) - s) / s for b, c, g, s, k in map(_sample, samples) if s > 0]
-    return float(np.mean(errs)) if errs else 0.0
-
-
-def calibrate_transitions(shrinks: Sequence[tuple[Sequence[tuple[int, int, int]], float]],
-                          restores: Sequence[tuple[Sequence[tuple[int, int, int]], float]],
-                          base: CostModel) -> CostModel:
-    """Fit `shrink_fixed_s`, the in-node transfer rate and `restore_extra_s` to measured shrinks
-    and restores, each `(moves, seconds)` with `moves` as `Plan.transfers` gives them, all inside one
-    node. A shrink costs the fixed cost plus the busiest rank's bytes over the rate (`transfer_s`);
-    the rate keeps `base`'s value unless the shrinks move different loads. A restore costs that
-    plus `restore_extra_s`, the mean excess of the measured restores."""
-    def busiest_bytes(moves) -> float:
-        for _e, src, dst in moves:
-            if src // base.ranks_per_node != dst // base.ranks_per_node:
-                raise ValueError(f"calibrate_transitions: move {src} -> {dst} leaves the node")
-        return busiest_load((src, dst, 1.0) for _e, src, dst in moves) * float(base.expert_bytes)
-
-    fitted = base
-    moving = [(busiest_bytes(m), s) for m, s in shrinks if m]
-    if moving:
-        x = np.array([[1.0, b] for b, _ in moving])
-        y = np.array([s for _, s in moving])
-        if np.ptp(x[:, 1]) == 0:  # one load only: the rate cannot be told from the fixed cost
-            y = y - x[:, 1] / base.transfer_intra_bytes_per_s
-            x[:, 1] = 0.0
-        fixed, per_byte = nonneg_lstsq(x, y)
-        fitted = replace(fitted, shrink_fixed_s=max(float(fixed), 1e-9),
-                         **({"transfer_intra_bytes_per_s": 1.0 / per_byte} if per_byte > 0 else {}))
-    if restores:
-        excess = [s - max(fitted.transfer_s(m), fitted.shrink_fixed_s) for m, s in restores]
-        fitted = replace(fitted, restore_extra_s=max(0.0, float(np.mean(excess))))
-    return fitted

@@ -137,6 +137,10 @@ class TraceResult:
         out["migrated_responses"] = sum(r.migrated for r in self.rollouts)
         if self.partial is not None:
             out["partial"] = dict(self.partial)
+        peaks = [p for r in self.rollouts for p in (r.peak_concurrent or ())]
+        if peaks:  # a `slots` or `paged` admission (elastic/sim/admission.py)
+            out["kv"] = {"peak_concurrent_per_rank": max(peaks),
+                         "mean_peak_concurrent_per_rank": sum(peaks) / len(peaks)}
         out["per_rollout"] = [
             {"rollout_time_s": r.ledger.wall_s, "lower_bound_s": r.lower_bound_s,
              "rank_seconds": r.ledger.rank_seconds(), "transitions": [list(t) for t in r.transitions],
@@ -150,9 +154,9 @@ class TraceResult:
 
 def simulate_trace(trace: Trace, policy: Policy, *, ranks: int, cost: CostModel, shape: ModelShape,
                    config: SimConfig | None = None, epochs: list[int] | None = None) -> TraceResult:
-    if shape.num_experts != cost.num_experts:
+    if shape.num_experts != cost.shape.num_experts:
         raise ValueError(f"model shape {shape.name!r} has {shape.num_experts} experts, "
-                         f"cost model {cost.name!r} {cost.num_experts}")
+                         f"cost model {cost.name!r} {cost.shape.num_experts}")
     result = TraceResult(policy, ranks)
     for e in epochs if epochs is not None else rollout_epochs(trace):
         batch = trace.epoch(e)

@@ -37,6 +37,7 @@ from elastic.planning.busiest import busiest_load
 from elastic.planning.plan import Plan
 from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
+from elastic.sim.admission import KV_ADMISSIONS, peak_concurrent, start_steps
 from elastic.sim.costmodel import CostModel
 from elastic.timeline import RankTimeline
 from elastic.trace import TraceRecord
@@ -57,6 +58,10 @@ class SimConfig:
     migrate_max: int = 0
     # Record each rank's timeline (elastic/timeline.py) in its ledger, as the runtime does.
     timeline: bool = False
+    # How a rank admits its requests into its KV budget (elastic/sim/admission.py): `tokens`, all
+    # at the prefill; `slots` or `paged` (pages of kv_page_size positions), as KV room frees.
+    kv: str = "tokens"
+    kv_page_size: int = 16
 
     def __post_init__(self):
         if self.check_every < 1:
@@ -65,6 +70,9 @@ class SimConfig:
             raise ValueError(f"lease_start_s must be >= 0, got {self.lease_start_s}")
         if self.migrate_max < 0:
             raise ValueError(f"migrate_max must be >= 0, got {self.migrate_max}")
+        if self.kv not in KV_ADMISSIONS or self.kv_page_size < 1:
+            raise ValueError(f"kv: expected one of {', '.join(KV_ADMISSIONS)} and kv_page_size >= 1, "
+                             f"got {self.kv!r}, {self.kv_page_size}")
 
 
 @dataclass
@@ -79,6 +87,8 @@ class SimulatedRollout:
     migrated: int = 0
     migrated_kv_bytes: int = 0
     rebalances: int = 0  # moves between members that stay (online rule only)
+    # Each rank's most requests decoding at once, under a `slots` or `paged` admission (else None).
+    peak_concurrent: list[int] | None = None
 
 
 def lower_bound_s(prompt_lens, response_lens, cost: CostModel, floor: int, ranks: int) -> float:
@@ -101,8 +111,9 @@ class _Rollout:
 
     def __init__(self, plan: Plan, batch: Sequence[TraceRecord], cost: CostModel, shape: ModelShape,
                  config: SimConfig):
-        if plan.num_experts != cost.num_experts:
-            raise ValueError(f"plan has {plan.num_experts} experts, cost model {cost.name!r} has {cost.num_experts}")
+        if plan.num_experts != cost.shape.num_experts:
+            raise ValueError(f"plan has {plan.num_experts} experts, cost model {cost.name!r} has "
+                             f"{cost.shape.num_experts}")
         rank_of = plan.rank_of()
         missing = [r.key for r in batch if r.key not in rank_of]
         if missing:
@@ -114,6 +125,11 @@ class _Rollout:
         # Decode steps per response: the prefill emits the first token, as real engines do.
         self.length = np.maximum(self.tokens - 1, 0)
         self.prompt = np.array([r.prompt_len for r in batch], dtype=np.int64)
+        # The decode step after which each request starts, and its KV then: prompt + (t - start).
+        self.start = np.zeros(len(batch), dtype=np.int64) if config.kv == "tokens" else start_steps(
+            config.kv, config.kv_page_size, shape, self._owned(0), self.rank, self.prompt, self.tokens, self.length)
+        self.length += self.start
+        self.kv_base = self.prompt - self.start
         self.steps_total = int(self.length.max()) if len(batch) else 0
         cols = self.steps_total + 2
         # live[r, t]: requests of rank r still decoding at decode step t (decode length >= t), whose
@@ -121,7 +137,10 @@ class _Rollout:
         ends = np.zeros((w, cols), dtype=np.int64)
         pends = np.zeros((w, cols), dtype=np.int64)
         np.add.at(ends, (self.rank, self.length), 1)
-        np.add.at(pends, (self.rank, self.length), self.prompt)
+        np.add.at(pends, (self.rank, self.length), self.kv_base)
+        if config.kv != "tokens":  # not yet admitted at step t: start >= t
+            np.add.at(ends, (self.rank, self.start), -1)
+            np.add.at(pends, (self.rank, self.start), -self.kv_base)
         self.live = np.cumsum(ends[:, ::-1], axis=1)[:, ::-1].copy()
         self.psum = np.cumsum(pends[:, ::-1], axis=1)[:, ::-1].copy()
         self.drain = np.zeros(w, dtype=np.int64)
@@ -135,6 +154,8 @@ class _Rollout:
         self.result = SimulatedRollout(ledger=None, response_tokens=int(self.tokens.sum()),  # type: ignore[arg-type]
                                     lower_bound_s=0.0)
         self.timelines = [RankTimeline() for _ in range(w)] if config.timeline else None
+        if config.kv != "tokens":
+            self.result.peak_concurrent = peak_concurrent(self.live)
 
     # ---- ledger helpers ---------------------------------------------------------------------------
     def _account_detached(self, members: np.ndarray, starts: np.ndarray, durations: np.ndarray) -> None:
@@ -175,7 +196,7 @@ class _Rollout:
     def _prefill(self) -> None:
         w, cost = self.plan.ranks, self.cost
         members = np.arange(w)
-        tokens = np.bincount(self.rank, weights=self.prompt, minlength=w)
+        tokens = np.bincount(self.rank, weights=self.prompt * (self.start == 0), minlength=w)
         per_rank = cost.rank_compute_s(tokens, tokens, self._owned(0), tokens.sum())
         has = np.bincount(self.rank, minlength=w) > 0
         dt = float(cost.contention(has.sum())) * (cost.step_overhead_s + float(per_rank.max())) \
@@ -254,7 +275,7 @@ class _Rollout:
             span = slice(step + 1, int(self.length[i]) + 1)
             ts = np.arange(span.start, span.stop)
             # Peak KV tokens each resident would hold over the response's remaining steps.
-            peaks = (self.psum[residents, span] + self.live[residents, span] * ts + self.prompt[i] + ts).max(axis=1)
+            peaks = (self.psum[residents, span] + self.live[residents, span] * ts + self.kv_base[i] + ts).max(axis=1)
             fits = [r for r, p in zip(residents, peaks) if p <= budget[r]]
             if not fits:
                 self.live, self.psum, self.rank = saved
@@ -266,9 +287,9 @@ class _Rollout:
 
     def _move(self, i: int, dst: int, step: int) -> None:
         """Response i continues on rank `dst` from decode step step + 1."""
-        span = slice(step + 1, int(self.length[i]) + 1)
+        span = slice(max(step, int(self.start[i])) + 1, int(self.length[i]) + 1)
         src = int(self.rank[i])
-        for arr, val in ((self.live, 1), (self.psum, int(self.prompt[i]))):
+        for arr, val in ((self.live, 1), (self.psum, int(self.kv_base[i]))):
             arr[src, span] -= val
             arr[dst, span] += val
         self.rank[i] = dst
@@ -280,7 +301,7 @@ class _Rollout:
         cost, kv_total = self.cost, 0
         timed = []
         for i, dst in moves:
-            kv_bytes = int(self.prompt[i] + step) * self.shape.kv_bytes_per_token
+            kv_bytes = int(self.prompt[i] + max(step - int(self.start[i]), 0)) * self.shape.kv_bytes_per_token
             src = int(self.origin[i])
             timed.append((src, dst, kv_bytes / cost.link_bytes_per_s(src, dst)))
             for r in (src, dst) if self.timelines is not None else ():
@@ -317,7 +338,7 @@ class _Rollout:
             if step >= self.steps_total:
                 break
             done = self.length <= step
-            d = rule.decide(stage, step, self.rank, np.minimum(self.tokens, step + 1), done)
+            d = rule.decide(stage, step, self.rank, np.clip(step + 1 - self.start, 0, self.tokens), done)
             for i, dst in d.moves:
                 self._move(i, dst, step)
             seconds = self._moved(list(d.moves), step)

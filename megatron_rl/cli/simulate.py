@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also simulate migrating the last N straggler responses a shrink waits for, "
                         "with their KV, to resident ranks, and report what that saves (a what-if for "
                         "the fixed plans; --policy adaptive migrates by its online rule, as the runtime does)")
+    p.add_argument("--kv", choices=["tokens", "slots", "paged"],
+                   help="how a rank admits requests into its KV budget: tokens (default: all at the "
+                        "prefill, each at its real tokens), slots (one of the longest sequence each) or "
+                        "paged (pages of kv_page_size=16 positions for each request's real length)")
     p.add_argument("--epochs", default=None, help="comma-separated epochs to simulate (default: all but the first)")
     p.add_argument("--partial", action="store_true", default=None,
                    help="partial rollouts: over-sample groups, end when one epoch's groups are complete, "
@@ -62,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 FLAGS = tuple((a, a) for a in ("trace", "policy", "floor", "tailguard", "objective", "backend", "ranks", "model",
-                               "check_every", "lease", "migrate")) + (("partial", "partial.enabled"),)
+                               "check_every", "lease", "migrate", "kv")) + (("partial", "partial.enabled"),)
 
 
 def resolve_simulate(args):
@@ -97,7 +101,8 @@ def _setup(c):
             epochs = rollout_epochs(trace)
     except TraceError as e:
         raise FlexFloorError(str(e)) from None
-    return trace, epochs, c.shape, c.cost, SimConfig(check_every=c.check_every, lease=c.lease)
+    return trace, epochs, c.shape, c.cost, SimConfig(check_every=c.check_every, lease=c.lease, kv=c.kv,
+                                                      kv_page_size=c.kv_page_size)
 
 
 def run(args) -> int:

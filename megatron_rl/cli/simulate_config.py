@@ -4,7 +4,7 @@ Apart from cli/simulate.py because the cost model imports numpy, which `flexfloo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from elastic.planning.policies import SIM_POLICIES
@@ -24,12 +24,16 @@ class SimulateConfig:
     objective: Literal["occupied", "rollout"] = "occupied"
     backend: Literal["torch", "megatron"] = "torch"
     ranks: int = 16
-    model: str | None = None  # a name of elastic.planning.shape.SHAPES; None: the default shape
+    model: str | None = None  # a name of elastic.planning.shape.SHAPES; None: cost.shape
     cost: CostModel = field(default_factory=CostModel)
     check_every: int = 16
     lease: bool = False
     migrate: int = 0
     epochs: list[int] | None = None  # default: every epoch that has an earlier one
+    # KV admission (elastic/sim/admission.py): `tokens`, every request at the prefill; `slots` or
+    # `paged` (pages of kv_page_size positions), each request as its rank's KV budget has room.
+    kv: Literal["tokens", "slots", "paged"] = "tokens"
+    kv_page_size: int = 16
     partial: PartialConfig = field(default_factory=PartialConfig)  # partial rollouts (elastic/sim/partial.py)
 
     def __post_init__(self):
@@ -37,9 +41,10 @@ class SimulateConfig:
         require_floor(self.floor, self.ranks)
         require(self.model is None or self.model in SHAPES,
                 f"model {self.model!r} is not known; known: {', '.join(sorted(SHAPES))}")
-        require(self.cost.num_experts == self.shape.num_experts,
-                f"cost.num_experts {self.cost.num_experts} differs from model {self.shape.name}'s "
-                f"{self.shape.num_experts}")
+        if self.model is not None:  # the cost model prices the named shape
+            require(self.cost.shape == ModelShape(), "cost.shape: expected --model or cost.shape fields, not both")
+            named = self.cost.name != self.cost.shape.name  # else the name follows the shape
+            self.cost = replace(self.cost, shape=SHAPES[self.model], name=self.cost.name if named else "")
         # The layout simulated, built once (not a field: `--print-config` prints the fields): a
         # simulated world need not divide the experts under the torch backend.
         self.dims = parallel_dims(self.ranks, self.shape.num_experts, self.backend,
@@ -47,7 +52,8 @@ class SimulateConfig:
         require_policy(self.policy, self.backend)
         require(self.check_every >= 1, f"check_every must be >= 1, got {self.check_every}")
         require(self.migrate >= 0, f"migrate must be >= 0, got {self.migrate}")
+        require(self.kv_page_size >= 1, f"kv_page_size: expected >= 1, got {self.kv_page_size}")
 
     @property
     def shape(self) -> ModelShape:
-        return ModelShape() if self.model is None else SHAPES[self.model]
+        return self.cost.shape

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.config import require, require_size
 from megatron_rl.errors import ConfigError
 
@@ -55,6 +56,20 @@ class MoEModelConfig:
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    def shape(self, dtype_bytes: int, budget: MemoryBudget, ranks_per_node: int) -> ModelShape:
+        """The planner's and the cost model's view of this model (elastic/planning is pure Python
+        and does not read this config): its real sizes in a `dtype_bytes` dtype, priced against
+        `budget` (its KV bytes per token include any recorded routes)."""
+        return ModelShape(
+            name=f"{self.num_layers}-layer {self.num_moe_experts}-expert model", num_experts=self.num_moe_experts,
+            topk=self.moe_router_topk, num_layers=self.num_layers, hidden_size=self.hidden_size,
+            expert_ffn=self.moe_ffn_hidden_size, bytes_per_param=dtype_bytes,
+            kv_bytes_per_token=budget.kv_bytes_per_token, dense_bytes=budget.dense_bytes,
+            memory_per_rank_bytes=budget.device_bytes, memory_utilization=budget.utilization,
+            ranks_per_node=ranks_per_node, num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups, kv_channels=self.kv_channels, vocab_size=self.vocab_size,
+        )
 
     def transformer_config_kwargs(self) -> dict:
         """Keyword arguments for `megatron.core.transformer.TransformerConfig` (MoE on every layer)."""

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from elastic.planning.shape import MemoryBudget, ModelShape
+from elastic.planning.shape import MemoryBudget
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.routes import route_bytes_per_token
 from megatron_rl.rollout.kv_cache import kv_numel
@@ -66,14 +66,3 @@ def memory_budget(mcfg: MoEModelConfig, dtype_bytes: int, device: torch.device, 
                         kv_bytes_per_token=kv_bytes_per_token(mcfg, dtype_bytes) + routes,
                         resident_bytes=resident_bytes, source=source, route_bytes_per_token=routes)
 
-
-def model_shape(mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget, ranks_per_node: int) -> ModelShape:
-    """The planner's view of the model: its real sizes, priced against `budget`."""
-    return ModelShape(
-        name=f"{mcfg.num_layers}-layer {mcfg.num_moe_experts}-expert model", num_experts=mcfg.num_moe_experts,
-        topk=mcfg.moe_router_topk, num_layers=mcfg.num_layers, hidden_size=mcfg.hidden_size,
-        expert_ffn=mcfg.moe_ffn_hidden_size, bytes_per_param=dtype_bytes,
-        kv_bytes_per_token=budget.kv_bytes_per_token, dense_bytes=budget.dense_bytes,
-        memory_per_rank_bytes=budget.device_bytes, memory_utilization=budget.utilization,
-        ranks_per_node=ranks_per_node,
-    )

@@ -23,7 +23,7 @@ from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.parallel.launch import driver_process
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine_cost import engine_cost
-from megatron_rl.rollout.memory import memory_budget, model_shape
+from megatron_rl.rollout.memory import memory_budget
 
 
 def model_config(cfg: RolloutConfig) -> tuple[MoEModelConfig, ParallelDims]:
@@ -100,7 +100,7 @@ def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int 
 
     kind, W = policy_kind(policy), dims.world
     floor = kind.floor(W, floor)
-    shape = model_shape(mcfg, dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
+    shape = mcfg.shape(dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
     if shrink_cost_s is not None:
         cost = ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     else:

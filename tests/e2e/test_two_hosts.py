@@ -151,13 +151,13 @@ def test_rollout_across_two_hosts_equals_one_host_and_places_ranks_by_node(hosts
     assert report["ranks_per_node"] == 2
     # The planner's convention (node = rank // ranks_per_node) is where the ranks really are: the
     # cost model prices a move between hosts at the inter-node bandwidth, within one at intra.
-    cost = replace(DEFAULT_COST, ranks_per_node=report["ranks_per_node"])
+    cost = replace(DEFAULT_COST, shape=replace(DEFAULT_COST.shape, ranks_per_node=report["ranks_per_node"]))
     for src in range(4):
         for dst in range(4):
             if src != dst:
                 same = hosts_of[str(src)] == hosts_of[str(dst)]
                 bw = cost.transfer_intra_bytes_per_s if same else cost.transfer_inter_bytes_per_s
-                assert cost.transfer_s([(0, src, dst)]) == pytest.approx(cost.shrink_fixed_s + cost.expert_bytes / bw)
+                assert cost.transfer_s([(0, src, dst)]) == pytest.approx(cost.shrink_fixed_s + cost.shape.expert_bytes / bw)
     # The staying order keeps a prefix of ranks: every stage of at most 2 ranks is on one host.
     for members in report["stages"]:
         if len(members) <= report["ranks_per_node"]:

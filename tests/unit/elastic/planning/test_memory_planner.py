@@ -6,12 +6,13 @@ import torch
 from elastic.planning.plan import PlanError
 from elastic.planning.planner import make_plan
 from elastic.planning.shape import QWEN3_30B_A3B_H100, MemoryBudget
+from elastic.sim.costmodel import DEFAULT_COST, CostModel
 from elastic.sim.synth import generate, preset
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.train_step import make_optimizer
-from megatron_rl.rollout.memory import kv_bytes_per_token, memory_budget, model_shape, weight_bytes
+from megatron_rl.rollout.memory import kv_bytes_per_token, memory_budget, weight_bytes
 
 QWEN3_30B = MoEModelConfig(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
                            kv_channels=128, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
@@ -39,9 +40,23 @@ def test_qwen3_30b_sizes_match_the_published_shape():
     assert 30.3e9 < (dense + 128 * expert) / 2 < 30.7e9
 
 
+def test_the_planners_shape_is_the_model_configs_own():
+    # One description: the Qwen3-30B-A3B config gives the default shape's sizes, and the cost model
+    # built on it prices a step as the default one does; the budget brings its memory and KV bytes.
+    budget = memory_budget(QWEN3_30B, 2, torch.device("cpu"), 8, device_bytes=GB80, record_routes=True)
+    shape = QWEN3_30B.shape(2, budget, ranks_per_node=8)
+    model = ("num_experts", "topk", "num_layers", "hidden_size", "expert_ffn", "bytes_per_param",
+             "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size", "ranks_per_node")
+    assert [getattr(shape, f) for f in model] == [getattr(QWEN3_30B_A3B_H100, f) for f in model]
+    assert shape.kv_bytes_per_token == budget.kv_bytes_per_token > QWEN3_30B_A3B_H100.kv_bytes_per_token  # + routes
+    assert (shape.dense_bytes, shape.memory_per_rank_bytes) == (budget.dense_bytes, GB80)
+    plain = CostModel(shape=QWEN3_30B.shape(2, memory_budget(QWEN3_30B, 2, torch.device("cpu"), 8), 8))
+    assert plain.decode_step_s(32, 3000, 16) == DEFAULT_COST.decode_step_s(32, 3000, 16)
+
+
 def _plan(cfg, budget, floor, ranks=16, prompts=24, cap=8192, layout="planned"):
     trace = generate(preset("deepscaler", prompts=prompts, samples=8, epochs=3, cap=cap), seed=1)
-    shape = model_shape(cfg, 2, budget, ranks_per_node=8)
+    shape = cfg.shape(2, budget, ranks_per_node=8)
     return make_plan(trace.epoch(2), trace.before(2), ranks=ranks, floor=floor, shape=shape,
                      layout=layout, tailguard=True, budget=budget)
 

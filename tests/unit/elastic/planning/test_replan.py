@@ -18,7 +18,7 @@ from elastic.sim.synth import generate, preset
 
 E = 16
 SHAPE = ModelShape(name="t", num_experts=E)
-COST = CostModel(num_experts=E)
+COST = CostModel(shape=SHAPE)
 
 
 def _plan(ranks, floor, keys):
