@@ -58,7 +58,7 @@ class PolicyKind:
              ladder_always: bool = False, **planner):
         """The plan of one rollout of `batch` on `dims` (`planner.make_plan`'s `planner` options);
         `oracle` plans on the true lengths (`response_len`) whatever the policy. An online policy's
-        plan is the ladder of every candidate stage (`replan.ladder_plan`); where the offline plan
+        plan is the ladder of every candidate stage (`ladder.ladder_plan`); where the offline plan
         keeps every rank a rank rollout takes the vanilla path instead (no ladder, no online rule),
         while the simulator, `ladder_always`, still ladders it."""
         from elastic.planning.layout import natural
@@ -67,8 +67,8 @@ class PolicyKind:
         if not self.uses_planner:
             keys = [(b.prompt_id, b.sample) for b in batch]
             return static_plan("natural", natural(keys, dims.world), dims.world, dims.experts)
+        from elastic.planning.ladder import ladder_plan
         from elastic.planning.planner import make_plan
-        from elastic.planning.replan import ladder_plan
 
         self.check_ownership(dims.ownership)
         floor = self.floor(dims.world, floor)
