@@ -222,11 +222,11 @@ def _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership) -
     except LayoutError as e:
         raise PlanError(str(e)) from None
     if layout not in LAYOUTS:
-        raise PlanError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        raise PlanError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
     if not 0 < alpha < 1:
-        raise PlanError(f"alpha must be in (0, 1), got {alpha}")
+        raise PlanError(f"alpha: expected in (0, 1), got {alpha}")
     if objective not in OBJECTIVES:
-        raise PlanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        raise PlanError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if not batch:
         raise PlanError("the batch is empty")
     keys = [(b.prompt_id, b.sample) for b in batch]

@@ -110,5 +110,5 @@ _KINDS = {k.name: k for k in (
 def policy_kind(name: str) -> PolicyKind:
     """The policy `name` (one of `SIM_POLICIES`)."""
     if name not in _KINDS:
-        raise PolicyError(f"unknown policy {name!r}; policies are {', '.join(SIM_POLICIES)}")
+        raise PolicyError(f"policy: expected one of {', '.join(SIM_POLICIES)}, got {name!r}")
     return _KINDS[name]

@@ -68,7 +68,7 @@ class OnlineRule:
                  samples: int = 16, seed: int = 0, max_slowdown: float | None = 0.01,
                  max_batch: int | None = None):
         if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+            raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
         self.prices = Prices(plan, prompt_len, cost, shape)
         self.prompt, self.sizes = self.prices.prompt, self.prices.sizes

@@ -43,11 +43,11 @@ class Policy:
 
     def __post_init__(self):
         if self.name not in POLICIES:
-            raise ValueError(f"unknown policy {self.name!r}; policies are {', '.join(POLICIES)}")
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.name!r}")
         if self.objective not in OBJECTIVES:
-            raise ValueError(f"unknown objective {self.objective!r}; objectives are {', '.join(OBJECTIVES)}")
+            raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.ownership not in OWNERSHIPS:
-            raise ValueError(f"unknown ownership {self.ownership!r}; ownerships are {', '.join(OWNERSHIPS)}")
+            raise ValueError(f"ownership: expected one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
 
     @property
     def kind(self) -> PolicyKind:

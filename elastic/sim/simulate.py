@@ -59,11 +59,11 @@ class SimConfig:
 
     def __post_init__(self):
         if self.check_every < 1:
-            raise ValueError(f"check_every must be >= 1, got {self.check_every}")
+            raise ValueError(f"check_every: expected >= 1, got {self.check_every}")
         if self.lease_start_s < 0:
-            raise ValueError(f"lease_start_s must be >= 0, got {self.lease_start_s}")
+            raise ValueError(f"lease_start_s: expected >= 0, got {self.lease_start_s}")
         if self.migrate_max < 0:
-            raise ValueError(f"migrate_max must be >= 0, got {self.migrate_max}")
+            raise ValueError(f"migrate_max: expected >= 0, got {self.migrate_max}")
 
 
 @dataclass

@@ -79,7 +79,7 @@ def test_plan_check_refuses_a_blocks_plan_off_the_blocks(trace):
     with pytest.raises(ValueError, match="stage 1: experts are not megatron-core's contiguous blocks"):
         plan.check()
     plan.ownership = "random"
-    with pytest.raises(ValueError, match="ownership must be one of balanced, blocks"):
+    with pytest.raises(ValueError, match="ownership: expected one of balanced, blocks"):
         plan.check()
 
 

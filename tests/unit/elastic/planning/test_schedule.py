@@ -117,7 +117,7 @@ def test_objective_trades_release_for_rollout_time():
     latency = plan_epoch(trace, 3, objective="rollout", **kw)
     assert latency.meta["predicted_rollout_s"] <= capacity.meta["predicted_rollout_s"]
     assert capacity.meta["predicted_occupied_rank_s"] <= latency.meta["predicted_occupied_rank_s"]
-    with pytest.raises(PlanError, match="objective must be one of"):
+    with pytest.raises(PlanError, match="objective: expected one of"):
         plan_epoch(trace, 3, objective="fast", **kw)
 
 
