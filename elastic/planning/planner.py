@@ -15,7 +15,7 @@ Order of decisions (each step documented in its own module):
    fit; price the rest over samples of the predictive distribution (`chain_estimate.ChainTimeline`) and keep
    the one with the fewest occupied rank-seconds (the largest release area net of lengthening;
    `objective="rollout"` keeps the shortest predicted rollout instead);
-5. with `ownership="blocks"` (the megatron backend) every stage is megatron-core's contiguous
+5. with a `blocks` layout (`dims.ownership`, the megatron backend) every stage is megatron-core's contiguous
    blocks, so only group sizes that divide the expert count are candidates (`schedule` module doc);
 6. with a weak predictor (the prompt explains under `WEAK_ICC` of the length variance), `planned`
    places like `lengthsort`: residency built on noise would only concentrate random long responses.
@@ -58,14 +58,15 @@ class BatchItem(Protocol):
     prompt_len: int
 
 
-def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: int,
+def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims, floor: int,
               shape: ModelShape, layout: str, tailguard: bool, alpha: float = 0.05,
               cost: StepCost | None = None,
               true_lengths: dict[tuple[str, int], int] | None = None,
               max_response_len: int | None = None, seed: int = 0,
               objective: str = "occupied", budget: MemoryBudget | None = None,
-              ownership: str = "balanced", known_prefix: dict[tuple[str, int], int] | None = None) -> Plan:
-    """Plan one rollout of `batch` (data order) on `ranks` ranks; see the module docstring.
+              known_prefix: dict[tuple[str, int], int] | None = None) -> Plan:
+    """Plan one rollout of `batch` (data order) on the layout `dims` (its ranks, and the expert
+    ownership its backend carries out); see the module docstring.
 
     Only `prompt_id`, `sample` and `prompt_len` of the batch are read. `max_response_len` is the
     generation cap; it is inferred from truncated history records when omitted, and is required
@@ -75,7 +76,8 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, ranks: int, floor: 
     rollouts); their `prompt_len` counts those tokens (they are re-prefilled), and they are planned
     by what is left of them (`partial.conditioned`: the length given it exceeds the tokens so far).
     """
-    dims = _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership)
+    _validate(batch, dims, floor, shape, layout, alpha, objective)
+    ranks = dims.world
     cost = cost or ShapeCost(shape)
     budget = budget or shape.budget
     keys = [(b.prompt_id, b.sample) for b in batch]
@@ -214,10 +216,11 @@ def plan_epoch(trace: Trace, epoch: int, **kw) -> Plan:
     return make_plan(batch, trace.before(epoch), **kw)
 
 
-def _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership) -> ParallelDims:
-    """The inputs' checks; returns the layout they describe."""
+def _validate(batch, dims: ParallelDims, floor, shape, layout, alpha, objective) -> None:
+    """The inputs' checks (the layout checked itself when it was built)."""
+    if dims.experts != shape.num_experts:
+        raise PlanError(f"dims: expected the {shape.num_experts} experts of {shape.name}, got {dims.experts}")
     try:
-        dims = ParallelDims(ranks, shape.num_experts, ownership, even=False)
         dims.check_floor(floor)
     except LayoutError as e:
         raise PlanError(str(e)) from None
@@ -232,7 +235,6 @@ def _validate(batch, ranks, floor, shape, layout, alpha, objective, ownership) -
     keys = [(b.prompt_id, b.sample) for b in batch]
     if len(set(keys)) != len(keys):
         raise PlanError("the batch holds a (prompt_id, sample) twice")
-    return dims
 
 
 def _samples(dists: Sequence[LengthDist], exact: bool, seed: int) -> np.ndarray:

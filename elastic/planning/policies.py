@@ -73,8 +73,8 @@ class PolicyKind:
         self.check_ownership(dims.ownership)
         floor = self.floor(dims.world, floor)
         true = {(b.prompt_id, b.sample): b.response_len for b in batch} if oracle or self.oracle else None
-        plan = make_plan(batch, history, ranks=dims.world, floor=floor, shape=shape, layout=self.layout,
-                         cost=cost, ownership=dims.ownership, true_lengths=true, **planner)
+        plan = make_plan(batch, history, dims=dims, floor=floor, shape=shape, layout=self.layout,
+                         cost=cost, true_lengths=true, **planner)
         if self.online and (ladder_always or len(plan.stages) > 1):
             return ladder_plan(plan, floor)
         return plan
