@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from elastic.planning.chain_estimate import replay
+from elastic.planning.dims import ParallelDims
 from elastic.planning.guard import TailGuard
 from elastic.planning.planner import plan_epoch
 from elastic.planning.predict import Predictor
@@ -60,7 +61,8 @@ def bench(label, trace, epoch, ranks, repeat):
     print(f"  {'TailGuard fit':24s} best {best * 1e3:7.1f} ms  median {med * 1e3:7.1f} ms")
     worst = 0.0
     for name, layout, floor, tg, oracle in POLICIES:
-        kw = {"ranks": ranks, "floor": ranks if floor == "W" else floor, "shape": shape,
+        kw = {"dims": ParallelDims(ranks, shape.num_experts, even=False), "floor": ranks if floor == "W" else floor,
+              "shape": shape,
               "layout": layout, "tailguard": tg, "oracle": oracle}
         plan, best, med = timed(lambda kw=kw: plan_epoch(trace, epoch, **kw), repeat)
         worst = max(worst, med)
@@ -83,9 +85,9 @@ def quality(name: str, seed: int) -> None:
         acc = np.zeros(3)
         for e in trace.epochs[1:]:
             batch = trace.epoch(e)
-            plan = plan_epoch(trace, e, ranks=16, floor=16 if floor == "W" else floor, shape=shape,
-                              layout=layout, tailguard=tg, oracle=oracle,
-                              objective="rollout" if label.endswith("rollout") else "occupied")
+            plan = plan_epoch(trace, e, dims=ParallelDims(16, shape.num_experts, even=False),
+                              floor=16 if floor == "W" else floor, shape=shape, layout=layout, tailguard=tg,
+                              oracle=oracle, objective="rollout" if label.endswith("rollout") else "occupied")
             est = replay(plan, {r.key: r.response_len for r in batch},
                          float(np.mean([r.prompt_len for r in batch])), cost)
             acc += (est.rollout_s, est.occupied_rank_s, est.detached_rank_s)

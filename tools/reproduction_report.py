@@ -183,7 +183,7 @@ def blocks_section(traces: dict, results: dict, **kw) -> list[str]:
         "",
         ("megatron-core's MoELayer fixes an EP rank's experts at construction as one contiguous block "
          "(EP rank i of n holds experts [i·E/n, (i+1)·E/n)), so with `backend: megatron` the planner "
-         "plans only stages whose experts are those blocks (`make_plan(ownership=\"blocks\")`, "
+         "plans only stages whose experts are those blocks (`make_plan` on a `blocks` `ParallelDims`, "
          "`flexfloor simulate --backend megatron`): group sizes that divide the 128 experts (8, 4, 2 "
          "below 16), and a shrink moves every expert whose block changes hands (16 → 8 ranks moves 120 "
          "experts, where the fewest-moves shrink of `balanced` moves the leaving ranks' 64). The same "

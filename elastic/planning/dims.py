@@ -66,7 +66,7 @@ def contiguous_owners(num_experts: int, members) -> dict[int, tuple[int, ...]]:
 def check_floor(floor: int, world: int, name: str = "floor") -> None:
     """The floor's range: at least one rank, at most the world (`name`: the field, for the error)."""
     if not 1 <= floor <= world:
-        raise LayoutError(f"{name} must be in 1..ranks ({world}), got {floor}")
+        raise LayoutError(f"{name}: expected 1..ranks ({world}), got {floor}")
 
 
 @dataclass(frozen=True)
@@ -82,16 +82,16 @@ class ParallelDims:
 
     def __post_init__(self):
         if self.world < 1:
-            raise LayoutError(f"ranks must be > 0, got {self.world}")
+            raise LayoutError(f"ranks: expected > 0, got {self.world}")
         if self.ownership not in OWNERSHIPS:
-            raise LayoutError(f"ownership must be one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
+            raise LayoutError(f"ownership: expected one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
         if self.even:
             if self.world > self.experts:
-                raise LayoutError(f"ranks ({self.world}) exceeds the model's experts ({self.experts}) in "
-                                  f"{self.source}; every rank must own one")
+                raise LayoutError(f"ranks: expected at most {self.experts} (the model's experts in "
+                                  f"{self.source}: every rank owns one), got {self.world}")
             if not divides(self.experts, self.world):
-                raise LayoutError(f"{self.source} ({self.experts}) must be divisible by ranks ({self.world}): "
-                                  "the model's experts must divide over the ranks")
+                raise LayoutError(f"{self.source}: expected a multiple of ranks ({self.world}), got {self.experts}: "
+                                  "the model's experts divide over the ranks")
         self.check_stage(self.world)
         if not self.ranks_per_node:
             object.__setattr__(self, "ranks_per_node", self.world)

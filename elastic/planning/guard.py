@@ -67,7 +67,7 @@ class TailGuard:
     def fit(cls, history: Trace, alpha: float = 0.05, cap: int | None = None,
             decay: float = 0.7) -> TailGuard:
         if not 0 < alpha < 1:
-            raise ValueError(f"TailGuard alpha must be in (0, 1), got {alpha}")
+            raise ValueError(f"TailGuard alpha: expected in (0, 1), got {alpha}")
         epochs = history.epochs
         if not epochs:
             return cls(math.inf, alpha, None, cap)

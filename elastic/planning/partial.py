@@ -171,7 +171,7 @@ class CarryPool:
 
     def __init__(self, rule: PartialRule, group_size: int, target: int):
         if group_size < 1 or target < 1:
-            raise ValueError(f"group_size and target must be >= 1, got {group_size}, {target}")
+            raise ValueError(f"group_size and target: expected >= 1, got {group_size}, {target}")
         self.rule, self.group_size, self.target = rule, group_size, target
         self.pending: list[PendingGroup] = []  # launched, not yet trained, oldest first
         self.next_uid = 0

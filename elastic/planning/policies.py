@@ -58,7 +58,7 @@ class PolicyKind:
              ladder_always: bool = False, **planner):
         """The plan of one rollout of `batch` on `dims` (`planner.make_plan`'s `planner` options);
         `oracle` plans on the true lengths (`response_len`) whatever the policy. An online policy's
-        plan is the ladder of every candidate stage (`replan.ladder_plan`); where the offline plan
+        plan is the ladder of every candidate stage (`ladder.ladder_plan`); where the offline plan
         keeps every rank a rank rollout takes the vanilla path instead (no ladder, no online rule),
         while the simulator, `ladder_always`, still ladders it."""
         from elastic.planning.layout import natural
@@ -67,14 +67,14 @@ class PolicyKind:
         if not self.uses_planner:
             keys = [(b.prompt_id, b.sample) for b in batch]
             return static_plan("natural", natural(keys, dims.world), dims.world, dims.experts)
+        from elastic.planning.ladder import ladder_plan
         from elastic.planning.planner import make_plan
-        from elastic.planning.replan import ladder_plan
 
         self.check_ownership(dims.ownership)
         floor = self.floor(dims.world, floor)
         true = {(b.prompt_id, b.sample): b.response_len for b in batch} if oracle or self.oracle else None
-        plan = make_plan(batch, history, ranks=dims.world, floor=floor, shape=shape, layout=self.layout,
-                         cost=cost, ownership=dims.ownership, true_lengths=true, **planner)
+        plan = make_plan(batch, history, dims=dims, floor=floor, shape=shape, layout=self.layout,
+                         cost=cost, true_lengths=true, **planner)
         if self.online and (ladder_always or len(plan.stages) > 1):
             return ladder_plan(plan, floor)
         return plan
@@ -110,5 +110,5 @@ _KINDS = {k.name: k for k in (
 def policy_kind(name: str) -> PolicyKind:
     """The policy `name` (one of `SIM_POLICIES`)."""
     if name not in _KINDS:
-        raise PolicyError(f"unknown policy {name!r}; policies are {', '.join(SIM_POLICIES)}")
+        raise PolicyError(f"policy: expected one of {', '.join(SIM_POLICIES)}, got {name!r}")
     return _KINDS[name]

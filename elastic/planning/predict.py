@@ -52,7 +52,7 @@ class LengthDist:
 class Predictor:
     def __init__(self, history: Trace, cap: int | None = None, decay: float = 0.7):
         if not 0 < decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {decay}")
+            raise ValueError(f"decay: expected in (0, 1], got {decay}")
         records = list(history)
         self.cap = cap if cap is not None else infer_cap(records)
         self.decay = decay
@@ -160,7 +160,7 @@ _PPF_LO = 0.02425
 def norm_ppf(p: float) -> float:
     """Inverse standard normal CDF (Acklam's rational approximation, |error| < 1.2e-9)."""
     if not 0 < p < 1:
-        raise ValueError(f"quantile level must be in (0, 1), got {p}")
+        raise ValueError(f"quantile level: expected in (0, 1), got {p}")
     return float(norm_ppf_array(np.array([p]))[0])
 
 

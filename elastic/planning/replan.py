@@ -1,12 +1,7 @@
 """Online re-planning: the decision rule the runtime and the simulator both run at every status check.
 
-The offline plan (`make_plan`) is the starting point: its layout, and its order of leaving ranks.
-`ladder_plan` turns it into a plan whose stages are every candidate group size of that order
-(`schedule.candidate_sizes`, W down to the floor), so the stage groups the rule may choose are known
-before the first decode step and can be created up front: at most `FINE_SPAN + 1` groups for worlds
-within 16 ranks of their floor, `MAX_CANDIDATES + 1` beyond (docs/planner.md). Stages are prefixes
-of one order, so they are nested, and each stage's owners come from the chain through every
-smaller ladder step, so every expert is owned in every stage whichever stage is jumped to.
+The rule chooses among the stages of a laddered plan (`ladder.ladder_plan`: every candidate group
+size, nested, each owning every expert), and prices its scenarios with `replan_price.Prices`.
 
 `OnlineRule.decide` looks at the live state (which rank holds which response, tokens so far, which
 finished) and chooses the stage to be in, never going back up. A shrink to stage j makes the ranks
@@ -18,7 +13,7 @@ busiest member's live batch, so a scenario "stay in the current group until step
 costs its steps at each group's price, plus the shrink (`shrink_s`), the KV moved (`migrate_s`)
 and the restore it commits to. The rule acts only when shrinking now beats every later shrink it
 prices (D = one check, then doubling) and staying, under the same objective as `make_plan`
-(`planner.OBJECTIVES`: fewest occupied rank-seconds, or the shortest rollout), and, with
+(`chain_search.OBJECTIVES`: fewest occupied rank-seconds, or the shortest rollout), and, with
 `max_slowdown`, only within the time it may spend (`LatencyGuard.bound`: what the rollout has gained
 on vanilla so far, priced on both clocks, plus the margin). Between shrinks it rebalances: live
 requests move inside the group so the KV its members hold over the next checks is even
@@ -32,18 +27,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic.planning.busiest import busiest_load
 from elastic.planning.chain_estimate import Estimate
-from elastic.planning.dims import ParallelDims
+from elastic.planning.chain_search import OBJECTIVES
 from elastic.planning.latency_guard import LatencyGuard
 from elastic.planning.plan import Plan
-from elastic.planning.planner import OBJECTIVES
 from elastic.planning.remaining import OnlineModel
 from elastic.planning.replan_grid import Grid, batch_context
 from elastic.planning.replan_place import deal, place
-from elastic.planning.schedule import build_stages, candidate_sizes, held_counts
+from elastic.planning.replan_price import Prices, migrate_s
+from elastic.planning.schedule import held_counts
 from elastic.planning.shape import ModelShape
-from elastic.planning.step_cost import StepCost, step_table
+from elastic.planning.step_cost import StepCost
 
 # A rebalance between shrinks must shorten its horizon's priced time by this share (`_rebalance`).
 REBALANCE_GAIN = 0.005
@@ -58,41 +52,12 @@ REPLAN_CHECKS = 8
 REBALANCE_HORIZON_CHECKS = 2 * REPLAN_CHECKS
 
 
-def leave_order(plan: Plan) -> list[int]:
-    """The plan's ranks, those that stay longest first (`meta["leave_order"]` for one-stage plans)."""
-    if len(plan.stages) == 1:
-        return list(plan.meta.get("leave_order", range(plan.ranks)))
-    order = list(plan.stages[-1].members)
-    for st in reversed(plan.stages[1:]):
-        order += list(st.drained)
-    return order
-
-
-def ladder_plan(plan: Plan, floor: int) -> Plan:
-    """`plan` with a stage for every candidate group size down to `floor`, in its leaving order."""
-    dims = ParallelDims(plan.ranks, plan.num_experts, even=False)  # a ladder's stages are `balanced`
-    sizes = [plan.ranks] + (candidate_sizes(dims, floor) if floor < plan.ranks else [])
-    stages = build_stages(sizes, plan.num_experts, leave_order(plan))
-    meta = dict(plan.meta, ladder=sizes, offline_chain=[len(s.members) for s in plan.stages])
-    out = Plan(plan.ranks, floor, plan.num_experts, plan.layout, plan.tailguard, plan.assignments,
-               stages, plan.predicted_release_rank_s, meta)
-    out.check()
-    return out
-
-
 @dataclass(frozen=True)
 class Decision:
     stage: int
     # (response index, destination rank): made before the stage changes, or, staying, a rebalance.
     moves: tuple[tuple[int, int], ...] = ()
     kv_bytes: int = 0  # KV cache the moves carry
-
-
-def migrate_s(cost: StepCost, kv_bytes: float, ep_size: int) -> float:
-    """Seconds to move KV cache inside a group of `ep_size`, `kv_bytes` being what the busiest rank
-    sends or receives (0 for a cost model that does not price it)."""
-    price = getattr(cost, "migrate_s", None)
-    return float(price(kv_bytes, ep_size)) if price is not None else 0.0
 
 
 class OnlineRule:
@@ -103,26 +68,23 @@ class OnlineRule:
                  samples: int = 16, seed: int = 0, max_slowdown: float | None = 0.01,
                  max_batch: int | None = None):
         if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+            raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
-        self.prompt = np.asarray(prompt_len, float)
+        self.prices = Prices(plan, prompt_len, cost, shape)
+        self.prompt, self.sizes = self.prices.prompt, self.prices.sizes
         self.objective = objective  # a name, not the function: the rule is pickled to the ranks
         self.k, self.samples, self.seed = check_every, samples, seed
         self.max_slowdown = max_slowdown
         self.max_batch = max_batch  # requests an engine rank can hold (its KV slots), if bounded
-        self.sizes = [len(s.members) for s in plan.stages]
-        self.moves_to = {}  # (from stage, to stage) -> experts moved
         self.budget = []  # KV tokens each rank may hold in each stage
         for st in plan.stages:
             held = held_counts(st.owners, st.members)
             self.budget.append({r: shape.kv_budget_bytes(h) // shape.kv_bytes_per_token for r, h in held.items()})
         # Position of each rank in the leaving order (0 stays longest): the last stage it is in.
         self.stays = {r: -max(j for j, st in enumerate(plan.stages) if r in st.members) for r in range(plan.ranks)}
-        self.restore_s = [0.0] + [cost.shrink_s(self._moved(j, 0), self.sizes[j]) for j in range(1, len(plan.stages))]
         self.guard = LatencyGuard(self.prompt, plan.ranks, cost, max_slowdown)
         self.decisions = 0
         self.last = (-(10**9), 10**9)  # (step, live requests) of the last decision
-        self.step_memo: dict[int, dict[tuple[int, int], float]] = {}  # g -> (batch, context/64) -> s
 
     @property
     def clock(self) -> dict[str, float]:
@@ -151,11 +113,6 @@ class OnlineRule:
             self.last = (step, live)
             return True
         return False
-
-    def _moved(self, a: int, b: int) -> int:
-        if (a, b) not in self.moves_to:
-            self.moves_to[(a, b)] = len(self.plan.transfers(a, b))
-        return self.moves_to[(a, b)]
 
     # ---- the rule -------------------------------------------------------------------------------
     def decide(self, stage: int, step: int, rank_of: np.ndarray, tokens: np.ndarray,
@@ -188,7 +145,7 @@ class OnlineRule:
         # `_price` dealt the leaving ranks' requests without KV checks; placed within the budgets
         # (the leaving ranks' requests moved, or, with migration, every live request re-placed,
         # whichever the samples price lower), a shrink must still beat staying as the group is now.
-        stay = self._exact(stage, stage, grid, live, rank_of, [], tokens)
+        stay = self.prices.exact(stage, stage, grid, live, rank_of, [], tokens)
         bound = self._bound(stay.rollout_s) if self.max_slowdown is not None else math.inf
         for j in candidates:
             proposals = []
@@ -196,15 +153,15 @@ class OnlineRule:
                 moves = place(self.plan, self.budget[j], self.prompt, self.max_batch, j, live, rank_of, tokens, rem,
                               rebalance)
                 if moves is not None:
-                    proposals.append((self._exact(stage, j, grid, live, rank_of, moves, tokens), moves))
+                    proposals.append((self.prices.exact(stage, j, grid, live, rank_of, moves, tokens), moves))
             if not proposals:  # the KV of the leaving ranks' requests fits no member
                 continue
             est, moves = min(proposals, key=lambda p: self.key((p[0],)))
             if self.key((est,)) < self.key((stay,)) and est.rollout_s <= bound:
                 kv = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
                 if self.max_slowdown is not None:
-                    self.clock["own"] += self.cost.shrink_s(self._moved(stage, j), self.sizes[stage]) \
-                        + migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), self.sizes[stage])
+                    self.clock["own"] += self.cost.shrink_s(self.prices.moved(stage, j), self.sizes[stage]) \
+                        + migrate_s(self.cost, self.prices.busiest_bytes(moves, rank_of, tokens), self.sizes[stage])
                 return Decision(j, tuple(moves), kv)
         return Decision(stage)
 
@@ -223,18 +180,18 @@ class OnlineRule:
             count, kv = grid.per_rank(self._deal(j, ranks, rem) if j != stage else ranks)
             return batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2))
 
-        tau_now = self._steps(*busiest(stage), g0)
+        tau_now = self.prices.steps(*busiest(stage), g0)
         run_now = seg * tau_now[None, :]
         before = np.concatenate([np.zeros((S, 1)), np.cumsum(run_now, axis=1)], axis=1)  # time to bound k
         kv_token = float(self.shape.kv_bytes_per_token)
-        stay = before[:, -1] + self.restore_s[stage]
-        options = [(self._estimate(stay, np.zeros(S), g0, g0, W)[0], stage, 0)]
+        stay = before[:, -1] + self.prices.restore_s[stage]
+        options = [(self.prices.estimate(stay, np.zeros(S), g0, g0, W)[0], stage, 0)]
         staying = self.key((options[0][0],))
         d = np.array([0] + delays, float)
         at = np.searchsorted(bounds, d)
         for j in targets:
             g = self.sizes[j]
-            after = seg * self._steps(*busiest(j), g)[None, :]
+            after = seg * self.prices.steps(*busiest(j), g)[None, :]
             tail = np.concatenate([np.cumsum(after[:, ::-1], axis=1)[:, ::-1], np.zeros((S, 1))], axis=1)
             moving = ~np.isin(ranks, self.plan.stages[j].members)
             # The requests still live at the shrink move, their KV grown by d tokens: each leaving
@@ -245,11 +202,11 @@ class OnlineRule:
             sent = np.zeros((sender.max() + 1 if len(sender) else 1, len(d)))
             np.add.at(sent, sender, per)
             moved = kv_token * np.maximum(sent.max(axis=0), per.sum(axis=0) / g)
-            shrink = self.cost.shrink_s(self._moved(stage, j), g0) \
+            shrink = self.cost.shrink_s(self.prices.moved(stage, j), g0) \
                 + np.array([migrate_s(self.cost, b, g0) for b in moved])
             until = before[:, at] + shrink[None, :]
-            whole = until + tail[:, at] + self.restore_s[j]
-            for est, delay in zip(self._estimate(whole, until, g0, g, W), d):
+            whole = until + tail[:, at] + self.prices.restore_s[j]
+            for est, delay in zip(self.prices.estimate(whole, until, g0, g, W), d):
                 options.append((est, j, delay))
         # Whatever the objective, no option predicted to take longer than `LatencyGuard.bound` allows: in a
         # synchronous job a slower rollout holds every rank back (`max_slowdown` None: no guard,
@@ -262,26 +219,6 @@ class OnlineRule:
             return []
         now = [j for est, j, delay in ranked if delay == 0 and j != stage and self.key((est,)) < staying]
         return list(dict.fromkeys(now))[:SHRINK_CANDIDATES]
-
-    @staticmethod
-    def _estimate(total_s: np.ndarray, until_s: np.ndarray, g0: int, g: int, W: int) -> list[Estimate]:
-        """Each column's remainder of the rollout as the planner scores it (mean over the sample
-        rows): the current group of g0 until `until_s`, g ranks after; ranks already detached stay so."""
-        total_s, until_s = total_s.reshape(len(total_s), -1), until_s.reshape(len(until_s), -1)
-        T = total_s.mean(axis=0)
-        detached = (W - g0) * T + (g0 - g) * (total_s - until_s).mean(axis=0)
-        return [Estimate(float(t), float(t), float(x), float(W * t - x)) for t, x in zip(T, detached)]
-
-    def _steps(self, batch: np.ndarray, context: np.ndarray, g: int) -> np.ndarray:
-        """Step seconds per segment, memoised for the rollout (context to 64 tokens, where the step
-        changes little)."""
-        keys = list(zip(np.rint(batch).astype(int).tolist(), (context.astype(int) >> 6).tolist()))
-        memo = self.step_memo.setdefault(g, {})
-        missing = sorted(set(keys) - memo.keys())
-        if missing:
-            b, c = np.array(missing).T
-            memo.update(zip(missing, step_table(self.cost, b, (c << 6) + 32, g).tolist()))
-        return np.array([memo[k] for k in keys])
 
     def _rebalance(self, stage: int, grid: Grid, live, rank_of, tokens, rem) -> Decision:
         """Staying: even out the KV the members are expected to hold over the next
@@ -325,43 +262,15 @@ class OnlineRule:
         if not moves:
             return Decision(stage)
         horizon = REBALANCE_HORIZON_CHECKS * self.k
-        keep = self._exact(stage, stage, grid, live, rank_of, [], tokens, horizon)
-        even = self._exact(stage, stage, grid, live, rank_of, moves, tokens, horizon)
+        keep = self.prices.exact(stage, stage, grid, live, rank_of, [], tokens, horizon)
+        even = self.prices.exact(stage, stage, grid, live, rank_of, moves, tokens, horizon)
         if self.key((even,)) < self.key((keep,)) and even.rollout_s <= keep.rollout_s * (1 - REBALANCE_GAIN):
             kv_bytes = int(sum(self.prompt[i] + tokens[i] for i, _ in moves)) * self.shape.kv_bytes_per_token
             if self.max_slowdown is not None:
-                self.clock["own"] += migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens),
+                self.clock["own"] += migrate_s(self.cost, self.prices.busiest_bytes(moves, rank_of, tokens),
                                                self.sizes[stage])
             return Decision(stage, tuple(moves), kv_bytes)
         return Decision(stage)
-
-    def _exact(self, stage: int, j: int, grid: Grid, live, rank_of, moves, tokens,
-               horizon: float | None = None) -> Estimate:
-        """The remainder of the rollout if stage j starts now with `moves` made, each sample priced
-        with its own busiest member (with `horizon`: only its next `horizon` steps, no restore)."""
-        where = dict(zip(live.tolist(), rank_of[live].tolist()))
-        for i, r in moves:
-            where[i] = r
-        count, kv = grid.per_rank(np.array([where[i] for i in live.tolist()]))
-        kept = list(self.plan.stages[j].members)
-        g0, g = self.sizes[stage], self.sizes[j]
-        tau = self._steps(*batch_context(count[:, :, kept].max(axis=2), kv[:, :, kept].max(axis=2)), g)
-        shrink = (self.cost.shrink_s(self._moved(stage, j), g0) if j != stage else 0.0) \
-            + migrate_s(self.cost, self._busiest_bytes(moves, rank_of, tokens), g0)
-        seg, restore = grid.seg, self.restore_s[j]
-        if horizon is not None:
-            start = grid.bounds[:-1][None, :]
-            seg, restore = np.clip(np.minimum(seg + start, horizon) - start, 0.0, None), 0.0
-        total = (seg * tau[None, :]).sum(axis=1) + shrink + restore
-        return self._estimate(total, np.full(len(total), shrink), g0, g, self.plan.ranks)[0]
-
-    def _busiest_bytes(self, moves, rank_of, tokens) -> float:
-        """KV bytes the busiest rank sends or receives in `moves`. Moves between distinct pairs run
-        at once, so a batch of moves takes about as long as its busiest rank's share
-        (`elastic.planning.busiest`)."""
-        held = ((int(rank_of[i]), int(r), float(self.prompt[i] + tokens[i])) for i, r in moves)
-        return busiest_load(held) * self.shape.kv_bytes_per_token
-
 
 
 def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence[int],

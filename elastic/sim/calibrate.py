@@ -88,7 +88,7 @@ def fit_to_ledgers(runs: Sequence[tuple[Plan, Sequence[TraceRecord], dict]], cos
     joined with '+'."""
     bad = sorted({p for g in groups for p in g} - set(PARTS))
     if bad or len([p for g in groups for p in g]) != len({p for g in groups for p in g}):
-        raise ValueError(f"groups must be disjoint groups of {PARTS}, got {groups}")
+        raise ValueError(f"groups: expected disjoint groups of {PARTS}, got {groups}")
     n = len(groups)
     rows, target = [], []
     for plan, batch, measured in runs:

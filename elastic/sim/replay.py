@@ -5,7 +5,7 @@ By default every epoch of the trace that has an earlier epoch is one rollout (it
 earlier epoch, `Trace.before`). `vanilla` is verl's placement with nobody leaving and needs no
 planner; every other policy is `elastic.planning.planner.make_plan` with the layout it names, and `oracle` is
 the planned layout given the true lengths (the bound a predictor could reach). A policy's
-`objective` is the planner's chain criterion (`elastic.planning.planner.OBJECTIVES`): `occupied`, the
+`objective` is the planner's chain criterion (`elastic.planning.chain_search.OBJECTIVES`): `occupied`, the
 capacity-oriented default (fewest occupied rank-seconds), or `rollout`, the latency-oriented one
 (shortest predicted rollout). It only matters where the group may shrink (natural, planned, oracle).
 A policy's `ownership` is the planner's (`elastic.planning.dims.OWNERSHIPS`): `blocks` simulates
@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic.ledger import STATES, Ledger, RankLedger
+from elastic.planning.chain_search import OBJECTIVES
 from elastic.planning.dims import OWNERSHIPS, ParallelDims
 from elastic.planning.plan import Plan
-from elastic.planning.planner import OBJECTIVES
 from elastic.planning.policies import SIM_POLICIES as POLICIES
 from elastic.planning.policies import PolicyKind, policy_kind
 from elastic.planning.remaining import OnlineOptions
@@ -43,11 +43,11 @@ class Policy:
 
     def __post_init__(self):
         if self.name not in POLICIES:
-            raise ValueError(f"unknown policy {self.name!r}; policies are {', '.join(POLICIES)}")
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.name!r}")
         if self.objective not in OBJECTIVES:
-            raise ValueError(f"unknown objective {self.objective!r}; objectives are {', '.join(OBJECTIVES)}")
+            raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         if self.ownership not in OWNERSHIPS:
-            raise ValueError(f"unknown ownership {self.ownership!r}; ownerships are {', '.join(OWNERSHIPS)}")
+            raise ValueError(f"ownership: expected one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
 
     @property
     def kind(self) -> PolicyKind:

@@ -40,7 +40,7 @@ def run_compare(trace: Trace, *, ranks: int, cost: CostModel, shape: ModelShape,
         rows.append(row)
     base = rows[0]
     if policy_kind(base["policy"]).uses_planner:
-        raise ValueError("run_compare: the first policy must be vanilla (the baseline)")
+        raise ValueError(f"run_compare: expected vanilla (the baseline) as the first policy, got {base['policy']!r}")
     for row in rows:
         row["rollout_time_reduction"] = _reduction(base["rollout_time_s"], row["rollout_time_s"])
         row["dummy_reduction"] = _reduction(base["rank_seconds"]["dummy"], row["rank_seconds"]["dummy"])

@@ -32,17 +32,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from elastic.ledger import STATES, Ledger, RankLedger
+from elastic.ledger import Ledger
 from elastic.planning.busiest import busiest_load
 from elastic.planning.plan import Plan
 from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
 from elastic.sim.admission import KV_ADMISSIONS, peak_concurrent, start_steps
+from elastic.sim.books import RankBooks
 from elastic.sim.costmodel import CostModel
-from elastic.timeline import RankTimeline
+from elastic.sim.placement import Placement
 from elastic.trace import TraceRecord
-
-_BUSY, _DUMMY, _TRANS, _LEASED, _IDLE = (STATES.index(s) for s in ("busy", "dummy", "transition", "leased", "idle"))
 
 
 @dataclass(frozen=True)
@@ -65,11 +64,11 @@ class SimConfig:
 
     def __post_init__(self):
         if self.check_every < 1:
-            raise ValueError(f"check_every must be >= 1, got {self.check_every}")
+            raise ValueError(f"check_every: expected >= 1, got {self.check_every}")
         if self.lease_start_s < 0:
-            raise ValueError(f"lease_start_s must be >= 0, got {self.lease_start_s}")
+            raise ValueError(f"lease_start_s: expected >= 0, got {self.lease_start_s}")
         if self.migrate_max < 0:
-            raise ValueError(f"migrate_max must be >= 0, got {self.migrate_max}")
+            raise ValueError(f"migrate_max: expected >= 0, got {self.migrate_max}")
         if self.kv not in KV_ADMISSIONS or self.kv_page_size < 1:
             raise ValueError(f"kv: expected one of {', '.join(KV_ADMISSIONS)} and kv_page_size >= 1, "
                              f"got {self.kv!r}, {self.kv_page_size}")
@@ -107,7 +106,8 @@ def lower_bound_s(prompt_lens, response_lens, cost: CostModel, floor: int, ranks
 
 
 class _Rollout:
-    """The state of one simulated rollout; `run` drives it from prefill to restoration."""
+    """One simulated rollout; `run` drives it from prefill to restoration, deciding what happens,
+    while `at` (`Placement`) holds where the responses are and `books` (`RankBooks`) what the ranks did."""
 
     def __init__(self, plan: Plan, batch: Sequence[TraceRecord], cost: CostModel, shape: ModelShape,
                  config: SimConfig):
@@ -119,74 +119,19 @@ class _Rollout:
         if missing:
             raise ValueError(f"plan assigns no rank to {len(missing)} responses, e.g. {missing[0]}")
         self.plan, self.cost, self.shape, self.cfg = plan, cost, shape, config
-        w = plan.ranks
-        self.rank = np.array([rank_of[r.key] for r in batch], dtype=np.int64)
-        self.tokens = np.array([r.response_len for r in batch], dtype=np.int64)
-        # Decode steps per response: the prefill emits the first token, as real engines do.
-        self.length = np.maximum(self.tokens - 1, 0)
-        self.prompt = np.array([r.prompt_len for r in batch], dtype=np.int64)
-        # The decode step after which each request starts, and its KV then: prompt + (t - start).
-        self.start = np.zeros(len(batch), dtype=np.int64) if config.kv == "tokens" else start_steps(
-            config.kv, config.kv_page_size, shape, self._owned(0), self.rank, self.prompt, self.tokens, self.length)
-        self.length += self.start
-        self.kv_base = self.prompt - self.start
-        self.steps_total = int(self.length.max()) if len(batch) else 0
-        cols = self.steps_total + 2
-        # live[r, t]: requests of rank r still decoding at decode step t (decode length >= t), whose
-        # KV then holds prompt + t tokens; psum: their prompts.
-        ends = np.zeros((w, cols), dtype=np.int64)
-        pends = np.zeros((w, cols), dtype=np.int64)
-        np.add.at(ends, (self.rank, self.length), 1)
-        np.add.at(pends, (self.rank, self.length), self.kv_base)
-        if config.kv != "tokens":  # not yet admitted at step t: start >= t
-            np.add.at(ends, (self.rank, self.start), -1)
-            np.add.at(pends, (self.rank, self.start), -self.kv_base)
-        self.live = np.cumsum(ends[:, ::-1], axis=1)[:, ::-1].copy()
-        self.psum = np.cumsum(pends[:, ::-1], axis=1)[:, ::-1].copy()
-        self.drain = np.zeros(w, dtype=np.int64)
-        np.maximum.at(self.drain, self.rank, self.length)
-        self.sec = np.zeros((w, len(STATES)))
-        self.ticks = np.zeros((w, len(STATES)), dtype=np.int64)
-        self.now = 0.0
-        self.detached_at = np.full(w, np.inf)
-        self.origin = self.rank.copy()  # where each response's KV was before its latest move
+        rank = np.array([rank_of[r.key] for r in batch], dtype=np.int64)
+        tokens = np.array([r.response_len for r in batch], dtype=np.int64)
+        prompt = np.array([r.prompt_len for r in batch], dtype=np.int64)
+        # The decode step after which each request starts (None: every one at the prefill).
+        start = None if config.kv == "tokens" else start_steps(
+            config.kv, config.kv_page_size, shape, self._owned(0), rank, prompt, tokens, np.maximum(tokens - 1, 0))
+        self.at = Placement(rank, tokens, prompt, plan.ranks, start)
+        self.books = RankBooks(plan.ranks, config.lease, config.lease_start_s, config.timeline)
         self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
-        self.result = SimulatedRollout(ledger=None, response_tokens=int(self.tokens.sum()),  # type: ignore[arg-type]
+        self.result = SimulatedRollout(ledger=None, response_tokens=int(self.at.tokens.sum()),  # type: ignore[arg-type]
                                     lower_bound_s=0.0)
-        self.timelines = [RankTimeline() for _ in range(w)] if config.timeline else None
-        if config.kv != "tokens":
-            self.result.peak_concurrent = peak_concurrent(self.live)
-
-    # ---- ledger helpers ---------------------------------------------------------------------------
-    def _account_detached(self, members: np.ndarray, starts: np.ndarray, durations: np.ndarray) -> None:
-        """Ticks starting at `starts` (absolute seconds): every rank outside `members` is detached."""
-        out = np.setdiff1d(np.arange(self.plan.ranks), members)
-        total_s, total_n = float(durations.sum()), len(durations)
-        for when in np.unique(self.detached_at[out]):
-            group = out[self.detached_at[out] == when]
-            if self.cfg.lease:
-                first = int(np.searchsorted(starts, when + self.cfg.lease_start_s, side="left"))
-                leased_s, leased_n = float(durations[first:].sum()), total_n - first
-            else:
-                leased_s, leased_n = 0.0, 0
-            self.sec[group, _LEASED] += leased_s
-            self.ticks[group, _LEASED] += leased_n
-            self.sec[group, _IDLE] += total_s - leased_s
-            self.ticks[group, _IDLE] += total_n - leased_n
-            for r in group if self.timelines is not None else ():
-                tl = self.timelines[r]
-                tl.add("idle", total_s - leased_s, total_n - leased_n)
-                if leased_n and tl.states[-1] != "leased":
-                    tl.mark("lease-start", "side work")
-                tl.add("leased", leased_s, leased_n)
-
-    def _transition(self, members: np.ndarray, seconds: float) -> None:
-        self._account_detached(members, np.array([self.now]), np.array([seconds]))
-        self.sec[members, _TRANS] += seconds
-        self.ticks[members, _TRANS] += 1
-        for r in members if self.timelines is not None else ():
-            self.timelines[r].add("transition", seconds)
-        self.now += seconds
+        if start is not None:
+            self.result.peak_concurrent = peak_concurrent(self.at.live)
 
     def _owned(self, stage: int) -> np.ndarray:
         counts = Counter(self.plan.stages[stage].owner_of(e) for e in range(self.plan.num_experts))
@@ -194,18 +139,13 @@ class _Rollout:
 
     # ---- phases -----------------------------------------------------------------------------------
     def _prefill(self) -> None:
-        w, cost = self.plan.ranks, self.cost
-        members = np.arange(w)
-        tokens = np.bincount(self.rank, weights=self.prompt * (self.start == 0), minlength=w)
+        w, cost, at = self.plan.ranks, self.cost, self.at
+        tokens = np.bincount(at.rank, weights=at.prompt * (at.start == 0), minlength=w)
         per_rank = cost.rank_compute_s(tokens, tokens, self._owned(0), tokens.sum())
-        has = np.bincount(self.rank, minlength=w) > 0
+        has = np.bincount(at.rank, minlength=w) > 0
         dt = float(cost.contention(has.sum())) * (cost.step_overhead_s + float(per_rank.max())) \
             + float(cost.a2a_s(w, tokens.max()))
-        self.sec[members, np.where(has, _BUSY, _DUMMY)] += dt
-        self.ticks[members, np.where(has, _BUSY, _DUMMY)] += 1
-        for r in members if self.timelines is not None else ():
-            self.timelines[r].add("busy" if has[r] else "dummy", dt)
-        self.now += dt
+        self.books.prefill(has, dt)
 
     def _decode(self, stage: int, first: int, last: int) -> None:
         """Price decode steps first..last (inclusive) in `stage` and book them."""
@@ -214,44 +154,24 @@ class _Rollout:
         cost = self.cost
         members = np.array(self.plan.stages[stage].members, dtype=np.int64)
         steps = np.arange(first, last + 1)
-        live = self.live[np.ix_(members, steps)]
-        kv = self.psum[np.ix_(members, steps)] + live * steps[None, :]
+        live = self.at.live[np.ix_(members, steps)]
+        kv = self.at.psum[np.ix_(members, steps)] + live * steps[None, :]
         group_tokens = live.sum(axis=0)
         own = self._owned(stage)[members][:, None]
         compute = cost.rank_compute_s(live, kv, own, group_tokens[None, :])
         durations = cost.contention((live > 0).sum(axis=0)) * (cost.step_overhead_s + compute.max(axis=0)) \
             + cost.a2a_s(len(members), live.max(axis=0))
-        starts = self.now + np.concatenate(([0.0], np.cumsum(durations)[:-1]))
-        busy = live > 0
-        self.sec[members, _BUSY] += (busy * durations[None, :]).sum(axis=1)
-        self.sec[members, _DUMMY] += (~busy * durations[None, :]).sum(axis=1)
-        self.ticks[members, _BUSY] += busy.sum(axis=1)
-        self.ticks[members, _DUMMY] += (~busy).sum(axis=1)
-        if self.timelines is not None:
-            self._record_decode(members, busy, durations)
-        self._account_detached(members, starts, durations)
-        self.now += float(durations.sum())
-
-    def _record_decode(self, members: np.ndarray, busy: np.ndarray, durations: np.ndarray) -> None:
-        """Each member's busy and dummy runs of these steps, on its timeline."""
-        clock = np.concatenate(([0.0], np.cumsum(durations)))
-        for r, row in zip(members, busy):
-            bounds = np.concatenate(([0], np.flatnonzero(row[1:] != row[:-1]) + 1, [len(row)]))
-            for a, z in zip(bounds[:-1], bounds[1:]):
-                self.timelines[r].add("busy" if row[a] else "dummy", float(clock[z] - clock[a]), int(z - a))
+        self.books.decode(members, live > 0, durations)
 
     def _next_check(self, stage: int, after: int) -> tuple[int, bool]:
         """The first check step > `after` at which the next stage can start, and whether it starts
         by migrating stragglers rather than by its ranks draining on their own."""
         k = self.cfg.check_every
         trigger = list(self.plan.stages[stage + 1].drained)
-        ready = max((int(self.drain[r]) for r in trigger), default=0)
+        ready = max((int(self.at.drain[r]) for r in trigger), default=0)
         when = max(k * math.ceil(ready / k), k * (after // k + 1))
         if self.cfg.migrate_max > 0 and trigger and stage not in self.no_migration:
-            # The trigger ranks are down to migrate_max live responses in all once the
-            # (migrate_max+1)-th longest of their responses has ended.
-            lens = np.sort(self.length[np.isin(self.rank, trigger)])
-            few = int(lens[-(self.cfg.migrate_max + 1)]) if len(lens) > self.cfg.migrate_max else 0
+            few = self.at.few_left_step(trigger, self.cfg.migrate_max)
             alt = max(k * math.ceil(few / k), k * (after // k + 1))
             if alt < when:
                 return alt, True
@@ -265,54 +185,26 @@ class _Rollout:
         residents = [r for r in plan.stages[-1].members if r in target.members]
         owned = self._owned(len(plan.stages) - 1)
         budget = {r: self.shape.kv_budget_bytes(int(owned[r])) // self.shape.kv_bytes_per_token for r in residents}
-        moves = []
-        for r in target.drained:
-            for i in np.nonzero((self.rank == r) & (self.length > step))[0]:
-                moves.append(int(i))
-        saved = self.live.copy(), self.psum.copy(), self.rank.copy()
-        placed = []
-        for i in moves:
-            span = slice(step + 1, int(self.length[i]) + 1)
-            ts = np.arange(span.start, span.stop)
-            # Peak KV tokens each resident would hold over the response's remaining steps.
-            peaks = (self.psum[residents, span] + self.live[residents, span] * ts + self.kv_base[i] + ts).max(axis=1)
-            fits = [r for r, p in zip(residents, peaks) if p <= budget[r]]
-            if not fits:
-                self.live, self.psum, self.rank = saved
-                return None
-            dst = min(fits, key=lambda r: (self.live[r, step + 1], r))
-            self._move(i, dst, step)
-            placed.append((i, dst))
-        return self._moved(placed, step)
-
-    def _move(self, i: int, dst: int, step: int) -> None:
-        """Response i continues on rank `dst` from decode step step + 1."""
-        span = slice(max(step, int(self.start[i])) + 1, int(self.length[i]) + 1)
-        src = int(self.rank[i])
-        for arr, val in ((self.live, 1), (self.psum, int(self.kv_base[i]))):
-            arr[src, span] -= val
-            arr[dst, span] += val
-        self.rank[i] = dst
+        placed = self.at.move_stragglers(target.drained, residents, budget, step)
+        return None if placed is None else self._moved(placed, step)
 
     def _moved(self, moves: list[tuple[int, int]], step: int) -> float:
         """Book moves already made (their KV as it stood at `step`); the seconds they take. Moves
         between distinct pairs run at once, so the busiest rank's sends or receives set the time,
         each over the link between its ranks (as `CostModel.transfer_s` books expert moves)."""
-        cost, kv_total = self.cost, 0
+        cost, at, kv_total = self.cost, self.at, 0
         timed = []
         for i, dst in moves:
-            kv_bytes = int(self.prompt[i] + max(step - int(self.start[i]), 0)) * self.shape.kv_bytes_per_token
-            src = int(self.origin[i])
+            kv_bytes = int(at.prompt[i] + max(step - int(at.start[i]), 0)) * self.shape.kv_bytes_per_token
+            src = int(at.origin[i])
             timed.append((src, dst, kv_bytes / cost.link_bytes_per_s(src, dst)))
-            for r in (src, dst) if self.timelines is not None else ():
-                self.timelines[r].mark("migrate", "1 moved")
+            self.books.mark((src, dst), "migrate", "1 moved")
             kv_total += kv_bytes
-            self.origin[i] = dst
+            at.origin[i] = dst
         seconds = busiest_load(timed)
         self.result.migrated += len(moves)
         self.result.migrated_kv_bytes += kv_total
-        self.drain[:] = 0
-        np.maximum.at(self.drain, self.rank, self.length)
+        at.redrain()
         return seconds
 
     def _shrink(self, stage: int, new: int, step: int, extra_s: float) -> None:
@@ -320,51 +212,50 @@ class _Rollout:
         plan, cost = self.plan, self.cost
         members = np.array(plan.stages[stage].members, dtype=np.int64)
         seconds = extra_s + max(cost.transfer_s(plan.transfers(stage, new)), cost.shrink_fixed_s)
-        self._transition(members, seconds)
-        for r in members if self.timelines is not None else ():
-            self.timelines[r].mark("stage", f"stage {new}: {len(plan.stages[new].members)} ranks")
+        self.books.transition(members, seconds)
+        self.books.mark(members, "stage", f"stage {new}: {len(plan.stages[new].members)} ranks")
         self.result.transitions.append((step, stage, new, seconds))
-        leaving = np.setdiff1d(members, plan.stages[new].members)
-        self.detached_at[leaving] = self.now
-        self.result.timeline.append((self.now, len(plan.stages[new].members)))
+        self.books.detach(np.setdiff1d(members, plan.stages[new].members))
+        self.result.timeline.append((self.books.now, len(plan.stages[new].members)))
 
     def _run_online(self, rule) -> int:
         """Decode with the online rule deciding at every check; returns the final stage."""
+        at, steps_total = self.at, self.at.steps_total
         stage, step, k = 0, 0, self.cfg.check_every
-        while step < self.steps_total:
-            end = min(k * (step // k + 1), self.steps_total)
+        while step < steps_total:
+            end = min(k * (step // k + 1), steps_total)
             self._decode(stage, step + 1, end)
             step = end
-            if step >= self.steps_total:
+            if step >= steps_total:
                 break
-            done = self.length <= step
-            d = rule.decide(stage, step, self.rank, np.clip(step + 1 - self.start, 0, self.tokens), done)
+            done = at.length <= step
+            d = rule.decide(stage, step, at.rank, np.clip(step + 1 - at.start, 0, at.tokens), done)
             for i, dst in d.moves:
-                self._move(i, dst, step)
+                at.move(i, dst, step)
             seconds = self._moved(list(d.moves), step)
             if d.stage != stage:
                 self._shrink(stage, d.stage, step, seconds)
                 stage = d.stage
             elif d.moves:  # a rebalance inside the group: one transition tick for its members
-                self._transition(np.array(self.plan.stages[stage].members, dtype=np.int64), seconds)
+                self.books.transition(np.array(self.plan.stages[stage].members, dtype=np.int64), seconds)
                 self.result.rebalances += 1
         return stage
 
     def run(self, rule=None) -> SimulatedRollout:
-        plan, cost, res = self.plan, self.cost, self.result
+        plan, cost, res, steps_total = self.plan, self.cost, self.result, self.at.steps_total
         w = plan.ranks
         res.timeline.append((0.0, w))
         self._prefill()
-        stage, step = (self._run_online(rule), self.steps_total) if rule is not None else (0, 0)
-        while step < self.steps_total:
+        stage, step = (self._run_online(rule), steps_total) if rule is not None else (0, 0)
+        while step < steps_total:
             if stage + 1 < len(plan.stages):
                 check, by_migration = self._next_check(stage, step)
             else:
-                check, by_migration = self.steps_total, False
-            end = min(check, self.steps_total)
+                check, by_migration = steps_total, False
+            end = min(check, steps_total)
             self._decode(stage, step + 1, end)
             step = end
-            if step >= self.steps_total:
+            if step >= steps_total:
                 break
             extra = 0.0
             if by_migration:
@@ -373,7 +264,7 @@ class _Rollout:
                     self.no_migration.add(stage)
                     continue
                 extra = moved
-            drained = {r for r in range(w) if self.drain[r] <= step}
+            drained = {r for r in range(w) if self.at.drain[r] <= step}
             new = plan.advance(stage, drained)
             if new == stage:
                 continue
@@ -381,21 +272,13 @@ class _Rollout:
             stage = new
         if stage != 0:
             seconds = max(cost.transfer_s(plan.transfers(stage, 0)), cost.shrink_fixed_s) + cost.restore_extra_s
-            for tl in self.timelines or ():  # the restoration pre-empts every lease
-                if tl.states[-1] == "leased":
-                    tl.mark("lease-end", "preempted")
-            self._transition(np.arange(w), seconds)
-            for tl in self.timelines or ():
-                tl.mark("stage", f"stage 0: {w} ranks (restore)")
+            self.books.end_leases()
+            self.books.transition(np.arange(w), seconds)
+            self.books.mark(range(w), "stage", f"stage 0: {w} ranks (restore)")
             res.transitions.append((step, stage, 0, seconds))
-            res.timeline.append((self.now, w))
-        total_ticks = int(self.ticks[0].sum())
-        ranks = [RankLedger(r, dict(zip(STATES, map(float, self.sec[r]))), dict(zip(STATES, map(int, self.ticks[r]))),
-                            self.timelines[r] if self.timelines is not None else RankTimeline())
-                 for r in range(w)]
-        res.ledger = Ledger(ranks=ranks, wall_s=self.now, total_steps=total_ticks)
-        res.ledger.check()
-        res.lower_bound_s = lower_bound_s(self.prompt, self.tokens, cost, plan.floor, w)
+            res.timeline.append((self.books.now, w))
+        res.ledger = self.books.ledger()
+        res.lower_bound_s = lower_bound_s(self.at.prompt, self.at.tokens, cost, plan.floor, w)
         return res
 
 

@@ -46,20 +46,20 @@ class SynthParams:
     def __post_init__(self):
         for name in ("prompts", "samples", "epochs", "cap", "prompt_len_min"):
             if getattr(self, name) < 1:
-                raise ValueError(f"SynthParams.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"SynthParams.{name}: expected >= 1, got {getattr(self, name)}")
         if self.prompt_len_max < self.prompt_len_min:
             raise ValueError(f"SynthParams.prompt_len_max ({self.prompt_len_max}) is below "
                              f"prompt_len_min ({self.prompt_len_min})")
         if not 0 <= self.prompt_share <= 1:
-            raise ValueError(f"SynthParams.prompt_share must be in [0, 1], got {self.prompt_share}")
+            raise ValueError(f"SynthParams.prompt_share: expected in [0, 1], got {self.prompt_share}")
         if not 0 <= self.hard_share <= 1:
-            raise ValueError(f"SynthParams.hard_share must be in [0, 1], got {self.hard_share}")
+            raise ValueError(f"SynthParams.hard_share: expected in [0, 1], got {self.hard_share}")
         for name in ("median", "hard_factor"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"SynthParams.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"SynthParams.{name}: expected > 0, got {getattr(self, name)}")
         for name in ("sigma", "drift"):
             if getattr(self, name) < 0:
-                raise ValueError(f"SynthParams.{name} must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"SynthParams.{name}: expected >= 0, got {getattr(self, name)}")
 
 
 # Presets (docs/planner.md says what each one imitates and why these numbers).
@@ -84,7 +84,7 @@ PRESETS: dict[str, SynthParams] = {
 
 def preset(name: str, **overrides) -> SynthParams:
     if name not in PRESETS:
-        raise ValueError(f"unknown trace preset {name!r}; presets are {', '.join(PRESETS)}")
+        raise ValueError(f"trace preset: expected one of {', '.join(PRESETS)}, got {name!r}")
     return replace(PRESETS[name], **overrides)
 
 

@@ -108,10 +108,10 @@ def run(args) -> int:
     try:
         trace = read_trace(c.trace)
         epoch = trace.epochs[-1] if c.epoch is None else c.epoch
-        plan = plan_epoch(trace, epoch, ranks=c.dims.world, floor=c.ranks if c.floor is None else c.floor,
+        plan = plan_epoch(trace, epoch, dims=c.dims, floor=c.ranks if c.floor is None else c.floor,
                           shape=SHAPES[c.model], layout=c.layout, tailguard=c.tailguard,
                           alpha=c.alpha, oracle=c.oracle, max_response_len=c.max_response_len,
-                          seed=c.seed, objective=c.objective, ownership=c.dims.ownership)
+                          seed=c.seed, objective=c.objective)
     except (TraceError, PlanError) as e:
         raise FlexFloorError(str(e)) from None
     if args.json:

@@ -118,8 +118,6 @@ def run(args) -> int:
 def _run(args) -> int:
     from dataclasses import replace
 
-    from elastic.sim.replay import Policy, compare_policies, simulate_trace
-    from elastic.sim.report import compare_table, run_compare, single_report
     from megatron_rl.cli.outputs import check_plot_dir
     from megatron_rl.config import config_yaml
 
@@ -134,45 +132,8 @@ def _run(args) -> int:
     if c.partial.enabled and (args.compare or c.migrate):
         raise FlexFloorError("--partial: one policy at a time, without --compare or --migrate "
                              "(tools/bench_partial.py compares partial rollouts side by side)")
-    if args.compare:
-        rows = run_compare(trace, ranks=c.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
-                           policies=compare_policies(objective=c.objective,
-                                                     ownership=c.dims.ownership),
-                           progress=lambda label: print(f"simulating {label} ...", file=sys.stderr, flush=True))
-        if args.json:
-            print(json.dumps({"ranks": c.ranks, "rollouts": len(epochs), "objective": c.objective,
-                              "rows": rows}))
-        else:
-            print(compare_table(rows))
-        results = [r["_result"] for r in rows] if args.plot or args.wandb else []
-        for r in rows:
-            r.pop("_result", None)
-        table = rows
-    else:
-        policy = Policy(c.policy, c.floor, c.tailguard, objective=c.objective,
-                        ownership=c.dims.ownership)
-        if c.partial.enabled:
-            from elastic.sim.partial import simulate_partial
-
-            result = simulate_partial(trace, policy, c.partial.rule(), ranks=c.ranks, cost=cost, shape=shape,
-                                      config=config, epochs=epochs)
-        else:
-            result = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape, config=config,
-                                    epochs=epochs)
-        summary = result.summary()
-        if c.migrate:
-            moved = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape,
-                                   config=replace(config, migrate_max=c.migrate), epochs=epochs).summary()
-            summary["migration"] = {
-                "max_responses": c.migrate,
-                "migrated_responses": moved["migrated_responses"],
-                "rollout_time_s": moved["rollout_time_s"],
-                "rollout_time_saved_s": summary["rollout_time_s"] - moved["rollout_time_s"],
-                "detached_rank_s_gained": moved["detached_rank_s"] - summary["detached_rank_s"],
-                "dummy_rank_s_saved": summary["rank_seconds"]["dummy"] - moved["rank_seconds"]["dummy"],
-            }
-        print(json.dumps(summary) if args.json else single_report(summary))
-        results, table = [result], [{"label": c.policy, **summary}]
+    run_one = _compare if args.compare else _single
+    results, table = run_one(args, c, trace, epochs, shape, cost, config)
     plots = []
     if args.plot:
         from elastic.sim.plot import write_plots
@@ -183,6 +144,60 @@ def _run(args) -> int:
     if args.wandb:
         _log_wandb(args, c, table, results, plots)
     return 0
+
+
+def _compare(args, c, trace, epochs, shape, cost, config) -> tuple[list, list[dict]]:
+    """`--compare`: every policy side by side, printed as a table (or JSON); (results to plot, rows)."""
+    from elastic.sim.replay import compare_policies
+    from elastic.sim.report import compare_table, run_compare
+
+    rows = run_compare(trace, ranks=c.ranks, cost=cost, shape=shape, config=config, epochs=epochs,
+                       policies=compare_policies(objective=c.objective,
+                                                 ownership=c.dims.ownership),
+                       progress=lambda label: print(f"simulating {label} ...", file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps({"ranks": c.ranks, "rollouts": len(epochs), "objective": c.objective,
+                          "rows": rows}))
+    else:
+        print(compare_table(rows))
+    results = [r["_result"] for r in rows] if args.plot or args.wandb else []
+    for r in rows:
+        r.pop("_result", None)
+    return results, rows
+
+
+def _single(args, c, trace, epochs, shape, cost, config) -> tuple[list, list[dict]]:
+    """One policy (`--partial`: its partial rollouts), with the `--migrate` what-if beside it;
+    printed as a report (or JSON); (results to plot, its one row)."""
+    from dataclasses import replace
+
+    from elastic.sim.replay import Policy, simulate_trace
+    from elastic.sim.report import single_report
+
+    policy = Policy(c.policy, c.floor, c.tailguard, objective=c.objective,
+                    ownership=c.dims.ownership)
+    if c.partial.enabled:
+        from elastic.sim.partial import simulate_partial
+
+        result = simulate_partial(trace, policy, c.partial.rule(), ranks=c.ranks, cost=cost, shape=shape,
+                                  config=config, epochs=epochs)
+    else:
+        result = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape, config=config,
+                                epochs=epochs)
+    summary = result.summary()
+    if c.migrate:
+        moved = simulate_trace(trace, policy, ranks=c.ranks, cost=cost, shape=shape,
+                               config=replace(config, migrate_max=c.migrate), epochs=epochs).summary()
+        summary["migration"] = {
+            "max_responses": c.migrate,
+            "migrated_responses": moved["migrated_responses"],
+            "rollout_time_s": moved["rollout_time_s"],
+            "rollout_time_saved_s": summary["rollout_time_s"] - moved["rollout_time_s"],
+            "detached_rank_s_gained": moved["detached_rank_s"] - summary["detached_rank_s"],
+            "dummy_rank_s_saved": summary["rank_seconds"]["dummy"] - moved["rank_seconds"]["dummy"],
+        }
+    print(json.dumps(summary) if args.json else single_report(summary))
+    return [result], [{"label": c.policy, **summary}]
 
 
 def _log_wandb(args, c, table: list[dict], results: list, plots: list) -> None:

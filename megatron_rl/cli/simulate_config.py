@@ -37,10 +37,10 @@ class SimulateConfig:
     partial: PartialConfig = field(default_factory=PartialConfig)  # partial rollouts (elastic/sim/partial.py)
 
     def __post_init__(self):
-        require(self.ranks >= 1, f"ranks must be >= 1, got {self.ranks}")
+        require(self.ranks >= 1, f"ranks: expected >= 1, got {self.ranks}")
         require_floor(self.floor, self.ranks)
         require(self.model is None or self.model in SHAPES,
-                f"model {self.model!r} is not known; known: {', '.join(sorted(SHAPES))}")
+                f"model: expected one of {', '.join(sorted(SHAPES))}, got {self.model!r}")
         if self.model is not None:  # the cost model prices the named shape
             require(self.cost.shape == ModelShape(), "cost.shape: expected --model or cost.shape fields, not both")
             named = self.cost.name != self.cost.shape.name  # else the name follows the shape
@@ -50,8 +50,8 @@ class SimulateConfig:
         self.dims = parallel_dims(self.ranks, self.shape.num_experts, self.backend,
                                   f"the experts of {self.shape.name}", even=False)
         require_policy(self.policy, self.backend)
-        require(self.check_every >= 1, f"check_every must be >= 1, got {self.check_every}")
-        require(self.migrate >= 0, f"migrate must be >= 0, got {self.migrate}")
+        require(self.check_every >= 1, f"check_every: expected >= 1, got {self.check_every}")
+        require(self.migrate >= 0, f"migrate: expected >= 0, got {self.migrate}")
         require(self.kv_page_size >= 1, f"kv_page_size: expected >= 1, got {self.kv_page_size}")
 
     @property

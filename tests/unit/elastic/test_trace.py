@@ -76,7 +76,7 @@ def test_generator_is_reproducible_and_shaped():
 def test_generator_validates_parameters():
     with pytest.raises(ValueError, match="prompt_share"):
         SynthParams(prompt_share=1.5)
-    with pytest.raises(ValueError, match="unknown trace preset"):
+    with pytest.raises(ValueError, match="trace preset: expected one of"):
         preset("nope")
     assert {"deepscaler", "eurus", "nosignal"} <= set(PRESETS)
 

@@ -23,7 +23,7 @@ def test_qwen3_30b_example_validates_through_the_same_dataclasses():
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"ranks": 3}, "experts must divide over the ranks"),
+    ({"ranks": 3}, "experts divide over the ranks"),
     ({"prompts_per_step": 3}, "expected a multiple of ranks x grpo.minibatches"),
     ({"grpo.group_size": 1}, "grpo.group_size: expected >= 2"),
     ({"model.vocab_size": 10}, "expected at least the character tokenizer's"),

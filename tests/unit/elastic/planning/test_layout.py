@@ -18,6 +18,7 @@ from elastic.planning.schedule import contiguous_owners, held_counts
 from elastic.planning.shape import ModelShape
 from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
+from tests.helpers.plans import planned_dims
 
 KV_BYTES = 64
 
@@ -91,7 +92,7 @@ def test_oracle_plans_are_safe_or_rejected_with_a_reason(problem):
     ranks, experts, floor, batch, shape, layout = problem
     lengths = {r.key: r.response_len for r in batch}
     try:
-        plan = make_plan(batch, Trace([]), ranks=ranks, floor=floor, shape=shape, layout=layout,
+        plan = make_plan(batch, Trace([]), dims=planned_dims(ranks, shape), floor=floor, shape=shape, layout=layout,
                          tailguard=False, true_lengths=lengths)
     except PlanError as e:
         msg = str(e)
@@ -120,7 +121,7 @@ def test_predicted_plans_are_safe(ranks, experts, data):
     shape = tiny_shape(experts, experts, data.draw(st.integers(20000, 400000)))
     batch = trace.epoch(2)
     try:
-        plan = make_plan(batch, trace.before(2), ranks=ranks, floor=floor, shape=shape,
+        plan = make_plan(batch, trace.before(2), dims=planned_dims(ranks, shape), floor=floor, shape=shape,
                          layout=layout, tailguard=tailguard)
     except PlanError as e:
         assert "KV cache" in str(e)
@@ -132,9 +133,9 @@ def test_floor_that_cannot_hold_the_experts_is_rejected():
     batch = [TraceRecord("a", 0, 0, 10, 10)]
     shape = tiny_shape(16, 7, 0)  # a rank fits 7 experts and nothing else: floor 2 would need 8
     with pytest.raises(PlanError, match="floor 2 cannot hold the 16 experts"):
-        make_plan(batch, Trace([]), ranks=4, floor=2, shape=shape, layout="planned",
+        make_plan(batch, Trace([]), dims=planned_dims(4, shape), floor=2, shape=shape, layout="planned",
                   tailguard=False, true_lengths={("a", 0): 10})
-    plan = make_plan(batch, Trace([]), ranks=4, floor=3, shape=shape, layout="planned",
+    plan = make_plan(batch, Trace([]), dims=planned_dims(4, shape), floor=3, shape=shape, layout="planned",
                      tailguard=False, true_lengths={("a", 0): 10})
     assert len(plan.stages[-1].members) >= 3
 
@@ -145,9 +146,9 @@ def test_kv_that_cannot_fit_is_rejected():
     lengths = {r.key: 5000 for r in batch}
     for layout in ("natural", "lengthsort", "planned"):
         with pytest.raises(PlanError, match="KV cache"):
-            make_plan(batch, Trace([]), ranks=1, floor=1, shape=shape, layout=layout,
+            make_plan(batch, Trace([]), dims=planned_dims(1, shape), floor=1, shape=shape, layout=layout,
                       tailguard=False, true_lengths=lengths)
-    plan = make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="planned",
+    plan = make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="planned",
                      tailguard=False, true_lengths=lengths)
     _check_safe(plan, batch, shape, 1, 2, lengths)
 
@@ -161,11 +162,11 @@ def test_a_huge_prompt_with_short_responses_is_rejected():
     for kw in ({"true_lengths": {r.key: 10 for r in batch}}, {}):
         for layout in ("natural", "lengthsort", "planned"):
             with pytest.raises(PlanError, match="KV cache cannot fit"):
-                make_plan(batch, history, ranks=2, floor=1, shape=shape, layout=layout,
+                make_plan(batch, history, dims=planned_dims(2, shape), floor=1, shape=shape, layout=layout,
                           tailguard=True, **kw)
     with pytest.raises(PlanError, match=r"alone needs up to 100000\d\d KV tokens \(its prompt is "
                                         r"10000000\)"):
-        make_plan(batch, history, ranks=2, floor=1, shape=shape, layout="lengthsort",
+        make_plan(batch, history, dims=planned_dims(2, shape), floor=1, shape=shape, layout="lengthsort",
                   tailguard=False, true_lengths={r.key: 10 for r in batch})
 
 
@@ -180,10 +181,10 @@ def test_every_prompt_is_counted_not_its_expectation(layout, tailguard):
                      for e in range(2) for p in range(50) for s in range(4)])
     batch = [TraceRecord(f"q{p}", 2, s, 1000, 1) for p in range(50) for s in range(4)]
     with pytest.raises(PlanError, match="KV cache cannot fit"):
-        make_plan(batch, history, ranks=1, floor=1, shape=tiny_shape(8, 8, 195_000),
-                  layout=layout, tailguard=tailguard)
-    make_plan(batch, history, ranks=1, floor=1, shape=tiny_shape(8, 8, 205_000), layout=layout,
-              tailguard=tailguard)
+        make_plan(batch, history, dims=planned_dims(1, tiny_shape(8, 8, 195_000)), floor=1,
+                  shape=tiny_shape(8, 8, 195_000), layout=layout, tailguard=tailguard)
+    make_plan(batch, history, dims=planned_dims(1, tiny_shape(8, 8, 205_000)), floor=1,
+              shape=tiny_shape(8, 8, 205_000), layout=layout, tailguard=tailguard)
 
 
 def test_empty_responses_hold_their_prompts():
@@ -191,9 +192,9 @@ def test_empty_responses_hold_their_prompts():
     shape = tiny_shape(8, 8, 12_000)  # two prompts fit a rank, not four
     lengths = {r.key: 0 for r in batch}
     with pytest.raises(PlanError, match="KV cache cannot fit"):
-        make_plan(batch, Trace([]), ranks=1, floor=1, shape=shape, layout="planned",
+        make_plan(batch, Trace([]), dims=planned_dims(1, shape), floor=1, shape=shape, layout="planned",
                   tailguard=False, true_lengths=lengths)
-    plan = make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="planned",
+    plan = make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="planned",
                      tailguard=False, true_lengths=lengths)
     _check_safe(plan, batch, shape, 1, 2, lengths)
 
@@ -202,8 +203,8 @@ def test_empty_history_needs_the_cap():
     batch = [TraceRecord("a", 0, 0, 10, 10)]
     shape = tiny_shape(8, 8, 10_000)
     with pytest.raises(PlanError, match="max_response_len"):
-        make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="natural", tailguard=True)
-    plan = make_plan(batch, Trace([]), ranks=2, floor=1, shape=shape, layout="natural",
+        make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="natural", tailguard=True)
+    plan = make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="natural",
                      tailguard=True, max_response_len=100)
     assert [a.rank for a in plan.assignments] == [a.rank for a in natural([("a", 0)], 2)]
 
@@ -212,6 +213,6 @@ def test_empty_history_needs_the_cap():
 def test_extreme_rank_and_expert_counts(ranks, experts):
     trace = generate(preset("eurus", prompts=64, samples=8, epochs=2), seed=0)
     shape = tiny_shape(experts, experts, 10**7)
-    plan = make_plan(trace.epoch(1), trace.before(1), ranks=ranks, floor=1, shape=shape,
+    plan = make_plan(trace.epoch(1), trace.before(1), dims=planned_dims(ranks, shape), floor=1, shape=shape,
                      layout="planned", tailguard=True)
     _check_safe(plan, trace.epoch(1), shape, 1, ranks)

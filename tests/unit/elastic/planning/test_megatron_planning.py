@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from elastic.planning.dims import ParallelDims, block_owners
+from elastic.planning.dims import LayoutError, ParallelDims, block_owners
 from elastic.planning.plan import Plan, PlanError
 from elastic.planning.planner import make_plan
 from elastic.planning.schedule import build_stages, candidate_sizes, chains
@@ -16,6 +16,7 @@ from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, simulate_trace
 from megatron_rl.errors import FlexFloorError
+from tests.helpers.plans import planned_dims
 from tests.helpers.traces import small_deepscaler
 
 QWEN = ModelShape()  # 128 experts
@@ -59,8 +60,8 @@ def test_block_stages_are_block_owners_of_their_members():
 @pytest.mark.parametrize("layout", ["natural", "planned"])
 def test_plan_with_blocks_passes_only_through_divisor_sizes(trace, layout):
     ep = trace.epochs[-1]
-    plan = make_plan(trace.epoch(ep), trace.before(ep), ranks=16, floor=3, shape=QWEN, layout=layout,
-                     tailguard=True, ownership="blocks")
+    plan = make_plan(trace.epoch(ep), trace.before(ep), dims=planned_dims(16, QWEN, "blocks"), floor=3, shape=QWEN,
+                     layout=layout, tailguard=True)
     _assert_blocks(plan)
     # The whole search ran over divisor sizes (8, 4): 2**2 chains priced, not 2**13.
     assert plan.meta["chains_priced"] == 4
@@ -71,23 +72,27 @@ def test_plan_with_blocks_passes_only_through_divisor_sizes(trace, layout):
 
 def test_plan_check_refuses_a_blocks_plan_off_the_blocks(trace):
     ep = trace.epochs[-1]
-    plan = make_plan(trace.epoch(ep), trace.before(ep), ranks=8, floor=4, shape=QWEN, layout="planned",
-                     tailguard=False, ownership="balanced")
+    plan = make_plan(trace.epoch(ep), trace.before(ep), dims=planned_dims(8, QWEN), floor=4, shape=QWEN,
+                     layout="planned", tailguard=False)
     plan.stages = build_stages([8, 4], 128)  # fewest-moves owners: the survivors keep their blocks
     plan.check()
     plan.ownership = "blocks"
     with pytest.raises(ValueError, match="stage 1: experts are not megatron-core's contiguous blocks"):
         plan.check()
     plan.ownership = "random"
-    with pytest.raises(ValueError, match="ownership must be one of balanced, blocks"):
+    with pytest.raises(ValueError, match="ownership: expected one of balanced, blocks"):
         plan.check()
 
 
-def test_planner_refuses_blocks_when_ranks_do_not_divide_the_experts(trace):
+def test_blocks_refused_where_ranks_do_not_divide_the_experts_and_a_layout_of_another_model(trace):
+    # The layout refuses itself when it is built, once per command; the planner refuses a layout
+    # built for another model's experts.
+    with pytest.raises(LayoutError, match="128 experts do not divide over 12 ranks"):
+        planned_dims(12, QWEN, "blocks")
     ep = trace.epochs[-1]
-    with pytest.raises(PlanError, match="128 experts do not divide over 12 ranks"):
-        make_plan(trace.epoch(ep), trace.before(ep), ranks=12, floor=4, shape=QWEN, layout="planned",
-                  tailguard=False, ownership="blocks")
+    with pytest.raises(PlanError, match=f"dims: expected the 128 experts of {QWEN.name}, got 64"):
+        make_plan(trace.epoch(ep), trace.before(ep), dims=planned_dims(8, ModelShape(num_experts=64)), floor=4,
+                  shape=QWEN, layout="planned", tailguard=False)
 
 
 def test_simulator_plans_blocks_and_pays_their_moves(trace):

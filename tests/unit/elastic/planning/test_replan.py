@@ -5,11 +5,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from elastic.planning.ladder import ladder_plan
 from elastic.planning.layout import natural
 from elastic.planning.plan import Plan
 from elastic.planning.predict import LengthDist
 from elastic.planning.remaining import OnlineModel, OnlineOptions, SiblingFit
-from elastic.planning.replan import Decision, OnlineRule, check_decision, ladder_plan
+from elastic.planning.replan import Decision, OnlineRule, check_decision
 from elastic.planning.schedule import FINE_SPAN, MAX_CANDIDATES, build_stages
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel

@@ -19,6 +19,7 @@ from elastic.planning.schedule import (
 )
 from elastic.planning.shape import ModelShape
 from elastic.sim.synth import generate, preset
+from tests.helpers.plans import planned_dims
 
 QWEN = ModelShape()
 
@@ -80,9 +81,9 @@ def test_stages_and_the_shrink_trigger():
 def test_floor_equal_to_ranks_is_one_stage():
     trace = generate(preset("eurus", prompts=16), seed=0)
     for layout in ("natural", "lengthsort", "planned"):
-        plan = plan_epoch(trace, 2, ranks=4, floor=4, shape=QWEN, layout=layout, tailguard=False)
+        plan = plan_epoch(trace, 2, dims=planned_dims(4, QWEN), floor=4, shape=QWEN, layout=layout, tailguard=False)
         assert len(plan.stages) == 1 and plan.predicted_release_rank_s == 0
-    vanilla = plan_epoch(trace, 2, ranks=4, floor=4, shape=QWEN, layout="natural", tailguard=False)
+    vanilla = plan_epoch(trace, 2, dims=planned_dims(4, QWEN), floor=4, shape=QWEN, layout="natural", tailguard=False)
     batch = trace.epoch(2)
     assert [a.rank for a in vanilla.assignments] == [i * 4 // len(batch) for i in range(len(batch))]
 
@@ -102,7 +103,7 @@ class _Cost:
 
 def test_chain_follows_the_callers_cost_model():
     trace = generate(preset("deepscaler"), seed=0)
-    kw = dict(ranks=16, floor=2, shape=QWEN, layout="planned", tailguard=True)
+    kw = dict(dims=planned_dims(16, QWEN), floor=2, shape=QWEN, layout="planned", tailguard=True)
     costly = plan_epoch(trace, 3, cost=_Cost(shrink_s=1e4, small_group_speedup=1.0), **kw)
     assert len(costly.stages) == 1
     fast_small = plan_epoch(trace, 3, cost=_Cost(shrink_s=0.0, small_group_speedup=1.5), **kw)
@@ -112,12 +113,12 @@ def test_chain_follows_the_callers_cost_model():
 
 def test_objective_trades_release_for_rollout_time():
     trace = generate(preset("deepscaler"), seed=0)
-    kw = dict(ranks=16, floor=4, shape=QWEN, layout="planned", tailguard=True)
+    kw = dict(dims=planned_dims(16, QWEN), floor=4, shape=QWEN, layout="planned", tailguard=True)
     capacity = plan_epoch(trace, 3, **kw)
     latency = plan_epoch(trace, 3, objective="rollout", **kw)
     assert latency.meta["predicted_rollout_s"] <= capacity.meta["predicted_rollout_s"]
     assert capacity.meta["predicted_occupied_rank_s"] <= latency.meta["predicted_occupied_rank_s"]
-    with pytest.raises(PlanError, match="objective must be one of"):
+    with pytest.raises(PlanError, match="objective: expected one of"):
         plan_epoch(trace, 3, objective="fast", **kw)
 
 
@@ -128,7 +129,7 @@ def test_tiny_cpu_model_shrinks_under_a_fixed_cost():
                       expert_ffn=32, bytes_per_param=4, kv_bytes_per_token=512, dense_bytes=0,
                       memory_per_rank_bytes=2**30)
     trace = generate(preset("deepscaler", prompts=8, samples=2, epochs=3, cap=64, median=12), seed=0)
-    kw = dict(ranks=4, floor=1, shape=tiny, layout="planned", tailguard=True)
+    kw = dict(dims=planned_dims(4, tiny), floor=1, shape=tiny, layout="planned", tailguard=True)
     assert len(plan_epoch(trace, 2, **kw).stages) == 1
     plan = plan_epoch(trace, 2, cost=FixedCost(step_s=0.01, shrink_fixed_s=0.02), **kw)
     assert len(plan.stages) >= 2 and plan.predicted_release_rank_s > 0
@@ -158,7 +159,7 @@ def _replay(plan, batch):
 def test_planned_beats_vanilla_and_oracle_beats_planned_on_a_persistent_trace():
     trace = generate(preset("deepscaler"), seed=1)
     batch = trace.epoch(4)
-    kw = dict(ranks=16, shape=QWEN)
+    kw = dict(dims=planned_dims(16, QWEN), shape=QWEN)
     vanilla = _replay(plan_epoch(trace, 4, floor=16, layout="natural", tailguard=False, **kw), batch)
     planned = _replay(plan_epoch(trace, 4, floor=4, layout="planned", tailguard=True, **kw), batch)
     oracle = _replay(plan_epoch(trace, 4, floor=4, layout="planned", tailguard=False, oracle=True,
@@ -170,7 +171,7 @@ def test_planned_beats_vanilla_and_oracle_beats_planned_on_a_persistent_trace():
 
 def test_no_signal_degrades_to_no_worse_than_lengthsort():
     trace = generate(preset("nosignal"), seed=0)
-    kw = dict(ranks=16, shape=QWEN, tailguard=True)
+    kw = dict(dims=planned_dims(16, QWEN), shape=QWEN, tailguard=True)
     for e in (2, 5):
         batch = trace.epoch(e)
         planned_plan = plan_epoch(trace, e, floor=4, layout="planned", **kw)
@@ -183,7 +184,7 @@ def test_no_signal_degrades_to_no_worse_than_lengthsort():
 
 def test_plan_round_trips_through_json():
     trace = generate(preset("eurus", prompts=24), seed=3)
-    plan = plan_epoch(trace, 3, ranks=8, floor=2, shape=QWEN, layout="planned", tailguard=True)
+    plan = plan_epoch(trace, 3, dims=planned_dims(8, QWEN), floor=2, shape=QWEN, layout="planned", tailguard=True)
     back = Plan.from_dict(json.loads(plan.to_json()))
     assert back.assignments == plan.assignments and back.stages == plan.stages
     assert back.meta["chain"] == [len(s.members) for s in plan.stages]
@@ -196,6 +197,7 @@ def test_make_plan_reads_only_keys_and_prompt_lengths():
 
     trace = generate(preset("eurus", prompts=8), seed=0)
     batch = [Item(f"eurus-{i}", s) for i in range(8) for s in range(8)]
-    plan = make_plan(batch, trace, ranks=4, floor=1, shape=ModelShape(num_experts=8, topk=2),
+    shape = ModelShape(num_experts=8, topk=2)
+    plan = make_plan(batch, trace, dims=planned_dims(4, shape), floor=1, shape=shape,
                      layout="planned", tailguard=True)
     assert len(plan.assignments) == 64

@@ -10,6 +10,7 @@ from elastic.sim.partial import simulate_partial
 from elastic.sim.replay import Policy, simulate_trace
 from elastic.sim.synth import generate, preset
 from elastic.trace import TraceRecord
+from tests.helpers.plans import planned_dims
 
 
 def test_a_resumed_response_is_planned_by_what_is_left_of_it():
@@ -21,8 +22,8 @@ def test_a_resumed_response_is_planned_by_what_is_left_of_it():
     known = {r.key: 16384 - 60 for r in longest}
     resumed = [TraceRecord(r.prompt_id, r.epoch, r.sample, r.prompt_len + known.get(r.key, 0), r.response_len)
                for r in batch]
-    kw = dict(ranks=16, floor=4, shape=ModelShape(), layout="planned", tailguard=True, cost=CostModel(),
-              objective="rollout")
+    kw = dict(dims=planned_dims(16, ModelShape()), floor=4, shape=ModelShape(), layout="planned", tailguard=True,
+              cost=CostModel(), objective="rollout")
     for prefix, on_residents in ((None, 8), (known, 0)):
         plan = make_plan(resumed, history, known_prefix=prefix, **kw)
         residents = set(plan.stages[-1].members)

@@ -145,7 +145,7 @@ def test_moves_between_distinct_pairs_run_at_once():
     def seconds(moves):  # (response, destination rank)
         run = _Rollout(plan, batch, DEFAULT_COST, ModelShape(), SimConfig())
         for i, dst in moves:
-            run._move(i, dst, 10)
+            run.at.move(i, dst, 10)
         return run._moved(moves, 10)
 
     assert seconds([(0, 1), (4, 3)]) == pytest.approx(one)  # ranks 0->1 and 2->3 at once
