@@ -193,7 +193,7 @@ def test_checkpoints_are_data_export_and_resume_step(cfg, tmp_path, capsys, monk
     _one_line_exit_2(capsys, ["export", "--out", evil, "--allow-unverified-checkpoint"], "refused")
     assert not (tmp_path / "marker").exists()
     (evil / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00")
-    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", evil, "--steps", "3"], "latest: unreadable")
+    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", evil, "--steps", "3"], "latest: expected a name such as step_000010, got an unreadable file")
 
     # The export of the last step equals the trainer's own; a full disk keeps the previous export.
     def full_disk(*a, **k):
