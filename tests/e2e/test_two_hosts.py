@@ -157,7 +157,8 @@ def test_rollout_across_two_hosts_equals_one_host_and_places_ranks_by_node(hosts
             if src != dst:
                 same = hosts_of[str(src)] == hosts_of[str(dst)]
                 bw = cost.transfer_intra_bytes_per_s if same else cost.transfer_inter_bytes_per_s
-                assert cost.transfer_s([(0, src, dst)]) == pytest.approx(cost.shrink_fixed_s + cost.shape.expert_bytes / bw)
+                want = cost.shrink_fixed_s + cost.shape.expert_bytes / bw
+                assert cost.transfer_s([(0, src, dst)]) == pytest.approx(want)
     # The staying order keeps a prefix of ranks: every stage of at most 2 ranks is on one host.
     for members in report["stages"]:
         if len(members) <= report["ranks_per_node"]:

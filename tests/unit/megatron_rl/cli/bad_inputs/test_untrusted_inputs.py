@@ -193,7 +193,8 @@ def test_checkpoints_are_data_export_and_resume_step(cfg, tmp_path, capsys, monk
     _one_line_exit_2(capsys, ["export", "--out", evil, "--allow-unverified-checkpoint"], "refused")
     assert not (tmp_path / "marker").exists()
     (evil / "checkpoints" / "latest").write_bytes(b"\xff\xfe\x00")
-    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", evil, "--steps", "3"], "latest: expected a name such as step_000010, got an unreadable file")
+    _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", evil, "--steps", "3"],
+                     "latest: expected a name such as step_000010, got an unreadable file")
 
     # The export of the last step equals the trainer's own; a full disk keeps the previous export.
     def full_disk(*a, **k):
@@ -394,7 +395,7 @@ def test_resume_step_moves_latest_before_anything_is_truncated(run_folder, tmp_p
     def crash(*a, **k):
         raise FlexFloorError("the node died")
 
-    monkeypatch.setattr("megatron_rl.parallel.launch.run_ranks", crash)
+    monkeypatch.setattr("megatron_rl.train_driver.run_ranks", crash)
     cfg = tiny_train_config(tmp_path, steps=3)
     _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", run_folder, "--resume-step", "1"], "the node died")
     assert (run_folder / "checkpoints" / "latest").read_text() == "step_000001"
