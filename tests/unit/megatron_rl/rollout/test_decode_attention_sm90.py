@@ -2,7 +2,8 @@
 for every constant set the GPU checks use: `triton.compile` with a `GPUTarget("cuda", 90, 32)`
 runs the whole pipeline (TTIR, TTGIR, LLVM, PTX, ptxas) in bf16 and fp16, the dtypes the engine
 enables it for, over the slot cache and over the paged cache's block table (pages of 16 positions,
-the default and the paged GPU check's). Skipped where triton is not installed (the CPU wheel of torch comes without it)."""
+the default and the paged GPU check's). Skipped where triton is not installed (the CPU wheel of
+torch comes without it)."""
 import os
 import subprocess
 import sys
@@ -41,8 +42,8 @@ for name, m in model_configs().items():
             key = (t, tuple(sorted(const.items())))
             if key in done:
                 continue
-            sig = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "Slot": "*i64", "Table": "*i64", "Len": "*i64", "MidO": "*fp32",
-                   "MidL": "*fp32", "scale": "fp32", **dict.fromkeys(INTS, "i32")}
+            sig = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "Slot": "*i64", "Table": "*i64", "Len": "*i64",
+                   "MidO": "*fp32", "MidL": "*fp32", "scale": "fp32", **dict.fromkeys(INTS, "i32")}
             assert compile_(da._split_kernel, sig, const) > 0
             merge = {"MidO": "*fp32", "MidL": "*fp32", "Out": f"*{t}",
                      **dict.fromkeys(["s_ob", "s_oh", "s_os", "s_lb", "s_lh", "s_xb", "s_xh"], "i32")}
