@@ -101,7 +101,7 @@ class GenerationConfig:
     max_batch_per_rank: int = 64
     # The KV cache: `slots` or `paged` (rollout/paged_kv.py; pages of kv_page_size positions,
     # GRPO group prefix sharing, kv_reserve of the pages kept free at admission).
-    kv: Literal["slots", "paged"] = "slots"
+    kv: Literal["slots", "paged"] = "paged"
     kv_page_size: int = 16
     kv_reserve: float = 0.1
 

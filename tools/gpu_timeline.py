@@ -18,9 +18,9 @@ import sys
 STAGES = {
     "te: image guard": (2, "estimate", ("te: image guard",)),
     "w: carried wheels": (8, "estimate", ("w: carried wheels",)),
-    "tests/gpu (c engine, b bf16)": (75, "estimate", (
+    "tests/gpu (c engine, b bf16)": (87, "estimate", (
         "c: capture safety", "c: decode step, sync debug mode error", "c: graph replay = eager tokens (bf16)",
-        "b: bf16 responses per policy vs vanilla")),
+        "b: bf16 responses per policy vs vanilla", "k: paged vs slot KV, decode batch 64")),
     "tests/gpu (a, b)": (70, "estimate", ("a: greedy bf16 vs fp64 CPU", "a: 5 GRPO steps bf16",
                                           "b: 2-rank elastic, one GPU")),
     "c: bench small model": (55, "estimate", ("c: decode tokens/s, batch 1", "c: decode tokens/s, batch 64",

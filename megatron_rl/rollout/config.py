@@ -78,7 +78,7 @@ class RolloutConfig:
     # `paged` (pages of kv_page_size positions: as many bytes as the slots, or kv_pages pages per
     # rank; GRPO group prefix sharing; admission by predicted length keeping kv_reserve of the
     # pages free for requests that outlive their prediction, else preemption and recompute).
-    kv: Literal["slots", "paged"] = "slots"
+    kv: Literal["slots", "paged"] = "paged"
     kv_page_size: int = 16
     kv_pages: int | None = None
     kv_reserve: float = 0.1

@@ -65,8 +65,8 @@ class RolloutEngine:
 
     `kv`: "slots" (rollout/kv_cache.py) or "paged" (rollout/paged_kv.py: `kv_pages` pages of
     `page_size` positions, default as many bytes as the slots; GRPO group prefix sharing; admission
-    by predicted length with preemption of the newest request, recomputed later; torch attention
-    and eager decode, as no paged CUDA kernel exists yet).
+    by predicted length with preemption of the newest request, recomputed later; the same decode
+    kernel, with the block table, and the same CUDA graphs).
     """
 
     def __init__(self, model: Qwen3MoeModel, sampling: SamplingParams, max_batch: int,
@@ -78,8 +78,6 @@ class RolloutEngine:
         self.max_batch, self.device = max_batch, model.device
         self.cache = build_kv_cache(kv, cfg, max_batch, max_len, model.dtype, self.device, kv_pages, page_size,
                                     kv_reserve)
-        if kv == "paged":
-            attention, cuda_graphs = "torch", False
         # Prefill tokens the admitted requests asked for and those the forward computed (group
         # prefix sharing), and requests preempted when the pages ran out.
         self.prefill_requested = self.prefill_computed = self.preempted = 0

@@ -79,6 +79,36 @@ class CacheTensors:
         self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.generation += 1
 
+    def _decode_constants(self) -> None:
+        """What every decode forward reuses: each KV group's first row within a block (a slot, or
+        a page) of K viewed as rows [blocks x G x R, C], and the mask's zero."""
+        self._group_rows_G = torch.arange(self.shape[1], device=self.device) * self.shape[2]
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
+
+    def _decode_inputs(self, block_B: torch.Tensor, off_B: torch.Tensor, pos_B: torch.Tensor, L: int) -> None:
+        """Made once per decode forward, for every layer: where each row's new key goes (row b at
+        position `off_B[b]` of block `block_B[b]`: one index, one `index_copy_` per layer and tensor;
+        a scatter or a two-index put costs more on CPU) and, for the torch path, the [B, 1, 1, L]
+        mask of the keys past each row's position, additive (0 / -inf): SDPA would turn a boolean
+        mask into this very tensor in every layer."""
+        G, R = self.shape[1], self.shape[2]
+        self._write_BG = torch.add(off_B, block_B, alpha=G * R)[:, None] + self._group_rows_G
+        if self.kernel is None:
+            unseen_BL = torch.arange(L, device=self.device) > pos_B[:, None]
+            self._mask_B11L = self._zero.masked_fill(unseen_BL, float("-inf"))[:, None, None, :]
+
+    def _append(self, K: torch.Tensor, V: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> None:
+        """A decode forward's new keys and values into one layer's K and V (`_decode_inputs`)."""
+        C, rows = self.shape[3], self._write_BG.view(-1)
+        K.view(-1, C).index_copy_(0, rows, k_BGSC.reshape(-1, C))
+        V.view(-1, C).index_copy_(0, rows, v_BGSC.reshape(-1, C))
+
+    def commit(self) -> None:
+        """After a prefill: the written tokens become part of each sequence."""
+        for s, n in zip(self._slots, self._new):
+            self.lengths[s] += n
+        self._slots, self._new = [], []
+
     def route_rows(self, T: int) -> torch.Tensor:
         """The forward's T rows as flat (slot x max_len + position) indices, for the route buffer
         of models/routes.py: a decode's rows in order (a layer fed only the real rows gets the
@@ -129,10 +159,7 @@ class SlotKVCache(CacheTensors):
         self._slots: list[int] = []
         self._new: list[int] = []
         self.kernel = None  # the decode-attention kernel, set by the engine where one runs
-        # Row offset of each KV group within a slot's block of a flattened K, and the mask's
-        # zero (`decode`).
-        self._group_rows_G = torch.arange(groups, device=self.device) * max_len
-        self._zero = torch.zeros((), dtype=dtype, device=self.device)
+        self._decode_constants()
 
     @property
     def capacity(self) -> int:
@@ -199,23 +226,8 @@ class SlotKVCache(CacheTensors):
         shape); `run` is `slot_B` as a slice when the slots are consecutive (a view, no gather).
         Returns the positions [B, 1]. `commit` is the engine's, which knows the rows' lengths."""
         self._decode, self._run, self._L = (slot_B, pos_B), run, L
-        if self.kernel is None:
-            # Additive (0 / -inf), made once per forward: SDPA would turn a boolean mask into
-            # this very tensor in every layer.
-            unseen_BL = torch.arange(L, device=self.device) > pos_B[:, None]
-            self._mask_B11L = self._zero.masked_fill(unseen_BL, float("-inf"))[:, None, None, :]
-        # Each row's new key, group by group, as a row of a layer's K viewed as [slots x G x
-        # L_max, C]: one index per forward, one `index_copy_` per layer and tensor (a scatter or
-        # a two-index put costs more on CPU).
-        G, L_max = self.shape[1], self.shape[2]
-        self._write_BG = torch.add(pos_B, slot_B, alpha=G * L_max)[:, None] + self._group_rows_G
+        self._decode_inputs(slot_B, pos_B, pos_B, L)  # a slot is one block of L_max positions
         return pos_B[:, None]
-
-    def commit(self) -> None:
-        """After a prefill: the written tokens become part of each sequence."""
-        for s, n in zip(self._slots, self._new):
-            self.lengths[s] += n
-        self._slots, self._new = [], []
 
     def attend(self, layer: int, q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> torch.Tensor:
         K, V = self.k[layer], self.v[layer]
@@ -226,9 +238,7 @@ class SlotKVCache(CacheTensors):
             # h // (H/G), as HF's repeat_kv lays them out (`enable_gqa`).
             return F.scaled_dot_product_attention(q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=True)
         slot_B, pos_B = self._decode
-        C, rows = self.shape[3], self._write_BG.view(-1)
-        K.view(-1, C).index_copy_(0, rows, k_BGSC.reshape(-1, C))
-        V.view(-1, C).index_copy_(0, rows, v_BGSC.reshape(-1, C))
+        self._append(K, V, k_BGSC, v_BGSC)
         if self.kernel is not None:
             return self.kernel(q_BHSC[:, :, 0], K, V, slot_B, pos_B + 1)[:, :, None]
         if self._run is not None:

@@ -8,10 +8,13 @@ jP..(j+1)P-1. Pages are taken as a sequence grows (`grow`, before each decode st
 when it ends; the samples of one GRPO group hold their prompt's full pages together (`fork`: the
 last, partial page is copied, as each sample writes its own tokens there next).
 
-Decode attention reads each row's pages: the block table's first ceil(L/P) entries of each row
-are gathered (entries past a row's pages name the zeroed scratch page) and the keys past a row's
-length are masked, over the same L key positions as the slot cache's torch path, so every score
-and sum is the slot cache's, bit for bit.
+Decode attention reads each row's pages. On CUDA, the Triton split-K kernel of the slot cache
+with the block table (rollout/decode_attention.py): each key's page looked up in the kernel, over
+the row's own length, in the same chunks and order as the slot cache's, and the block table a
+static device tensor updated in place as pages are taken, so the decode CUDA graphs capture it. The
+torch path gathers the block table's first ceil(L/P) entries of each row (entries past a row's
+pages name the zeroed scratch page) and masks the keys past a row's length, over the same L key
+positions as the slot cache's torch path, so every score and sum is the slot cache's, bit for bit.
 
 Admission (`admissible`): a request is admitted while its predicted KV (prompt + predicted
 response, in pages) fits in the free pages, less the growth promised to the live sequences and
@@ -75,7 +78,8 @@ class PagedKVCache(CacheTensors):
         self.reclaim_memory()
         self.pages_shared = 0  # pages a sequence got from its group instead of computing them
         self.peak_pages = 0
-        self.kernel = None  # no paged CUDA kernel yet: the torch path below runs everywhere
+        self.kernel = None  # the decode-attention kernel, set by the engine where one runs
+        self._decode_constants()
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page_size)
@@ -199,16 +203,11 @@ class PagedKVCache(CacheTensors):
         """As the slot cache's: row b appends at `pos_B[b]` of sequence `slot_B[b]` (pages taken by `grow`)."""
         self._decode, self._L = (slot_B, pos_B), L
         table_BJ = self.block_table[slot_B]
-        self._page_B = table_BJ.gather(1, (pos_B // self.page_size)[:, None])[:, 0]
-        self._off_B = pos_B % self.page_size
-        self._table_Bn = table_BJ[:, : self.pages_for(L)]
-        self._mask_B11L = (torch.arange(L, device=self.device) <= pos_B[:, None])[:, None, None, :]
+        page_B = table_BJ.gather(1, (pos_B // self.page_size)[:, None])[:, 0]
+        self._decode_inputs(page_B, pos_B % self.page_size, pos_B, L)
+        if self.kernel is None:
+            self._table_Bn = table_BJ[:, : self.pages_for(L)]
         return pos_B[:, None]
-
-    def commit(self) -> None:
-        for s, n in zip(self._slots, self._new):
-            self.lengths[s] += n
-        self._slots, self._new = [], []
 
     def attend(self, layer: int, q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> torch.Tensor:
         K, V = self.k[layer], self.v[layer]
@@ -216,8 +215,11 @@ class PagedKVCache(CacheTensors):
             K[self._page_M, :, self._off_M] = k_BGSC.permute(0, 2, 1, 3)[self._b_M, self._s_M]
             V[self._page_M, :, self._off_M] = v_BGSC.permute(0, 2, 1, 3)[self._b_M, self._s_M]
             return F.scaled_dot_product_attention(q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=True)
-        K[self._page_B, :, self._off_B] = k_BGSC[:, :, 0]
-        V[self._page_B, :, self._off_B] = v_BGSC[:, :, 0]
+        self._append(K, V, k_BGSC, v_BGSC)
+        slot_B, pos_B = self._decode
+        if self.kernel is not None:
+            return self.kernel(q_BHSC[:, :, 0], K, V, slot_B, pos_B + 1, table_SJ=self.block_table,
+                               max_len=self.max_len)[:, :, None]
         B, n = self._table_Bn.shape
         G, P, C = self.shape[1], self.page_size, self.shape[3]
         # [B, n, G, P, C] -> [B, G, n*P, C]: the rows' own pages, in position order.

@@ -16,7 +16,8 @@ PAGED = {"kv": "paged", "kv_page_size": 2}  # two positions a page: the tiny pro
 @pytest.mark.timeout(600)
 def test_paged_planned_and_adaptive_equal_the_slot_cache():
     cfgs = [load_dataclass(RolloutConfig, None, {**BASE, **o}) for o in (
-        {"policy": "vanilla"}, {"policy": "planned", "floor": 1, **PAGED}, {"policy": "adaptive", "floor": 1, **PAGED})]
+        {"policy": "vanilla", "kv": "slots"}, {"policy": "planned", "floor": 1, **PAGED},
+        {"policy": "adaptive", "floor": 1, **PAGED})]
     (slots, _), (planned, _), (adaptive, responses) = run_rollouts(cfgs, quiet=True)
     assert len({(r["prompt_id"], r["sample"]) for r in responses}) == len(responses) == 32
     assert planned["responses_sha256"] == adaptive["responses_sha256"] == slots["responses_sha256"]

@@ -1,9 +1,11 @@
-"""The sync-free, graph-captured decode engine on one CUDA GPU (issue 19; skipped without one). The
-bodies are tests/gpu/checks/gpu_decode_checks.py (their CPU side: tests/unit/tools/test_gpu_decode_checks.py); each
+"""The sync-free, graph-captured decode engine on one CUDA GPU (issue 19; skipped without one), and
+its paged KV cache against the slot one (issue 35). The bodies are tests/gpu/checks/gpu_decode_checks.py
+and gpu_paged_checks.py (their CPU side: tests/unit/tools/test_gpu_decode_checks.py and
+test_gpu_paged_checks.py); each
 records its row for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set."""
 import pytest
 
-from tests.gpu.checks import gpu_decode_checks
+from tests.gpu.checks import gpu_decode_checks, gpu_paged_checks
 from tests.gpu.checks.gpu_checks import SMALL_QWEN3_MOE
 from tests.gpu.test_gpu_path import _check
 from tools.gpu_env import DEVICE, DRYRUN, needs_gpu, sized
@@ -37,4 +39,10 @@ def test_c_graph_replay_gives_the_eager_tokens_and_recaptures_after_changes():
 def test_b_bf16_identical_responses_per_policy():
     out = _check("b: bf16 responses per policy vs vanilla", lambda: gpu_decode_checks.bf16_policies(
         device=DEVICE, **({"prompts": 2, "samples": 2, "policies": gpu_decode_checks.POLICIES[:2]} if DRYRUN else {})))
+    assert out["ok"], out
+
+
+def test_k_paged_decode_gives_the_slot_tokens_at_batch_64():
+    out = _check("k: paged vs slot KV, decode batch 64", lambda: gpu_paged_checks.paged_vs_slot(
+        sized(SMALL_QWEN3_MOE), device=DEVICE, **({"batch": 8, "new": 8, "max_len": 24} if DRYRUN else {})))
     assert out["ok"], out

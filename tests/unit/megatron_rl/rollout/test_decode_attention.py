@@ -1,5 +1,7 @@
 """The Triton split-K decode attention (rollout/decode_attention.py) equals SDPA over each row's own
-keys, in fp32 under TRITON_INTERPRET=1 on CPU (the interpreter runs the kernel's own code with numpy).
+keys, in fp32 and fp16 under TRITON_INTERPRET=1 on CPU (the interpreter runs the kernel's own code
+with numpy), over the slot cache and over the paged cache's block table (bit for bit the slot
+cache's result on the same keys).
 Skipped where triton is not installed: the CPU wheel of torch does not bring it, and the dev extras
 do not add it (about 640 MB installed); `pip install triton==3.6.0` runs these here."""
 import os
@@ -82,3 +84,61 @@ def test_split_k_decode_attention_in_fp16_equals_sdpa():
     assert got.dtype == torch.float16
     want = reference(q.float(), K.float(), V.float(), slot_B, len_B)
     torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+
+
+def paged(K_SGLC: torch.Tensor, P: int, seed: int):
+    """The slot cache's keys in pages of P positions, the pages shuffled over the pool (one more,
+    the scratch page, full of NaN: never read) and named by each slot's block table."""
+    S, G, L, C = K_SGLC.shape
+    J = -(-L // P)
+    order = torch.randperm(S * J, generator=torch.Generator().manual_seed(seed))
+    pool = torch.full((S * J + 1, G, P, C), float("nan"), dtype=K_SGLC.dtype)
+    padded = torch.nn.functional.pad(K_SGLC, (0, 0, 0, J * P - L), value=float("nan"))
+    pool[order] = padded.view(S, G, J, P, C).permute(0, 2, 1, 3, 4).reshape(S * J, G, P, C)
+    return pool, order.view(S, J)
+
+
+@pytest.mark.parametrize("dtype,P,splits", [(torch.float32, 16, 1), (torch.float32, 8, 4), (torch.float16, 16, 8)])
+def test_paged_decode_attention_reads_the_block_table_and_equals_the_slot_kernel(dtype, P, splits):
+    """Pages shuffled over the pool, a length not a multiple of P, rows shorter than the split count
+    or than a page: the slot kernel's result bit for bit (the same chunks and sums), so SDPA's."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
+    g = torch.Generator().manual_seed(P + splits)
+    slots, L, G, H, C = 5, 37, 2, 8, 32
+    K = torch.randn(slots + 1, G, L, C, generator=g).to(dtype)
+    V = torch.randn(slots + 1, G, L, C, generator=g).to(dtype)
+    q = torch.randn(4, H, C, generator=g).to(dtype)
+    slot_B, len_B = torch.tensor([3, 0, 5, 1]), torch.tensor([37, 2, 1, 20])
+    K_pages, table_SJ = paged(K, P, seed=1)
+    V_pages, _ = paged(V, P, seed=1)
+    got = decode_attention(q, K_pages, V_pages, slot_B, len_B, splits, 16, table_SJ=table_SJ, max_len=L)
+    assert got.dtype == dtype and not got.isnan().any()
+    assert torch.equal(got, decode_attention(q, K, V, slot_B, len_B, splits, 16))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    want = reference(q.float(), K.float(), V.float(), slot_B, len_B)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_engine_on_the_paged_cache_with_the_kernel_gives_the_slot_cache_tokens():
+    """The paged cache's decode through the kernel (block table, padded buckets, pages taken
+    between steps, a GRPO group sharing its prompt's pages) against its torch path and the slot cache."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
+    from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+    from megatron_rl.rollout.engine import Request, RolloutEngine
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    m = Qwen3MoeModel(MoEModelConfig(num_layers=1), dtype=torch.float32)
+    m.init_weights(0)
+    out = {}
+    for kv, attention in (("slots", "torch"), ("paged", "torch"), ("paged", "triton")):
+        eng = RolloutEngine(m.eval(), SamplingParams(), 4, 24, attention=attention, pad_to_buckets=True, kv=kv,
+                            page_size=4)
+        assert (eng.cache.kernel is not None) == (attention == "triton")
+        eng.add([Request("p0", i, [5, 6, 7, 8, 9, 3], 9 - i, fixed_len=9 - i) for i in range(2)]
+                + [Request("p1", 0, [2] * 3, 12, fixed_len=12)])
+        while eng.has_work():
+            eng.step()
+        out[kv, attention] = {r.key: r.tokens for r in eng.finished}
+    assert out["paged", "triton"] == out["paged", "torch"] == out["slots", "torch"]
