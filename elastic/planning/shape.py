@@ -46,11 +46,12 @@ class MemoryBudget:
     def __post_init__(self):
         for name in ("device_bytes", "expert_bytes", "kv_bytes_per_token"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"MemoryBudget.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"MemoryBudget.{name}: expected > 0, got {getattr(self, name)}")
         if self.dense_bytes < 0 or self.resident_bytes < 0:
-            raise ValueError("MemoryBudget.dense_bytes and resident_bytes must be >= 0")
+            raise ValueError(f"MemoryBudget.dense_bytes and resident_bytes: expected >= 0, got {self.dense_bytes} "
+                             f"and {self.resident_bytes}")
         if not 0 < self.utilization <= 1:
-            raise ValueError(f"MemoryBudget.utilization must be in (0, 1], got {self.utilization}")
+            raise ValueError(f"MemoryBudget.utilization: expected in (0, 1], got {self.utilization}")
 
     @property
     def usable_bytes(self) -> int:
@@ -106,9 +107,9 @@ class ModelShape:
                      "ranks_per_node", "num_attention_heads", "num_query_groups", "kv_channels",
                      "vocab_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ModelShape.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"ModelShape.{name}: expected > 0, got {getattr(self, name)}")
         if self.dense_bytes < 0:
-            raise ValueError(f"ModelShape.dense_bytes must be >= 0, got {self.dense_bytes}")
+            raise ValueError(f"ModelShape.dense_bytes: expected >= 0, got {self.dense_bytes}")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(
                 f"ModelShape.memory_utilization must be in (0, 1], got {self.memory_utilization}"

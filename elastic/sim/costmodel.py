@@ -101,9 +101,9 @@ class CostModel:
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name not in _MAY_BE_ZERO:
-                _require(v > 0, f"{f.name} must be > 0, got {v}")
+                _require(v > 0, f"{f.name}: expected > 0, got {v}")
         for name in _MAY_BE_ZERO:
-            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+            _require(getattr(self, name) >= 0, f"{name}: expected >= 0, got {getattr(self, name)}")
         pts = [tuple(p) for p in self.a2a_inter_latency_s]
         _require(len(pts) >= 1 and all(len(p) == 2 and p[0] > 0 and p[1] >= 0 for p in pts),
                  "a2a_inter_latency_s must be a list of [ep_size, seconds] pairs")
@@ -237,7 +237,7 @@ class CostModel:
         """Every duration times `factor` (rates divided by it): the same shape of costs on a machine
         that is uniformly `factor` times slower, e.g. to match one measured rollout's wall time."""
         if factor <= 0:
-            raise ValueError(f"scale factor must be > 0, got {factor}")
+            raise ValueError(f"scale factor: expected > 0, got {factor}")
         rates = {f: getattr(self, f) / factor for f in (
             "hbm_bytes_per_s", "flops_per_s", "a2a_intra_bytes_per_s", "a2a_inter_bytes_per_s",
             "transfer_intra_bytes_per_s", "transfer_inter_bytes_per_s")}

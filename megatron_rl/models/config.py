@@ -37,7 +37,7 @@ class MoEModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
                      "vocab_size", "max_position_embeddings"):
-            require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+            require(getattr(self, name) > 0, f"{name}: expected > 0, got {getattr(self, name)}")
             require_size(getattr(self, name), name)
         require(
             self.num_attention_heads % self.num_query_groups == 0,
@@ -51,7 +51,8 @@ class MoEModelConfig:
         require(self.layernorm_epsilon > 0 and self.rotary_base > 1 and self.init_method_std >= 0,
                 f"layernorm_epsilon > 0, rotary_base > 1 and init_method_std >= 0 expected, got "
                 f"{self.layernorm_epsilon}, {self.rotary_base}, {self.init_method_std}")
-        require(self.kv_channels % 2 == 0, f"kv_channels must be even for RoPE, got {self.kv_channels}")
+        require(self.kv_channels % 2 == 0,
+                f"kv_channels: expected an even number (RoPE rotates pairs), got {self.kv_channels}")
 
     @property
     def heads_per_group(self) -> int:

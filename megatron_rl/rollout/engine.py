@@ -82,7 +82,7 @@ class RolloutEngine:
         # prefix sharing), and requests preempted when the pages ran out.
         self.prefill_requested = self.prefill_computed = self.preempted = 0
         if attention not in ("auto", "triton", "torch"):
-            raise ValueError(f"attention must be auto, triton or torch, got {attention!r}")
+            raise ValueError(f"attention: expected auto, triton or torch, got {attention!r}")
         if attention != "torch":
             from megatron_rl.rollout import decode_attention
 

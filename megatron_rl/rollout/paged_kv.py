@@ -49,7 +49,7 @@ def build_kv_cache(kind: str, mcfg, slots: int, max_len: int, dtype: torch.dtype
     if kind == "slots":
         return SlotKVCache(mcfg.num_layers, slots, mcfg.num_query_groups, max_len, mcfg.kv_channels, dtype, device)
     if kind != "paged":
-        raise ValueError(f"kv must be one of {KV_KINDS}, got {kind!r}")
+        raise ValueError(f"kv: expected one of {KV_KINDS}, got {kind!r}")
     pages = slots * math.ceil(max_len / page_size) if pages is None else pages
     return PagedKVCache(mcfg.num_layers, slots, pages, page_size, mcfg.num_query_groups, max_len,
                         mcfg.kv_channels, dtype, device, reserve)

@@ -24,8 +24,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
-        require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.temperature > 0, f"temperature: expected > 0, got {self.temperature}")
+        require(0 < self.top_p <= 1, f"top_p: expected in (0, 1], got {self.top_p}")
 
 
 def uniform(seed: int, prompt_id: str, sample: int, step: int) -> float:

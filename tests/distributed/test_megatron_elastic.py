@@ -67,7 +67,7 @@ def _rank(ctx, mcfg: MoEModelConfig):
     engine = MegatronElasticEngine(RolloutEngine(model, SamplingParams(), 4, 32), ctx.world, selves[rank], **CPU_BUILD)
     before = engine.checksums()
     off_block = {e: 1 - r for e, r in owners[0].items()}
-    with pytest.raises(FlexFloorError, match="off megatron-core's contiguous blocks"):
+    with pytest.raises(FlexFloorError, match="expected experts in megatron-core's contiguous blocks"):
         engine.use_group(groups[0], off_block)
     engine.use_group(groups[0], owners[0])
     _check(model, reference, groups[0], mine)

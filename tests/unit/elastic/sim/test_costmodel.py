@@ -75,7 +75,7 @@ def test_yaml_overrides_and_names_the_file_on_mistakes(tmp_path):
         load_dataclass(CostModel, typo)
     neg = tmp_path / "neg.yaml"
     neg.write_text("hbm_bytes_per_s: -1\n")
-    with pytest.raises(ConfigError, match=r"neg\.yaml.*hbm_bytes_per_s must be > 0"):
+    with pytest.raises(ConfigError, match=r"neg\.yaml.*hbm_bytes_per_s: expected > 0"):
         load_dataclass(CostModel, neg)
     shaped = tmp_path / "shape.yaml"
     shaped.write_text("shape: {num_experts: 64, kv_channels: 64}\n")
