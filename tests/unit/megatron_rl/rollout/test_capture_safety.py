@@ -3,6 +3,8 @@ no host read, data-dependent shape, RNG op or host-to-device copy inside the reg
 for different inputs; and `DecodeRunner._key()` changes exactly when the storages the region reads do.
 Negative controls: a host read, a random draw and a host tensor injected into the region fail the
 check; on the key before issue 30 (no RoPE tables, no fp32 router copies) the snapshot test fails."""
+import gc
+
 import pytest
 import torch
 
@@ -69,20 +71,15 @@ def test_the_graph_key_changes_exactly_when_what_the_graph_reads_does():
     def evict_rope():
         qwen3_moe._rope_table.cache_clear()
 
-    held = []  # old tensors stay alive, so a new one cannot take an old one's address by chance
-
     def move_router():  # the weight moved: its fp32 copy is made anew
-        held.append(eng.model.moe_layers[0].router._fp32)
         del eng.model.moe_layers[0].router._fp32
 
-    def expert_out_and_back():  # the stacked copies are rebuilt: hold the old ones
-        held.extend(m.experts._buffers_EE for m in eng.model.moe_layers)
+    def expert_out_and_back():  # the stacked copies are rebuilt
         flat = el.export_expert(3).clone()
         el.drop_expert(3)
         el.import_expert(3, flat)
 
-    def kv_out_and_back():  # the old K/V stay alive too: the reclaimed ones get new addresses
-        held.append(eng.cache.k + eng.cache.v)
+    def kv_out_and_back():
         el.release_memory()
         el.reclaim_memory()
 
@@ -90,7 +87,9 @@ def test_the_graph_key_changes_exactly_when_what_the_graph_reads_does():
                ("KV released and reclaimed", kv_out_and_back),
                ("expert out and back", expert_out_and_back), ("nothing again", lambda: None)]
     before_reads, before_key = capture_safety.reads(runner), runner._key()
+    held = []  # every tensor alive before a change stays alive: a new one cannot take a freed address
     for name, change in changes:
+        held.extend(o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter))
         change()
         reads, key = capture_safety.reads(runner), runner._key()
         assert (reads != before_reads) == (key != before_key), f"{name}: reads changed {reads != before_reads}, " \
