@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                 cut, gain = 1 - T / vT, (tok / occ) / (vtok / vocc) - 1
                 worst = max(r["T"] / v["T"] - 1 for r, v in zip(rs, van))
                 gains[pol.label] = (cut, gain)
-                if pol.name == "oracle":
+                if pol.kind.oracle:
                     oracle = (cut, gain)
                     share = ""
                 else:

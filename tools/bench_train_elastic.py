@@ -162,7 +162,7 @@ def verdict(fig: dict[str, dict]) -> list[str]:
 def curves(runs: dict[str, list[dict]]) -> list[str]:
     """Held-out greedy reward (and the training reward) at each evaluated step, per policy."""
     labels = [lb for lb in runs if lb not in SAME_TRAINING[1:]]
-    heads = ["vanilla = planned = adaptive" if lb == "vanilla" else lb for lb in labels]
+    heads = [" = ".join(SAME_TRAINING) if lb == SAME_TRAINING[0] else lb for lb in labels]
     out = ["| step | " + " | ".join(f"held-out reward ({h})" for h in heads) + " |", "|---|" + "---|" * len(labels)]
     evals = sorted({m["step"] for m in runs["vanilla"] if "val/reward_mean" in m})
     for step in evals:

@@ -50,22 +50,16 @@ class ChainSearch:
         self.feasible, self.reasons = 0, []
         self.fixed = self.timeline = None
         self.leave_order = list(range(dims.world))
-        if layout != "planned":
-            self._place_baseline(layout)
+        place_once = layouts.layout_kind(layout).place_once
+        if place_once is not None:
+            self._place_baseline(place_once)
 
-    def _place_baseline(self, layout: str) -> None:
+    def _place_baseline(self, place_once) -> None:
         # The baselines place once, under the full world's budgets; the chain only decides who
         # stays, in the order the ranks are predicted to drain (latest stays longest).
         kv = RankKV(self.demand, self._budgets(build_stages([self.ranks], self.E)))
         try:
-            if layout == "natural":
-                index = {k: i for i, k in enumerate(self.keys)}
-                self.fixed = [0] * len(self.keys)
-                for a in layouts.natural(self.keys, self.ranks):
-                    self.fixed[index[(a.prompt_id, a.sample)]] = a.rank
-                layouts.check_kv(self.fixed, kv)
-            else:
-                self.fixed = layouts.lengthsort(self.order, self.work, self.ranks, kv, self.keys)
+            self.fixed = place_once(self.keys, self.order, self.work, self.ranks, kv)
         except PlanError as e:
             raise PlanError(f"{e} (on all {self.ranks} ranks, before any shrink)") from None
         drain = rank_drain_steps(self.samples, np.array(self.fixed), self.ranks).mean(axis=0)

@@ -15,11 +15,15 @@ predictive or guarded length distribution) stays within `budget[r]`, the KV toke
 hold at the tightest stage it belongs to; otherwise the layout raises `PlanError`. Responses are
 placed longest reserved length first (the TailGuard bound, or the predicted tail), so the long
 ones choose their ranks while there is room.
+
+`layout_kind(name)` is each layout as the planner uses it (`LayoutKind`): the chain search and the
+planner ask it how the layout places instead of comparing names.
 """
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -123,3 +127,51 @@ def _no_room(keys: Sequence[tuple[str, int]], i: int, kv: RankKV):
                         f"({max(largest, 0):.0f})")
     raise PlanError(f"KV cache cannot fit: response {keys[i]} fits on no rank that may take it; "
                     f"the most room any rank has left is {max(kv.room(), 0):.0f} tokens")
+
+
+def _natural_ranks(keys: Sequence[tuple[str, int]], order: Sequence[int], work: Sequence[float], ranks: int,
+                   kv: RankKV) -> list[int]:
+    """`natural`'s rank of each response (by index), checked against the KV budgets."""
+    index = {k: i for i, k in enumerate(keys)}
+    rank_of = [0] * len(keys)
+    for a in natural(keys, ranks):
+        rank_of[index[(a.prompt_id, a.sample)]] = a.rank
+    check_kv(rank_of, kv)
+    return rank_of
+
+
+def _lengthsort_ranks(keys: Sequence[tuple[str, int]], order: Sequence[int], work: Sequence[float], ranks: int,
+                      kv: RankKV) -> list[int]:
+    return lengthsort(order, work, ranks, kv, keys)
+
+
+@dataclass(frozen=True)
+class LayoutKind:
+    """A layout as the planner uses it. `place_once(keys, order, work, ranks, kv)`: a baseline places
+    every response once, on all ranks before any shrink, and a chain then only decides who stays;
+    None: it places anew for each chain's tiers (`planned`). `weak`: the layout it places as when the
+    predictor explains too little of the length variance (residency built on noise would only
+    concentrate random long responses); None: itself."""
+
+    name: str
+    place_once: Callable[..., list[int]] | None = None
+    weak: str | None = None
+
+    def placed_as(self, weak: bool) -> str:
+        """The layout it places as, given whether the predictor is weak."""
+        return self.weak if weak and self.weak else self.name
+
+
+_KINDS = {k.name: k for k in (
+    LayoutKind("natural", place_once=_natural_ranks),
+    LayoutKind("lengthsort", place_once=_lengthsort_ranks),
+    LayoutKind("planned", weak="lengthsort"),
+)}
+LAYOUTS = tuple(_KINDS)
+
+
+def layout_kind(name: str) -> LayoutKind:
+    """The layout `name` (one of `LAYOUTS`)."""
+    if name not in _KINDS:
+        raise PlanError(f"layout: expected one of {', '.join(LAYOUTS)}, got {name!r}")
+    return _KINDS[name]

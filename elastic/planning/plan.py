@@ -9,7 +9,7 @@ a shrink (`transfers`) live here, so the runtime and the simulator cannot drift 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable
 
 from elastic.errors import InputError
@@ -142,37 +142,21 @@ class Plan:
                 raise ValueError(f"{len(missing)} responses not assigned, e.g. {sorted(missing)[0]}")
 
     # ---- JSON -------------------------------------------------------------------------------
+    # The fields, in order, are the JSON's keys: only the assignments and stages need converting.
     def to_dict(self) -> dict:
-        return {
-            "ranks": self.ranks,
-            "floor": self.floor,
-            "num_experts": self.num_experts,
-            "layout": self.layout,
-            "tailguard": self.tailguard,
-            "assignments": [asdict(a) for a in self.assignments],
-            "stages": [s.to_dict() for s in self.stages],
-            "predicted_release_rank_s": self.predicted_release_rank_s,
-            "meta": self.meta,
-            "ownership": self.ownership,
-        }
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "assignments": [asdict(a) for a in self.assignments],
+                "stages": [s.to_dict() for s in self.stages]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        return cls(
-            ranks=d["ranks"],
-            floor=d["floor"],
-            num_experts=d["num_experts"],
-            layout=d["layout"],
-            tailguard=d["tailguard"],
-            assignments=[Assignment(**a) for a in d["assignments"]],
-            stages=[Stage.from_dict(s) for s in d["stages"]],
-            predicted_release_rank_s=d.get("predicted_release_rank_s", 0.0),
-            meta=d.get("meta", {}),
-            ownership=d.get("ownership", "balanced"),
-        )
+        """A plan from `to_dict`'s keys; the ones with defaults may be absent (older files)."""
+        d = {**d, "assignments": [Assignment(**a) for a in d["assignments"]],
+             "stages": [Stage.from_dict(s) for s in d["stages"]]}
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def static_plan(layout: str, assignments: list[Assignment], ranks: int, num_experts: int) -> Plan:

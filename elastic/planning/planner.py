@@ -36,6 +36,7 @@ from elastic.planning.chain_search import OBJECTIVES, ChainSearch
 from elastic.planning.dims import LayoutError, ParallelDims
 from elastic.planning.guard import TailGuard
 from elastic.planning.kv import Demand
+from elastic.planning.layout import layout_kind
 from elastic.planning.partial import conditioned
 from elastic.planning.plan import Assignment, Plan, PlanError
 from elastic.planning.predict import LengthDist, Predictor
@@ -43,9 +44,8 @@ from elastic.planning.shape import MemoryBudget, ModelShape
 from elastic.planning.step_cost import FixedCost, ShapeCost, StepCost
 from elastic.trace import Trace
 
-__all__ = ["LAYOUTS", "FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
+__all__ = ["FixedCost", "PlanError", "ShapeCost", "StepCost", "make_plan", "plan_epoch"]
 
-LAYOUTS = ("natural", "lengthsort", "planned")
 WEAK_ICC = 0.1
 # Length samples the release estimate averages over: 32 for a 1,024-response batch, fewer for
 # larger batches, whose many ranks average out on their own.
@@ -96,9 +96,9 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
     demand = Demand(lengths.kv_dists, prompt_len, alpha, lengths.tail_floor)
     floor = _memory_floor(floor, ranks, E, budget, demand, shape.name, meta)
 
-    effective = "lengthsort" if layout == "planned" and weak else layout
+    effective = layout_kind(layout).placed_as(weak)
     if effective != layout:
-        meta["fallback"] = (f"planned placed as lengthsort: the prompt explains "
+        meta["fallback"] = (f"{layout} placed as {effective}: the prompt explains "
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
     search = ChainSearch(keys, lengths.work, reserve, demand,
                          _samples(lengths.dists, true_lengths is not None, seed), float(prompt_len.mean()),
@@ -224,8 +224,7 @@ def _validate(batch, dims: ParallelDims, floor, shape, layout, alpha, objective)
         dims.check_floor(floor)
     except LayoutError as e:
         raise PlanError(str(e)) from None
-    if layout not in LAYOUTS:
-        raise PlanError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    layout_kind(layout)  # a PlanError naming the layouts
     if not 0 < alpha < 1:
         raise PlanError(f"alpha: expected in (0, 1), got {alpha}")
     if objective not in OBJECTIVES:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.planning.layout import natural
+from elastic.planning.layout import LAYOUTS, layout_kind, natural
 from elastic.planning.plan import PlanError
 from elastic.planning.planner import make_plan
 from elastic.planning.schedule import contiguous_owners, held_counts
@@ -216,3 +216,13 @@ def test_extreme_rank_and_expert_counts(ranks, experts):
     plan = make_plan(trace.epoch(1), trace.before(1), dims=planned_dims(ranks, shape), floor=1, shape=shape,
                      layout="planned", tailguard=True)
     _check_safe(plan, trace.epoch(1), shape, 1, ranks)
+
+
+def test_layout_kinds_say_how_each_layout_places():
+    # The baselines place once before any shrink; `planned` places per chain and, on a weak
+    # predictor, as `lengthsort`; an unknown name is refused naming the layouts.
+    assert [layout_kind(n).place_once is None for n in LAYOUTS] == [False, False, True]
+    assert [layout_kind(n).placed_as(weak=True) for n in LAYOUTS] == ["natural", "lengthsort", "lengthsort"]
+    assert [layout_kind(n).placed_as(weak=False) for n in LAYOUTS] == list(LAYOUTS)
+    with pytest.raises(PlanError, match="expected one of natural, lengthsort, planned, got 'rows'"):
+        layout_kind("rows")
