@@ -26,3 +26,8 @@ def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
     assert all(f in lines[0] for f in fragments), (fragments, lines[0])
     return lines[0]
+
+
+def listing(folder) -> list[str]:
+    """Every path below `folder`, relative to it, sorted: what a refused command must leave as it was."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))

@@ -38,3 +38,16 @@ def write_tailed_trace(path: Path) -> Path:
                                          "prompt_len": 64 + p, "response_len": n,
                                          "truncated": n == 16384}) + "\n")
     return path
+
+
+def write_flat_trace(path, response_len=8, epochs=2, extra=None):
+    """8 prompts x 1 sample an epoch, every length 8 but prompt p0's `response_len`; `extra`, if
+    given, a last line as it is (the bad-input tests' trace)."""
+    with open(path, "w") as fh:
+        for e in range(epochs):
+            for p in range(8):
+                fh.write(json.dumps({"prompt_id": f"p{p}", "epoch": e, "sample": 0, "prompt_len": 8,
+                                     "response_len": response_len if p == 0 else 8}) + "\n")
+        if extra:
+            fh.write(extra + "\n")
+    return path

@@ -5,7 +5,6 @@ from elastic.errors import InputError, shorten
 from elastic.planning.dims import LayoutError
 from elastic.planning.plan import PlanError
 from elastic.trace import TraceError
-from megatron_rl.cli import main
 from megatron_rl.errors import CheckpointError, ConfigError, FlexFloorError
 
 
@@ -22,11 +21,3 @@ def test_shorten_says_how_much_it_cut():
     assert shorten("x" * 250) == "x" * 200 + "... (50 more characters)"
     assert shorten(repr("ab")) == "'ab'" and shorten("ab") == "ab" and shorten([1, 2]) == "[1, 2]"
     assert shorten(ValueError("first\nsecond")) == "first" and shorten(KeyError()) == "KeyError"
-
-
-def test_cli_prints_a_trace_error_as_one_line(tmp_path, capsys):
-    bad = tmp_path / "t.jsonl"
-    bad.write_text('{"prompt_id": "p"}\n')
-    assert main(["predict", "--trace", str(bad)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("flexfloor predict: error: ") and "t.jsonl:1" in err and "\n" not in err
