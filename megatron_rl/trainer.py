@@ -79,7 +79,7 @@ class Trainer:
             state, self.history = read_trainer_state(resume, cfg.model)
             load_checkpoint(resume, self.model, self.optimizer, self.ref_model,
                             cfg.checkpoint.allow_unverified)
-            self.iterator.load_state_dict(state["data"])
+            self.iterator.load_state_dict(state["data"], source=str(resume / "trainer_state.json"))
             if self.partial is not None and "partial" in state:
                 self.partial.load_state_dict(state["partial"], source=str(resume / "trainer_state.json"))
             self.start_step = state["step"]

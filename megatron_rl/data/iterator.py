@@ -62,8 +62,15 @@ class PromptIterator:
             "shuffle": self.shuffle,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Resume; the dataset and batching must be those the state was saved with."""
+    def load_state_dict(self, state: dict, source: str = "trainer_state.json") -> None:
+        """Resume; the dataset and batching must be those the state was saved with. `source`: the
+        file `state` came from, named by a missing or mistyped field's message."""
+        for key, want in self.state_dict().items():
+            got = state.get(key)
+            if type(got) is not type(want):  # bool is no int here: a flag is not a count
+                found = "nothing (the field is missing)" if key not in state else f"{got!r}"
+                raise FlexFloorError(f"{source}: data position field {key!r}: expected "
+                                     f"{type(want).__name__}, got {found}")
         for key in ("seed", "num_prompts", "batch_size", "shuffle"):
             mine = getattr(self, key)
             if state[key] != mine:
@@ -71,5 +78,8 @@ class PromptIterator:
                     f"checkpoint data position was saved with {key}={state[key]!r}, "
                     f"this run has {key}={mine!r}: resume with the same dataset and config"
                 )
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
+        if not (0 <= state["epoch"] and 0 <= state["position"] <= self.num_prompts):
+            raise FlexFloorError(f"{source}: data position: expected epoch >= 0 and position 0 to "
+                                 f"{self.num_prompts}, got epoch {state['epoch']}, position {state['position']}")
+        self.epoch = state["epoch"]
+        self.position = state["position"]

@@ -1,6 +1,6 @@
 """What a checkpoint must share with the config it resumes under, checked on the driver before any
-rank starts (a mismatch is one line here, not a failure inside every rank): the model's dtype, and
-the carried partial rollouts (rl/partial_state.py).
+rank starts (a mismatch is one line here, not a failure inside every rank): the model's dtype, the
+data position (the prompt iterator's state), and the carried partial rollouts (rl/partial_state.py).
 The model's shape is `read_trainer_state`'s check (rl/checkpoint.py).
 
 A dtype change is refused, not cast: a bfloat16 run keeps fp32 masters that a float32 or float64
@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.errors import CheckpointError
 from megatron_rl.rl.partial_state import check_partial_resume
 
 
 def check_resume_fit(cfg, data, tok, path: Path, state: dict) -> None:
     check_resume_dtype(path, cfg.dtype)
+    if "data" in state:  # (a stopped SFT warm start saves its own position, checked where it resumes)
+        PromptIterator(len(data), cfg.prompts_per_step, cfg.seed).load_state_dict(
+            state["data"], source=str(path / "trainer_state.json"))
     check_partial_resume(cfg, data, tok, path, state)
 
 

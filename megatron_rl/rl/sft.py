@@ -52,7 +52,7 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
     if resume is not None:
         state, _ = read_trainer_state(resume, cfg.model)
         load_checkpoint(resume, model, optimizer, None)
-        it.load_state_dict(state["sft_data"])
+        it.load_state_dict(state["sft_data"], source=str(resume / "trainer_state.json"))
         first = state["sft_step"] + 1
     losses, t0 = _Losses(), time.perf_counter()
     for step in range(first, ws.sft_steps + 1):

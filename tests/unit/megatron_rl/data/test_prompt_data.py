@@ -83,6 +83,21 @@ def test_iterator_refuses_a_state_from_other_data():
         PromptIterator(12, 3, seed=7).load_state_dict(state)
 
 
+@pytest.mark.parametrize("edit, expect", [
+    ({"position": None}, r"run/trainer_state.json: data position field 'position': expected int, got nothing"),
+    ({"epoch": "2"}, r"field 'epoch': expected int, got '2'"),
+    ({"shuffle": 1}, r"field 'shuffle': expected bool, got 1"),
+    ({"position": 11}, r"expected epoch >= 0 and position 0 to 10, got epoch 0, position 11"),
+    ({"epoch": -1}, r"got epoch -1"),
+])
+def test_a_bad_data_position_is_one_line_naming_file_and_field(edit, expect):
+    state = PromptIterator(10, 3, seed=7).state_dict()
+    for key, value in edit.items():
+        state.pop(key) if value is None else state.__setitem__(key, value)
+    with pytest.raises(FlexFloorError, match=expect):
+        PromptIterator(10, 3, seed=7).load_state_dict(state, source="run/trainer_state.json")
+
+
 def test_char_tokenizer_round_trip_and_unknown_char():
     tok = CharTokenizer()
     ids = tok.encode("12+7=")

@@ -316,6 +316,30 @@ def test_a_dtype_change_on_resume_is_refused_before_the_ranks(tmp_path, saved, d
         check_resume_dtype(tmp_path, dtype)
 
 
+def test_a_bad_data_position_on_resume_is_refused_before_the_ranks(tmp_path):
+    """The prompt iterator's saved state is checked on the driver, naming the file and the field
+    (a missing field was a bare KeyError inside every rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_rl.config import load_dataclass
+    from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.data.tokenizer import build_tokenizer
+    from megatron_rl.rl.resume_fit import check_resume_fit
+    from megatron_rl.trainer_config import TrainerConfig
+
+    cfg = load_dataclass(TrainerConfig, "examples/tiny_cpu_grpo.yaml", {})
+    data = load_prompts(cfg.data)
+    dcp.save({"model": {"w": torch.zeros(2, dtype=getattr(torch, cfg.dtype))}}, checkpoint_id=str(tmp_path),
+             no_dist=True)
+    good = {"epoch": 0, "position": cfg.prompts_per_step, "seed": cfg.seed, "num_prompts": len(data),
+            "batch_size": cfg.prompts_per_step, "shuffle": True}
+    check_resume_fit(cfg, data, build_tokenizer(cfg.tokenizer), tmp_path, {"step": 1, "data": good})
+    with pytest.raises(FlexFloorError, match=f"^{tmp_path / 'trainer_state.json'}: data position field "
+                                             "'position': expected int, got nothing"):
+        check_resume_fit(cfg, data, build_tokenizer(cfg.tokenizer), tmp_path,
+                         {"step": 1, "data": {k: v for k, v in good.items() if k != "position"}})
+
+
 def test_resume_step_moves_latest_before_anything_is_truncated(run_folder, tmp_path, capsys, monkeypatch):
     """Issue 31 defect 5: a crash after `--resume-step 1` truncated metrics.jsonl left `latest` on
     step 2, whose metrics line was then gone for good. The ranks are replaced by a crash."""
