@@ -1,4 +1,4 @@
-"""Issue 29 item 6: the end-of-run HF export written by 4 gloo ranks (each shard by one rank, no
+"""The end-of-run HF export written by 4 gloo ranks (each shard by one rank, no
 gather of every expert) equals the single-process `flexfloor export` of the same checkpoint, byte
 for byte, with shards small enough that experts of every rank land in shards others write."""
 import pytest

@@ -3,9 +3,8 @@ test harness, tests/megatron_harness.py), against the torch backend on the same 
 logits and gradients for both dispatchers and both local expert modules (SequentialMLP, GroupedMM),
 a zero-token alltoall step, GRPO losses over steps, and a checkpoint resume that is bit-identical.
 
-Covers issue 20's defects 1 (te_general_gemm), 2 (zero tokens), 4 (param_groups), 5 (optimizer
-save without gloo groups), 6 (resume), 9 (split sizes), each of which fails this test on the code
-before its fix.
+Covers te_general_gemm, zero-token steps, param_groups, optimizer save without gloo groups, resume
+and split sizes: each failed this test on the code before its fix.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ def test_forked_ranks_see_each_launchs_environment_and_a_start_time_change_spawn
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text("import builtins\nbuiltins.FF_SITE = True\n")
     # A TMPDIR longer than an AF_UNIX socket path may be (as a cluster's per-job one often is): the
-    # fork server's socket lives in a short private folder anyway (issue 31, defect 24).
+    # fork server's socket lives in a short private folder anyway.
     long_tmp = tmp_path / ("t" * 110)
     long_tmp.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(long_tmp)}

@@ -1,4 +1,4 @@
-"""Issue 23 items 3, 4 and 9: one run per --out; SIGHUP (a closed terminal, a dropped SSH session)
+"""One run per --out; SIGHUP (a closed terminal, a dropped SSH session)
 saves and stops `train` like SIGTERM; a training collective that times out is one line naming rank,
 step and phase. Each run is its own process group; none may remain."""
 import os

@@ -1,4 +1,4 @@
-"""A signal to the launcher, a crashed rank or a frozen one ends every rank (issue 15 item 4.2/4.3).
+"""A signal to the launcher, a crashed rank or a frozen one ends every rank.
 
 Each run is its own process group; afterwards no process of it may remain.
 """

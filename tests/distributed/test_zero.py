@@ -248,7 +248,7 @@ def test_zero1_and_replicated_checkpoints_resume_each_other_on_any_rank_count(tm
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     (saved, straight), (loaded, resumed) = run_ranks(_cross, 2, [("save", a, True), ("load", a, False)],
                                                      timeout_s=180)
-    # sharded -> unsharded on the same 2 ranks: bit-identical to not stopping (issue 31, defect 13)
+    # sharded -> unsharded on the same 2 ranks: bit-identical to not stopping
     _same(saved, loaded)
     _same(straight, resumed)
     # 2 sharded ranks -> 1 rank (unsharded, the default for one rank), which saves a replicated one

@@ -1,4 +1,4 @@
-"""Faults met once the ranks run (issue 15 items 4.4, 4.9, 4.10): a corrupted training checkpoint, a
+"""Faults met once the ranks run: a corrupted training checkpoint, a
 run that turns NaN, an HF checkpoint of NaN weights; each is one line, exit 2, and no rank remains."""
 import json
 

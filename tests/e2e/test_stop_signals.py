@@ -1,5 +1,5 @@
 """SIGTERM to `flexfloor train` saves and exits 0, and the same command resumes; SIGTERM to
-`flexfloor rollout` ends every rank and keeps the finished responses (issue 11 item 5, 15 item 4.3)."""
+`flexfloor rollout` ends every rank and keeps the finished responses."""
 import json
 import os
 import signal

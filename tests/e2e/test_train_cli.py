@@ -105,7 +105,7 @@ def test_resume_matches_uninterrupted_run(straight, tmp_path):
 
 
 def test_async_save_resumes_bit_identically(straight, tmp_path):
-    """`checkpoint.async_save` (issue 29 item 5): step 1's save is written while step 2 runs; stopped
+    """`checkpoint.async_save`: step 1's save is written while step 2 runs; stopped
     after step 2 and resumed, the run equals the uninterrupted synchronous one, and both saves are
     complete and verified."""
     from megatron_rl.rl.checkpoint import latest_checkpoint

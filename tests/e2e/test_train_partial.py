@@ -57,7 +57,7 @@ def test_partial_training_carries_resumes_and_drops_nothing(tmp_path):
     shutil.copytree(full, part)
     shutil.rmtree(part / "checkpoints" / "step_000002")
     (part / "checkpoints" / "latest").write_text("step_000001")
-    # Partial off would drop the carried groups: refused before any rank starts (issue 31, defect 4)
+    # Partial off would drop the carried groups: refused before any rank starts
     off = train(config, part, "partial.enabled=false", expect=2)
     assert off.stderr.count("\n") == 1, off.stderr
     assert "trainer_state.json: partial: " in off.stderr and "partial.drop_carried=true" in off.stderr

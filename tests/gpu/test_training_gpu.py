@@ -1,4 +1,4 @@
-"""Issue 21's rows of tools/gpu_check.sh on one CUDA GPU (skipped without one): bf16 against fp32
+"""The training rows of tools/gpu_check.sh on one CUDA GPU (skipped without one): bf16 against fp32
 GRPO updates on the same rollouts, one row of figures per update (tools/grpo_precision.py, whose
 CPU side tests/unit/tools/test_grpo_precision.py runs), and the offloaded optimizer step
 (tools/bench_offload.py: step seconds and device bytes, DeepSpeed's CPU Adam against AdamW)."""

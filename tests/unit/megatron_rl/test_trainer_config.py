@@ -55,7 +55,7 @@ def test_init_checkpoint_of_another_shape_is_refused(tmp_path):
     ("a:b", []), ("ok", [""]), ("ok", ["fine", "t" * 65]), ("ok-project_1.x", ["policy:planned", "floor:2"]),
 ])
 def test_wandb_names_follow_wandbs_own_rules_at_config_load(project, tags):
-    """Issue 31 defect 25: the names W&B's settings refuse are refused at config load (one line
+    """The names W&B's settings refuse are refused at config load (one line
     naming the field), and the names it takes are taken: the same verdict as wandb's validators."""
     wandb = pytest.importorskip("wandb")
     from megatron_rl.wandb_run import LoggingConfig

@@ -23,7 +23,7 @@ def _counts(model):
 
 
 def test_distributed_optimizer_state_is_about_16_bytes_per_parameter():
-    """Issue 20's defect 7: the DistributedOptimizer's fp32 masters, two moments and fp32 gradient
+    """The DistributedOptimizer's fp32 masters, two moments and fp32 gradient
     buffer (16 B/param on one rank), not 2 x 2 B of bf16 moments (today's 4 B/param)."""
     model = Qwen3MoeModel(TINY, None, torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())

@@ -46,7 +46,7 @@ def test_a_verl_prompt_goes_through_the_chat_template_whole(tokenizer_dir):
 
 
 def test_an_export_carries_the_hf_tokenizer_and_its_ids(tokenizer_dir, tmp_path):
-    """Issue 29 item 6: the export holds the run's tokenizer files and its eos/pad ids."""
+    """The export holds the run's tokenizer files and its eos/pad ids."""
     import json
 
     from transformers import AutoTokenizer

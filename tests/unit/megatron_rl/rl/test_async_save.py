@@ -1,4 +1,4 @@
-"""Issue 29 item 5: `checkpoint.async_save` writes in the background, but `latest` moves only once
+"""`checkpoint.async_save` writes in the background, but `latest` moves only once
 the checksums are complete and verified; the written state is the one at save time (the next step
 may already change the weights); a failed write is the synchronous path's one line, and `latest`
 stays on the previous checkpoint."""

@@ -1,4 +1,4 @@
-"""Checkpoint faults (issue 15 items 4.1, 4.4, 4.5): state AdamW never created, corrupt or torn
+"""Checkpoint faults: state AdamW never created, corrupt or torn
 files, a full disk; each is one line naming the file, and the last good checkpoint stays in force."""
 import pytest
 import torch
@@ -122,7 +122,7 @@ def test_non_finite_loss_or_grad_stops_naming_the_step_and_the_last_good_checkpo
             check_finite(2, bad, out)
 
 
-# ---- retention (issue 29 item 5) ----------------------------------------------------------------
+# ---- retention ----------------------------------------------------------------
 def test_retention_keeps_the_newest_every_nth_and_steps_above_latest():
     from megatron_rl.rl.checkpoint_retention import kept_steps
 

@@ -1,4 +1,4 @@
-"""Issue 23 item 1: a checkpoint is data. A pickle in `.metadata` or in a shard's byte entries that
+"""A checkpoint is data. A pickle in `.metadata` or in a shard's byte entries that
 asks for code is refused, naming the file and the global, and never runs, whether checksums.json
 was updated to match it, removed, or left stale; a checkpoint without checksums needs a flag."""
 import json
@@ -108,7 +108,7 @@ def test_the_real_metadata_reads_through_the_restricted_unpickler(saved):
 
 @pytest.mark.parametrize("name", ["Enum", "__class__", "Any", "Sequence"])
 def test_the_allow_list_admits_no_class_factory_or_module_type(saved, name):
-    """Issue 31 defect 30: the metadata module's namespace also holds Enum (whose functional API
+    """The metadata module's namespace also holds Enum (whose functional API
     makes classes) and, through `__class__`, types.ModuleType."""
     from torch.distributed.checkpoint import metadata as dcp_metadata
 
@@ -122,7 +122,7 @@ def test_the_allow_list_admits_no_class_factory_or_module_type(saved, name):
 
 @pytest.mark.parametrize("planted", ["step", "file", "latest"])
 def test_a_save_never_follows_a_symlink_out_of_the_checkpoints_folder(one_rank_group, tmp_path, planted):
-    """Issue 31 defect 7: a planted `checkpoints/step_000002 -> elsewhere` wrote the checkpoint there."""
+    """A planted `checkpoints/step_000002 -> elsewhere` wrote the checkpoint there."""
     from .test_checkpoint_faults import _save
 
     model, opt = _model_and_optimizer()

@@ -1,7 +1,7 @@
 """Training builds its rollout engine once per run (rl/rollout_phase.py): the second step reuses the
 engine, its KV cache and its graphs (the weights update in place), and every step's rollout report
-says how often the engine was built and its graphs captured. On the engine before issue 30 every
-step built a new RecordingEngine and this test failed."""
+says how often the engine was built and its graphs captured. When every step built a new
+RecordingEngine, this test failed."""
 
 from tests.gpu.checks import gpu_checks
 

@@ -13,7 +13,7 @@ from tests.process_tree import one_line_exit_2 as _one_line_exit_2
 
 
 def test_partial_bounds_blame_the_field_the_error_names(cfg, tmp_path, capsys):
-    """Issue 31 defects 10 and 29: over_sample is capped by a rollout's response limit and by the
+    """`over_sample` is capped by a rollout's response limit and by the
     dataset; an error is blamed on the override it names, not on the one that made the check run."""
     on = ["partial.enabled=true", "grpo.tis_cap=2"]
     train = ["train", "--config", cfg, "--out", tmp_path / "out"]

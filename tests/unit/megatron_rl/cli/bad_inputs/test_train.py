@@ -103,7 +103,7 @@ def test_a_value_that_would_hang_or_crash_is_one_line(cfg, tmp_path, refuses_val
 
 
 def test_offload_without_a_working_deepspeed_is_one_line_before_any_rank(tmp_path, capsys, monkeypatch):
-    """Issue 31 defect 21: `optim.offload: cpu` with DeepSpeed missing, or its CPU Adam failing to
+    """`optim.offload: cpu` with DeepSpeed missing, or its CPU Adam failing to
     JIT-build, is one line on the driver; a failed build shows the compiler's last error lines."""
     import types
 
@@ -138,7 +138,7 @@ def test_offload_without_a_working_deepspeed_is_one_line_before_any_rank(tmp_pat
 
 
 def test_sft_warmstart_replaces_only_its_own_export(tmp_path, capsys):
-    """Issue 31: `tools/sft_warmstart.py --out` exports under `export --to`'s rule: a non-empty
+    """`tools/sft_warmstart.py --out` exports under `export --to`'s rule: a non-empty
     folder that is not a FlexFloor export (a base model, `.`) is refused before any rank starts,
     and left as it was (it was replaced whole)."""
     import runpy
@@ -190,7 +190,7 @@ def test_a_bad_wandb_run_json_is_one_line(tmp_path, content):
     assert read_run_state(tmp_path / "wandb_run.json") == {"id": "ab12", "last_step": 3}
 
 
-# ---- the `partial` section of trainer_state.json (issue 31, defects 4, 19, 20, 26) ---------------
+# ---- the `partial` section of trainer_state.json ---------------
 def _partial_resume(tmp_path, section: dict, step: int = 1, **changes):
     """check_partial_resume of `section` against the tiny example with partial on, group_size 2."""
     from megatron_rl.config import load_dataclass
@@ -302,7 +302,7 @@ def test_carried_routes_are_checked_on_the_driver_too(tmp_path):
 
 @pytest.mark.parametrize("saved, dtype", [(torch.float64, "bfloat16"), (torch.bfloat16, "float32")])
 def test_a_dtype_change_on_resume_is_refused_before_the_ranks(tmp_path, saved, dtype):
-    """Issue 31 defect 27: refused on the driver naming both dtypes (was an internal key name, late)."""
+    """Refused on the driver naming both dtypes (was an internal key name, late)."""
     import torch.distributed.checkpoint as dcp
 
     from megatron_rl.rl.resume_fit import check_resume_dtype
@@ -341,7 +341,7 @@ def test_a_bad_data_position_on_resume_is_refused_before_the_ranks(tmp_path):
 
 
 def test_resume_step_moves_latest_before_anything_is_truncated(run_folder, tmp_path, capsys, monkeypatch):
-    """Issue 31 defect 5: a crash after `--resume-step 1` truncated metrics.jsonl left `latest` on
+    """A crash after `--resume-step 1` truncated metrics.jsonl left `latest` on
     step 2, whose metrics line was then gone for good. The ranks are replaced by a crash."""
     from megatron_rl.errors import FlexFloorError
     from megatron_rl.metrics import _drop_steps_after
@@ -370,7 +370,7 @@ def test_resume_step_moves_latest_before_anything_is_truncated(run_folder, tmp_p
 
 
 def test_a_refused_train_leaves_nothing_in_a_folder_it_created(cfg, tmp_path, capsys):
-    """Issue 31 defect 28: --out/checkpoints/ and .flexfloor.lock stayed behind."""
+    """Neither --out/checkpoints/ nor .flexfloor.lock stays behind (both did)."""
     data = tmp_path / "noanswer.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(8)))
     new, refused = tmp_path / "new" / "run", "no row has a reference answer"
