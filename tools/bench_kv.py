@@ -7,9 +7,10 @@ Both engines get the same KV byte budget: `--budget-slots` sequences of the batc
 length (prompt + cap), which is exactly what the slot cache holds. The paged cache spends the same
 bytes on pages of `--page-size` positions and admits requests by their predicted length (the
 planner's per-response `--quantile` of its predictive length, from the trace's earlier epochs;
-`elastic.planning.guard.reserved_lengths`), keeping `--reserve` of the pages free and preempting
-the newest request when the pool runs out. Requests replay the trace's last epoch: the response lengths times
-`--length-scale`, the prompts times `--prompt-scale` (random ids, one prompt per GRPO group).
+`reserved_lengths` in elastic/planning/guard.py), keeping `--reserve` of the pages free and
+preempting the newest request when the pool runs out. Requests replay the trace's last epoch: the
+response lengths times `--length-scale`, the prompts times `--prompt-scale` (random ids, one prompt
+per GRPO group).
 
 Per cache, one line: KV bytes allocated, peak concurrent requests, decode steps, prefill tokens
 computed of those requested, pages shared, preemptions, decode tokens/s (decode tokens over the
