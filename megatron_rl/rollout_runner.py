@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from elastic.planning.dims import ParallelDims
+from elastic.planning.guard import reserved_lengths
 from elastic.planning.plan import Plan
 from megatron_rl.backends import backend
 from megatron_rl.errors import FlexFloorError
@@ -31,7 +32,7 @@ from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
 from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, rank_engine, run_rank
-from megatron_rl.rollout.rollout_plan import RolloutSetup, admission_lengths, model_config
+from megatron_rl.rollout.rollout_plan import RolloutSetup, model_config
 
 
 def responses_sha256(responses: list[dict]) -> str:
@@ -156,18 +157,15 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None =
     mcfg, dims = model_config(cfg)
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
+    # What the paged KV cache admits each response by: its length as the planner reserves it.
+    reserved = reserved_lengths(batch, history, tailguard=cfg.tailguard) if cfg.kv == "paged" else None
     setup = RolloutSetup.build(cfg, mcfg, dims, batch, history, device)
     plan = setup.plan
     backend(cfg.backend).check_plan(plan)
-    requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings)
+    requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings, reserved)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
     requests = [requests[order[(a.prompt_id, a.sample)]] for a in plan.assignments]
-    if cfg.kv == "paged":
-        _check_pool(cfg, requests)
-        by_key = {(r.prompt_id, r.sample): r for r in batch}
-        predicted = admission_lengths([by_key[r.key] for r in requests], history, tailguard=cfg.tailguard,
-                                      length_scale=cfg.batch.length_scale)
-        requests = [replace(r, predicted_len=n) for r, n in zip(requests, predicted)]
+    _check_pool(cfg, requests)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         # A reused folder must not mix an earlier (failed) run's files with this run's.
@@ -179,7 +177,8 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None =
 
 
 def _check_pool(cfg: RolloutConfig, requests: list[Request]) -> None:
-    """A request longer than `kv_pages` can ever hold stops the run before any rank starts."""
+    """A request longer than `kv_pages` (a paged cache's pool) can ever hold stops the run before any
+    rank starts."""
     if cfg.kv_pages is None:
         return
     r = max(requests, key=lambda r: len(r.prompt) + r.max_new_tokens)

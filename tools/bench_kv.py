@@ -7,9 +7,10 @@ Both engines get the same KV byte budget: `--budget-slots` sequences of the batc
 length (prompt + cap), which is exactly what the slot cache holds. The paged cache spends the same
 bytes on pages of `--page-size` positions and admits requests by their predicted length (the
 planner's per-response `--quantile` of its predictive length, from the trace's earlier epochs;
-`rollout_plan.admission_lengths`), keeping `--reserve` of the pages free and preempting the newest
-request when the pool runs out. Requests replay the trace's last epoch: the response lengths times
-`--length-scale`, the prompts times `--prompt-scale` (random ids, one prompt per GRPO group).
+`reserved_lengths` in elastic/planning/guard.py), keeping `--reserve` of the pages free and
+preempting the newest request when the pool runs out. Requests replay the trace's last epoch: the
+response lengths times `--length-scale`, the prompts times `--prompt-scale` (random ids, one prompt
+per GRPO group).
 
 Per cache, one line: KV bytes allocated, peak concurrent requests, decode steps, prefill tokens
 computed of those requested, pages shared, preemptions, decode tokens/s (decode tokens over the
@@ -45,22 +46,22 @@ def parser() -> argparse.ArgumentParser:
 
 def batch(args):
     """The requests (their predicted lengths set) and the longest sequence."""
+    from elastic.planning.guard import reserved_lengths
     from elastic.sim.synth import generate, preset
     from megatron_rl.models.config import MoEModelConfig
-    from megatron_rl.rollout.batch import prompt_tokens, scaled_len, select_epoch
+    from megatron_rl.rollout.batch import predicted_len, prompt_tokens, scaled_len, select_epoch
     from megatron_rl.rollout.engine import Request
-    from megatron_rl.rollout.rollout_plan import admission_lengths
 
     trace = generate(preset(args.preset, prompts=args.prompts, samples=args.samples, epochs=3), seed=args.seed)
     records, history = select_epoch(trace, None)
-    predicted = admission_lengths(records, history, tailguard=False, length_scale=args.length_scale,
-                                  alpha=1 - args.quantile)
+    reserved = reserved_lengths(records, history, tailguard=False, alpha=1 - args.quantile)
     vocab = MoEModelConfig().vocab_size
     reqs = []
-    for r, guess in zip(records, predicted):
+    for r, q in zip(records, reserved):
         n = scaled_len(r.response_len, args.length_scale)
         prompt = prompt_tokens(args.seed, r.prompt_id, scaled_len(r.prompt_len, args.prompt_scale), vocab)
-        reqs.append(Request(r.prompt_id, r.sample, prompt, n, fixed_len=n, predicted_len=guess))
+        reqs.append(Request(r.prompt_id, r.sample, prompt, n, fixed_len=n,
+                            predicted_len=predicted_len(q, args.length_scale)))
     cap = scaled_len(max(trace.records, key=lambda r: r.response_len).response_len, args.length_scale)
     return reqs, max(len(r.prompt) for r in reqs) + cap
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Container, Iterable
 
 import torch
 
@@ -84,19 +84,6 @@ class _SafetensorsDir:
     def shape(self, key: str) -> list[int]:
         """The stored shape, read from the file's header (no tensor data is read)."""
         return self._handle(key).get_slice(key).get_shape()
-
-
-class _ShapeSource:
-    """A checkpoint seen as meta tensors of the stored shapes: `hf_to_megatron` runs on it for free."""
-
-    def __init__(self, st: _SafetensorsDir):
-        self.st = st
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.st
-
-    def get(self, key: str) -> torch.Tensor:
-        return torch.empty(self.st.shape(key), device="meta")
 
 
 def hf_to_megatron(src, cfg: MoEModelConfig, experts: Iterable[int]) -> dict[str, torch.Tensor]:
@@ -188,11 +175,10 @@ def load_hf_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                        experts: Iterable[int] | None = None) -> Qwen3MoeModel:
     """Load a HuggingFace Qwen3-MoE checkpoint directory; `experts` limits which experts are held."""
     path = Path(path)
-    cfg = read_hf_config(path)
+    cfg, st = _checked(path)
     held = list(range(cfg.num_moe_experts)) if experts is None else sorted(experts)
     model = Qwen3MoeModel(cfg, held, dtype)
-    sd = _convert(path, _SafetensorsDir(path), cfg, held, model.state_dict())
-    model.load_state_dict(_cast_finite(path, sd, dtype), strict=True)
+    model.load_state_dict(_cast_finite(path, hf_to_megatron(st, cfg, held), dtype), strict=True)
     return model
 
 
@@ -228,33 +214,51 @@ def check_hf_checkpoint(path: str | Path) -> MoEModelConfig:
 
     No tensor data is read, so the CLI can reject a bad checkpoint before it starts any rank.
     """
-    path = Path(path)
+    return _checked(Path(path))[0]
+
+
+def _checked(path: Path) -> tuple[MoEModelConfig, _SafetensorsDir]:
+    """The checkpoint's config and its tensors, every tensor's stored shape (its header) checked
+    against what config.json implies (`hf_shapes`): a layer holds its experts per expert or fused."""
     cfg = read_hf_config(path)
-    with torch.device("meta"):
-        want = Qwen3MoeModel(cfg).state_dict()
-    _convert(path, _ShapeSource(_SafetensorsDir(path)), cfg, range(cfg.num_moe_experts), want)
-    return cfg
+    st = _SafetensorsDir(path)
+    fused = {i for i in range(cfg.num_layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in st}
+    for k, want in hf_shapes(cfg, fused).items():
+        have = tuple(st.shape(k))
+        if have != want:
+            raise CheckpointError(f"{path}: tensor {k} has shape {have}, config.json implies {want}")
+    return cfg, st
 
 
-def _convert(path: Path, src, cfg: MoEModelConfig, held: Iterable[int], want: dict) -> dict:
-    """`hf_to_megatron`, with every tensor's shape checked against what the config implies."""
-    try:
-        sd = hf_to_megatron(src, cfg, held)
-    except RuntimeError as e:  # a reshape or cat of tensors that do not fit config.json
-        raise CheckpointError(f"{path}: tensor shapes do not fit config.json ({e})") from None
-    for k, v in sd.items():
-        if tuple(v.shape) != tuple(want[k].shape):
-            raise CheckpointError(
-                f"{path}: tensor for {k} has shape {tuple(v.shape)}, the config implies {tuple(want[k].shape)}"
-            )
-    return sd
+def hf_shapes(cfg: MoEModelConfig, fused_layers: Container[int] = ()) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a HuggingFace checkpoint of a model of shape `cfg`, in the order the shards
+    hold them: name -> shape. Experts per expert (the released checkpoints' layout), except in
+    `fused_layers` (`mlp.experts.gate_up_proj` [E, 2F, D], `down_proj` [E, D, F])."""
+    D, V, F, C, E = cfg.hidden_size, cfg.vocab_size, cfg.moe_ffn_hidden_size, cfg.kv_channels, cfg.num_moe_experts
+    q, kv = cfg.num_attention_heads * C, cfg.num_query_groups * C
+    out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = (V, D)
+    for i in range(cfg.num_layers):
+        hf = f"model.layers.{i}."
+        out |= {hf + "input_layernorm.weight": (D,), hf + "post_attention_layernorm.weight": (D,),
+                hf + "self_attn.q_proj.weight": (q, D), hf + "self_attn.k_proj.weight": (kv, D),
+                hf + "self_attn.v_proj.weight": (kv, D), hf + "self_attn.q_norm.weight": (C,),
+                hf + "self_attn.k_norm.weight": (C,), hf + "self_attn.o_proj.weight": (D, q),
+                hf + "mlp.gate.weight": (E, D)}
+        if i in fused_layers:
+            out |= {hf + "mlp.experts.gate_up_proj": (E, 2 * F, D), hf + "mlp.experts.down_proj": (E, D, F)}
+            continue
+        for e in range(E):
+            ex = hf + f"mlp.experts.{e}."
+            out |= {ex + "gate_proj.weight": (F, D), ex + "up_proj.weight": (F, D), ex + "down_proj.weight": (D, F)}
+    return out
 
 
 def hf_layout(cfg: MoEModelConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every HF tensor of a model of shape `cfg`, in the order the shards hold them: name -> (shape, dtype)."""
-    with torch.device("meta"):
-        full = Qwen3MoeModel(cfg, None, dtype).state_dict()
-    return {k: (tuple(v.shape), v.dtype) for k, v in megatron_to_hf(full, cfg).items()}
+    """Every HF tensor of a model of shape `cfg` held in `dtype`, in the order the shards hold them:
+    name -> (shape, dtype)."""
+    return {k: (shape, dtype) for k, shape in hf_shapes(cfg).items()}
 
 
 def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtype | None = None,

@@ -7,6 +7,7 @@ token), like ignore-EOS with a fixed output length. Prompt token ids are drawn f
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -46,12 +47,20 @@ def scaled_len(n: int, scale: float) -> int:
     return max(1, round(n * scale))
 
 
+def predicted_len(reserved: float, scale: float) -> int | None:
+    """A response's reserved length (trace tokens: `elastic.planning.guard.reserved_lengths`) in run
+    tokens, what the paged KV cache admits it by (`Request.predicted_len`); None where nothing bounds
+    it (its cap decides)."""
+    return None if math.isinf(reserved) else scaled_len(math.ceil(reserved), scale)
+
+
 def make_requests(batch: list[TraceRecord], cfg: BatchConfig, seed: int, vocab: int,
-                  max_positions: int | None = None) -> list[Request]:
+                  max_positions: int | None = None, reserved: list[float] | None = None) -> list[Request]:
     """The batch's requests; with `max_positions` (the model's), a request whose prompt and response
-    would run past the model's positions is refused, naming it, before any rank starts."""
+    would run past the model's positions is refused, naming it, before any rank starts. `reserved`:
+    each response's reserved length (`predicted_len`; the paged KV cache admits by it)."""
     out = []
-    for r in batch:
+    for r, q in zip(batch, reserved or [math.inf] * len(batch)):
         plen = min(cfg.max_prompt_len, scaled_len(r.prompt_len, cfg.length_scale))
         n = scaled_len(r.response_len, cfg.length_scale)
         if max_positions is not None and plen + n > max_positions:
@@ -59,5 +68,5 @@ def make_requests(batch: list[TraceRecord], cfg: BatchConfig, seed: int, vocab: 
                                  f"prompt + {n} response tokens, beyond model.max_position_embeddings "
                                  f"({max_positions}); lower batch.length_scale or use a longer-context model")
         out.append(Request(r.prompt_id, r.sample, prompt_tokens(seed, r.prompt_id, plen, vocab),
-                           max_new_tokens=n, fixed_len=n))
+                           max_new_tokens=n, fixed_len=n, predicted_len=predicted_len(q, cfg.length_scale)))
     return out

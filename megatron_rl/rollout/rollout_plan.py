@@ -144,23 +144,3 @@ def online_rule(plan: Plan, batch, history, *, policy: str, shape: ModelShape, s
         plan.meta["online"]["migrate"] = migrate
     return rule
 
-
-def admission_lengths(batch, history, *, tailguard: bool, length_scale: float,
-                      max_response_len: int | None = None, alpha: float = 0.05) -> list[int | None]:
-    """Each response's predicted length in run tokens, as the planner reserves it (the (1 - alpha)
-    quantile of its predictive length, TailGuard's bound with `tailguard`): what the paged KV
-    cache admits by (`Request.predicted_len`). None where nothing bounds it (the cap decides)."""
-    import math
-
-    from elastic.planning.guard import TailGuard
-    from elastic.planning.predict import Predictor
-    from megatron_rl.rollout.batch import scaled_len
-
-    pred = Predictor(history, cap=max_response_len)
-    guard = TailGuard.fit(history, alpha, cap=pred.cap) if tailguard and len(history) else None
-    out = []
-    for r in batch:
-        d = pred.predict(r.prompt_id)
-        q = guard.bound(d) if guard is not None else d.quantile(1 - alpha)
-        out.append(None if math.isinf(q) else scaled_len(math.ceil(q), length_scale))
-    return out

@@ -78,3 +78,16 @@ def test_single_epoch_history_calibrates_on_the_population():
 def test_alpha_is_validated():
     with pytest.raises(ValueError, match="alpha"):
         TailGuard.fit(Trace([]), 1.5)
+
+
+@pytest.mark.parametrize("tailguard", [False, True], ids=["quantile", "tailguard"])
+def test_reserved_lengths_are_what_the_planner_reserves(tailguard):
+    """The paged KV cache admits each response by `reserved_lengths`: the very lengths the
+    planner reserves for it (placement order and KV), with and without TailGuard."""
+    from elastic.planning.guard import reserved_lengths
+    from elastic.planning.planner import _predicted_lengths
+
+    trace = generate(preset("eurus", prompts=32), seed=0)
+    hist, batch = trace.before(3), trace.epoch(3)
+    planner = _predicted_lengths(batch, [r.key for r in batch], hist, tailguard, 0.05, None, None)
+    assert reserved_lengths(batch, hist, tailguard=tailguard) == list(planner.reserve)

@@ -153,3 +153,40 @@ def test_deep_or_outside_index_and_config_are_one_line(tmp_path):
         (tmp_path / "model.safetensors.index.json").write_text(index)
         with pytest.raises(FlexFloorError, match="model.safetensors.index.json: unreadable index"):
             load_hf_checkpoint(tmp_path)
+
+
+def test_hf_shapes_are_what_transformers_holds_and_what_our_export_writes(saved):
+    """`hf_shapes` describes the checkpoint from config.json alone: transformers' in-memory (fused)
+    tensors and the per-expert files it saves, and, name for name in order, our export's layout."""
+    from safetensors import safe_open
+
+    from megatron_rl.models import Qwen3MoeModel
+    from megatron_rl.models.hf import hf_shapes, megatron_to_hf, read_hf_config
+
+    hf, path = saved
+    cfg = read_hf_config(path)
+    assert hf_shapes(cfg, fused_layers=range(cfg.num_layers)) == {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as h:
+        assert hf_shapes(cfg) == {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+    with torch.device("meta"):
+        ours = megatron_to_hf(Qwen3MoeModel(cfg).state_dict(), cfg)
+    assert list(hf_shapes(cfg).items()) == [(k, tuple(v.shape)) for k, v in ours.items()]
+
+
+def test_a_tensor_of_another_shape_is_refused_from_its_header(saved, tmp_path):
+    """A k_proj of the right size but the wrong shape would reshape silently into the fused QKV:
+    the check (and the load) name the tensor, before any tensor data is read."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rl.models.hf import check_hf_checkpoint
+
+    _, path = saved
+    sd = load_file(str(path / "model.safetensors"))
+    k = "model.layers.1.self_attn.k_proj.weight"
+    sd[k] = sd[k].reshape(32, 16)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    said = f"tensor {k} has shape \\(32, 16\\), config.json implies \\(16, 32\\)"
+    for check in (check_hf_checkpoint, load_hf_checkpoint):
+        with pytest.raises(FlexFloorError, match=said):
+            check(tmp_path)
