@@ -130,7 +130,11 @@ def report(trace: Trace, alpha: float = 0.05, decay: float = 0.7) -> list[dict]:
 def reserved_lengths(batch, history: Trace, *, tailguard: bool, alpha: float = 0.05) -> list[float]:
     """Each response's length in trace tokens as the planner reserves its KV: TailGuard's bound with
     `tailguard` (once a history can calibrate it), else the predictor's (1 - alpha) quantile; inf
-    where nothing bounds it. A paged KV cache admits each response by it, whatever the policy."""
+    where nothing bounds it (an empty history: no length is known, so the request's own cap decides,
+    not the predictor's empty prior of one token). A paged KV cache admits each response by it,
+    whatever the policy."""
+    if not len(history):
+        return [math.inf] * len(batch)
     pred = Predictor(history)
-    guard = TailGuard.fit(history, alpha, cap=pred.cap) if tailguard and len(history) else None
+    guard = TailGuard.fit(history, alpha, cap=pred.cap) if tailguard else None
     return [guard.bound(d) if guard is not None else d.quantile(1 - alpha) for d in pred.predict_batch(batch)]

@@ -91,3 +91,5 @@ def test_reserved_lengths_are_what_the_planner_reserves(tailguard):
     hist, batch = trace.before(3), trace.epoch(3)
     planner = _predicted_lengths(batch, [r.key for r in batch], hist, tailguard, 0.05, None, None)
     assert reserved_lengths(batch, hist, tailguard=tailguard) == list(planner.reserve)
+    # With no history nothing bounds a response: the request's cap decides (it was 1 token).
+    assert reserved_lengths(batch, trace.before(0), tailguard=tailguard) == [math.inf] * len(batch)
