@@ -71,7 +71,7 @@ class ChainSearch:
                         self.prompt_mean, self.cost)
 
     def _budgets(self, stages) -> list[float]:
-        """KV tokens each rank may hold: the least over the stages it is a member of. A stage
+        """KV positions each rank may hold: the least over the stages it is a member of. A stage
         whose experts alone overflow a member (uneven or replicated ownership) is infeasible."""
         budget = [math.inf] * self.ranks
         for i, st in enumerate(stages):

@@ -23,6 +23,12 @@ each) are held at once whatever the lengths turn out to be. A predictive distrib
 mass below one token and an oracle length may be 0; taking S_i(0) from them would count the
 prompts only in expectation (a 10-million-token prompt whose responses are predicted short would
 fit a rank with room for far less).
+
+Positions are counted as the run's KV cache holds them (`kv_unit.KVUnit`): `prompt_i + t` under
+`tokens`, whole pages of it under `paged`, a whole slot under `slots`. Under `paged` the samples of
+one GRPO group on a rank hold their prompt's full pages once: each response's curve counts its
+positions beyond them, and a rank's demand adds each group's shared pages once, held from the
+prefill until the rollout ends (an upper bound: they are freed when the group's last sample ends).
 """
 from __future__ import annotations
 
@@ -31,16 +37,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from elastic.planning.kv_unit import TOKENS, KVUnit
 from elastic.planning.predict import LengthDist, norm_ppf
 
 GRID = 40
 
 
 class Demand:
-    """Per-response KV demand curves (in tokens) on a shared step grid."""
+    """Per-response KV demand curves (in KV positions of `unit`) on a shared step grid. `group`:
+    each response's GRPO group (its prompt), whose samples on one rank share the prompt's full
+    pages under `paged`; None: nothing is shared."""
 
     def __init__(self, dists: Sequence[LengthDist], prompt_len: Sequence[float], alpha: float,
-                 tail_floor: float = 0.0):
+                 tail_floor: float = 0.0, unit: KVUnit = TOKENS, group: Sequence | None = None):
         mu = np.array([d.mu for d in dists], float)
         sd = np.array([d.sd for d in dists], float)
         cap = np.array([d.cap or math.inf for d in dists], float)
@@ -56,16 +65,23 @@ class Demand:
         surv = np.where(t[None, :] < cap[:, None], surv, 0.0)
         surv[:, 0] = 1.0  # every response holds its prompt from prefill on (module docstring)
         self.prompt = np.asarray(prompt_len, float)
-        tokens = self.prompt[:, None] + t_next[None, :]
+        # A slot holds the longest sequence: the longest prompt and the longest possible response.
+        slot = float(self.prompt.max(initial=0.0)) + edges[-1]
+        shared = unit.shared(self.prompt) if group is not None else np.zeros(len(self.prompt))
+        tokens = unit.held(self.prompt[:, None], t_next[None, :], slot) - shared[:, None]
+        # Each group's shared positions, counted once per rank that holds one of its samples.
+        self.shared, self.sharing = shared, bool(np.any(shared))
+        if self.sharing:
+            self.group = np.unique(np.asarray([repr(g) for g in group]), return_inverse=True)[1]
         self.mean = surv * tokens
         self.var = surv * (1.0 - surv) * tokens**2
         self.z = norm_ppf(1.0 - alpha)
 
     def own_peaks(self) -> np.ndarray:
-        """Each response's peak demand on its own (tokens)."""
+        """Each response's peak demand on its own (KV positions, its shared prompt pages included)."""
         if not len(self.mean):
             return np.zeros(0)
-        return np.max(self.mean + self.z * np.sqrt(self.var), axis=1)
+        return np.max(self.mean + self.z * np.sqrt(self.var), axis=1) + self.shared
 
     def peak(self, idx: Sequence[int]) -> float:
         idx = list(idx)
@@ -73,7 +89,12 @@ class Demand:
             return 0.0
         m = self.mean[idx].sum(axis=0)
         v = self.var[idx].sum(axis=0)
-        return float(np.max(m + self.z * np.sqrt(v)))
+        peak = float(np.max(m + self.z * np.sqrt(v)))
+        if not self.sharing:
+            return peak
+        # Each group's shared pages once (the first of its responses here names the group's).
+        _, first = np.unique(self.group[idx], return_index=True)
+        return peak + float(self.shared[np.asarray(idx)[first]].sum())
 
 
 class RankKV:

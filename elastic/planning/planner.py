@@ -93,7 +93,10 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
     # The longest response's bound, in tokens: the runtime turns it into the predicted restoration
     # time that caps every lease.
     meta["predicted_max_len"] = float(reserve.max()) if len(reserve) else 0.0
-    demand = Demand(lengths.kv_dists, prompt_len, alpha, lengths.tail_floor)
+    # A GRPO group's samples share their prompt's pages; a carried-over response (re-prefilled with
+    # its tokens so far) shares nothing.
+    group = [k if known_prefix and known_prefix.get(k) else k[0] for k in keys]
+    demand = Demand(lengths.kv_dists, prompt_len, alpha, lengths.tail_floor, budget.kv, group)
     floor = _memory_floor(floor, ranks, E, budget, demand, shape.name, meta)
 
     effective = layout_kind(layout).placed_as(weak)

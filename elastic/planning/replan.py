@@ -29,6 +29,7 @@ import numpy as np
 
 from elastic.planning.chain_estimate import Estimate
 from elastic.planning.chain_search import OBJECTIVES
+from elastic.planning.kv_unit import TOKENS, KVUnit
 from elastic.planning.latency_guard import LatencyGuard
 from elastic.planning.plan import Plan
 from elastic.planning.remaining import OnlineModel
@@ -66,7 +67,7 @@ class OnlineRule:
     def __init__(self, plan: Plan, prompt_len: Sequence[int], model: OnlineModel, cost: StepCost,
                  shape: ModelShape, *, objective: str = "occupied", check_every: int = 16,
                  samples: int = 16, seed: int = 0, max_slowdown: float | None = 0.01,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, kv: KVUnit = TOKENS):
         if objective not in OBJECTIVES:
             raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
         self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
@@ -76,7 +77,11 @@ class OnlineRule:
         self.k, self.samples, self.seed = check_every, samples, seed
         self.max_slowdown = max_slowdown
         self.max_batch = max_batch  # requests an engine rank can hold (its KV slots), if bounded
-        self.budget = []  # KV tokens each rank may hold in each stage
+        # How the run's KV cache holds a request: a move is checked in the receiver's positions,
+        # slots or pages (`held`); a migrated request holds its own copy of its prompt's pages.
+        self.kv = kv
+        self.slot_len = 0.0  # under `slots`: the longest prompt plus the longest response (`decide`)
+        self.budget = []  # KV positions each rank may hold in each stage
         for st in plan.stages:
             held = held_counts(st.owners, st.members)
             self.budget.append({r: shape.kv_budget_bytes(h) // shape.kv_bytes_per_token for r, h in held.items()})
@@ -100,6 +105,10 @@ class OnlineRule:
 
     def _deal(self, j: int, ranks: np.ndarray, rem: np.ndarray) -> np.ndarray:
         return deal(self.plan, j, ranks, rem)
+
+    def held(self, positions, more):
+        """KV positions a request holding `positions` holds once `more` are added, in the run's cache."""
+        return self.kv.held(positions, more, self.slot_len)
 
     def key(self, scored: tuple[Estimate]):
         return OBJECTIVES[self.objective](scored)
@@ -137,6 +146,8 @@ class OnlineRule:
             return Decision(stage)
         rng = np.random.default_rng([self.seed, step])
         rem = self.model.sample_remaining(live, tokens, done, self.samples, rng)  # (S, n)
+        longest = self.model.cap or float((tokens[live] + rem.max(axis=0)).max())
+        self.slot_len = float(self.prompt.max()) + longest
         grid = Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
         candidates = self._price(stage, targets, grid) if targets else []
         if not candidates:
@@ -151,7 +162,7 @@ class OnlineRule:
             proposals = []
             for rebalance in (False, True) if self.model.options.migrate else (False,):
                 moves = place(self.plan, self.budget[j], self.prompt, self.max_batch, j, live, rank_of, tokens, rem,
-                              rebalance)
+                              self.held, rebalance)
                 if moves is not None:
                     proposals.append((self.prices.exact(stage, j, grid, live, rank_of, moves, tokens), moves))
             if not proposals:  # the KV of the leaving ranks' requests fits no member
@@ -232,7 +243,7 @@ class OnlineRule:
         held = self.prompt[live] + tokens[live]
         soon = np.minimum(rem, REBALANCE_HORIZON_CHECKS * self.k)
         work = (soon * (held[None, :] + soon / 2)).mean(axis=0)
-        need = held + rem.max(axis=0)
+        need = self.held(held, rem.max(axis=0))
         on = {r: [] for r in kept}  # each member's movable requests (columns), ascending
         load, kv, count = dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0)
         for col, r in enumerate(rank_of[live].tolist()):

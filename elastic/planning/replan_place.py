@@ -31,12 +31,13 @@ def deal(plan: Plan, j: int, ranks: np.ndarray, rem: np.ndarray) -> np.ndarray:
 
 
 def place(plan: Plan, budget: dict[int, float], prompt: np.ndarray, max_batch: int | None, j: int, live, rank_of,
-          tokens, rem, rebalance: bool = False) -> list[tuple[int, int]] | None:
+          tokens, rem, held, rebalance: bool = False) -> list[tuple[int, int]] | None:
     """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
     every live request): longest expected remainder first, each to the member with the least
     expected remaining work whose KV budget (and slot count, `max_batch`) holds it (a request
-    is reserved its tokens so far plus its longest sampled remainder). Only requests whose
-    rank changes are listed."""
+    is reserved its tokens so far plus its longest sampled remainder, in the KV positions
+    `held(positions, more)` gives under the run's cache, `OnlineRule.held`). Only
+    requests whose rank changes are listed."""
     kept = list(plan.stages[j].members)
     mean, top = rem.mean(axis=0), rem.max(axis=0)
     work = dict.fromkeys(kept, 0.0)
@@ -46,7 +47,7 @@ def place(plan: Plan, budget: dict[int, float], prompt: np.ndarray, max_batch: i
     placing = []
     for col, i in enumerate(live):
         r = int(rank_of[i])
-        need = prompt[i] + tokens[i] + top[col]
+        need = held(prompt[i] + tokens[i], top[col])
         if r in work and not rebalance:
             work[r] += mean[col]
             kv[r] += need

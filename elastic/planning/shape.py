@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
+from elastic.planning.kv_unit import TOKENS, KVUnit
+
 GiB = 1024**3
 
 
@@ -42,6 +44,9 @@ class MemoryBudget:
     # Of kv_bytes_per_token, what a training rollout's recorded routes take (layers x top-k x id
     # bytes, megatron_rl/models/routes.py): the route buffer has a row per KV position. 0: none.
     route_bytes_per_token: int = 0
+    # How the run's KV cache holds a request (kv_unit.py: tokens, whole slots, or pages shared within
+    # a GRPO group): every KV check prices a request in the positions that cache gives it.
+    kv: KVUnit = TOKENS
 
     def __post_init__(self):
         for name in ("device_bytes", "expert_bytes", "kv_bytes_per_token"):

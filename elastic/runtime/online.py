@@ -26,9 +26,10 @@ from elastic.planning.replan import OnlineRule, check_decision
 
 TAG_MIGRATE = 1
 # A migrated request's header: prompt length, tokens so far, max_new_tokens, fixed_len (-1: none),
-# KV positions held, values carried with it (the engine's `export_request` writes it in this order;
-# the ids that follow hold the prompt, the tokens, then the carried values).
-HEADER_SIZE = 6
+# KV positions held, values carried with it, predicted length (-1: none) (the engine's
+# `export_request` writes it in this order; the ids that follow hold the prompt, the tokens, then
+# the carried values).
+HEADER_SIZE = 7
 
 
 class OnlineDriver:
@@ -98,7 +99,7 @@ class OnlineDriver:
                 engine.release_request(key)  # the receiver holds it now
             elif self.rank == dst:
                 header = receive(HEADER_SIZE)
-                prompt_len, n_tokens, _, _, held, carried = header
+                prompt_len, n_tokens, _, _, held, carried, _ = header
                 ids = receive(prompt_len + n_tokens + carried)
                 kv = engine.empty_kv(held)
                 if held:

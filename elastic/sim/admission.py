@@ -9,7 +9,9 @@ when its share fits (megatron_rl/rollout/kv_cache.py, paged_kv.py):
 - `paged`: a request holds pages of `page_size` positions for its real length (prompt + response,
   rounded up to whole pages), reserved at admission. The engine reserves by the predicted length
   and preempts when a prediction falls short; the simulator reserves the true length, so no
-  request is ever preempted here.
+  request is ever preempted here. Nor does it share a group's prompt pages: a request's pages are
+  its own (the planner's `kv.Demand` counts the sharing).
+What a request holds is `KVUnit.held` (elastic/planning/kv_unit.py), the planner's rule as well.
 
 Requests are admitted in batch order (first come, first served), each as soon as the requests
 before it are admitted and its positions fit beside those still decoding; a request admitted when
@@ -23,29 +25,23 @@ import heapq
 
 import numpy as np
 
+from elastic.planning.kv_unit import KVUnit
 from elastic.planning.shape import ModelShape
 
-KV_ADMISSIONS = ("tokens", "slots", "paged")
+
+def slot_len(prompt: np.ndarray, tokens: np.ndarray) -> int:
+    """A slot's positions: the batch's longest prompt plus its longest response (the generation
+    cap, which a length-tailed batch reaches)."""
+    return int(np.max(prompt) + np.max(tokens))
 
 
-def held_positions(kv: str, prompt: np.ndarray, tokens: np.ndarray, slot_len: int, page_size: int) -> np.ndarray:
-    """KV positions each request holds while it decodes: a slot of `slot_len`, or whole pages of
-    `page_size` for its prompt and response."""
-    if kv == "slots":
-        return np.full(len(prompt), slot_len, dtype=np.int64)
-    if kv == "paged":
-        return -(-(np.asarray(prompt, np.int64) + np.asarray(tokens, np.int64)) // page_size) * page_size
-    raise ValueError(f"kv: expected slots or paged, got {kv!r}")
-
-
-def start_steps(kv: str, page_size: int, shape: ModelShape, owned: np.ndarray, rank: np.ndarray,
+def start_steps(unit: KVUnit, shape: ModelShape, owned: np.ndarray, rank: np.ndarray,
                 prompt: np.ndarray, tokens: np.ndarray, length: np.ndarray) -> np.ndarray:
     """The decode step after which each request starts (0: at the prefill), `length` being its
-    decode steps. Each rank's budget is what its memory leaves for KV beside the `owned[rank]`
-    experts it holds at stage 0 (the engine sizes its cache once); a slot is the batch's longest
-    prompt plus its longest response (the generation cap, which a length-tailed batch reaches)."""
-    slot_len = int(np.max(prompt) + np.max(tokens))
-    held = held_positions(kv, prompt, tokens, slot_len, page_size)
+    decode steps, under a `slots` or `paged` cache (`unit`). Each rank's budget is what its memory
+    leaves for KV beside the `owned[rank]` experts it holds at stage 0 (the engine sizes its cache
+    once)."""
+    held = unit.held(np.asarray(prompt, np.int64), np.asarray(tokens, np.int64), slot_len(prompt, tokens))
     budget = {r: shape.kv_budget_bytes(int(owned[r])) // shape.kv_bytes_per_token for r in range(len(owned))}
     return admit(rank, length, held, budget)
 

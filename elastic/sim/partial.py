@@ -88,7 +88,7 @@ def simulate_partial(trace: Trace, policy: Policy, rule: PartialRule, *, ranks: 
         told = known if tell_prefix else None
         if batch:
             plan = make_policy_plan(policy, batch, history, ranks=ranks, shape=shape, cost=cost,
-                                    known_prefix=told)
+                                    known_prefix=told, kv=config.unit)
             online = make_policy_rule(policy, plan, batch, history, shape=shape, cost=cost, config=config,
                                       known_prefix=told)
             result.plans.append(plan)

@@ -63,10 +63,12 @@ class Placement:
         return int(lens[-(few + 1)]) if len(lens) > few else 0
 
     def move_stragglers(self, leaving, residents: list[int], budget: dict[int, int],
-                        step: int) -> list[tuple[int, int]] | None:
+                        step: int, held) -> list[tuple[int, int]] | None:
         """Move the live responses of `leaving` onto `residents`, each to the one with the fewest
-        live responses among those whose KV `budget` (tokens) holds it over its remaining steps; the
-        moves, or None (and nothing moved) if some response has nowhere to go."""
+        live responses among those whose KV `budget` (positions) holds it over its remaining steps;
+        the moves, or None (and nothing moved) if some response has nowhere to go. `held(kv_base,
+        t)`: the KV positions a request holds at decode step t under the run's cache (`KVUnit.held`:
+        its tokens kv_base + t, a slot, or pages)."""
         moves = []
         for r in leaving:
             for i in np.nonzero((self.rank == r) & (self.length > step))[0]:
@@ -76,8 +78,9 @@ class Placement:
         for i in moves:
             span = slice(step + 1, int(self.length[i]) + 1)
             ts = np.arange(span.start, span.stop)
-            # Peak KV tokens each resident would hold over the response's remaining steps.
-            peaks = (self.psum[residents, span] + self.live[residents, span] * ts + self.kv_base[i] + ts).max(axis=1)
+            # Peak KV positions each resident would hold over the response's remaining steps.
+            mine = held(self.kv_base[i], ts)
+            peaks = np.array([(self._held_on(r, ts, held) + mine).max() for r in residents])
             fits = [r for r, p in zip(residents, peaks) if p <= budget[r]]
             if not fits:
                 self.live, self.psum, self.rank = saved
@@ -86,3 +89,9 @@ class Placement:
             self.move(i, dst, step)
             placed.append((i, dst))
         return placed
+
+    def _held_on(self, r: int, ts: np.ndarray, held) -> np.ndarray:
+        """KV positions rank r's requests hold at each decode step of `ts`, each `held(kv_base, t)`."""
+        mine = np.flatnonzero(self.rank == r)
+        alive = (self.start[mine, None] < ts[None, :]) & (ts[None, :] <= self.length[mine, None])
+        return (alive * held(self.kv_base[mine, None], ts[None, :])).sum(axis=0)

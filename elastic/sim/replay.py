@@ -13,11 +13,12 @@ the megatron backend, whose stages can only be megatron-core's contiguous expert
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from elastic.ledger import STATES, Ledger, RankLedger
 from elastic.planning.chain_search import OBJECTIVES
 from elastic.planning.dims import OWNERSHIPS, ParallelDims
+from elastic.planning.kv_unit import TOKENS, KVUnit
 from elastic.planning.plan import Plan
 from elastic.planning.policies import SIM_POLICIES as POLICIES
 from elastic.planning.policies import PolicyKind, policy_kind
@@ -82,15 +83,17 @@ def rollout_epochs(trace: Trace) -> list[int]:
 
 def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *, ranks: int,
                      shape: ModelShape, cost: CostModel,
-                     known_prefix: dict[tuple[str, int], int] | None = None) -> Plan:
+                     known_prefix: dict[tuple[str, int], int] | None = None, kv: KVUnit = TOKENS) -> Plan:
     """The policy's plan (`policies.PolicyKind.plan`); the simulator ladders every `adaptive` plan.
     `known_prefix`: tokens so far of responses resumed from an earlier rollout (partial rollouts;
-    their `prompt_len` counts them), planned by what is left of them."""
+    their `prompt_len` counts them), planned by what is left of them. `kv`: how the simulated KV
+    cache holds a request (`SimConfig.unit`), what the planner prices its memory check in."""
     # A simulated world need not divide the experts: balanced ownership holds uneven blocks or replicas.
     dims = ParallelDims(ranks, shape.num_experts, policy.ownership, even=False)
     return policy.kind.plan(batch, history, dims=dims, floor=policy.floor, shape=shape, cost=cost,
                             oracle=policy.oracle, ladder_always=True, tailguard=policy.tailguard,
-                            objective=policy.objective, known_prefix=known_prefix)
+                            objective=policy.objective, known_prefix=known_prefix,
+                            budget=replace(shape.budget, kv=kv))
 
 
 def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], history: Trace, *,
@@ -99,7 +102,8 @@ def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], histo
     """The online rule of an `adaptive` plan (None for the other policies, which follow
     `Plan.advance`); `batch` in the order the simulator indexes responses."""
     rule = policy.kind.rule(plan, batch, history, cost=cost, shape=shape, options=policy.online,
-                            known_prefix=known_prefix, objective=policy.objective, check_every=config.check_every)
+                            known_prefix=known_prefix, objective=policy.objective, check_every=config.check_every,
+                            kv=config.unit)
     if rule is not None:
         plan.meta["online"]["options"] = policy.online.suffix.strip() or "all"
     return rule
@@ -160,9 +164,9 @@ def simulate_trace(trace: Trace, policy: Policy, *, ranks: int, cost: CostModel,
     result = TraceResult(policy, ranks)
     for e in epochs if epochs is not None else rollout_epochs(trace):
         batch = trace.epoch(e)
-        plan = make_policy_plan(policy, batch, trace.before(e), ranks=ranks, shape=shape, cost=cost)
-        rule = make_policy_rule(policy, plan, batch, trace.before(e), shape=shape, cost=cost,
-                                config=config or SimConfig())
+        config = config or SimConfig()
+        plan = make_policy_plan(policy, batch, trace.before(e), ranks=ranks, shape=shape, cost=cost, kv=config.unit)
+        rule = make_policy_rule(policy, plan, batch, trace.before(e), shape=shape, cost=cost, config=config)
         result.plans.append(plan)
         result.rollouts.append(simulate_rollout(plan, batch, cost, shape, config, rule))
     return result

@@ -34,10 +34,11 @@ import numpy as np
 
 from elastic.ledger import Ledger
 from elastic.planning.busiest import busiest_load
+from elastic.planning.kv_unit import KV_KINDS, KVUnit
 from elastic.planning.plan import Plan
 from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
-from elastic.sim.admission import KV_ADMISSIONS, peak_concurrent, start_steps
+from elastic.sim.admission import peak_concurrent, slot_len, start_steps
 from elastic.sim.books import RankBooks
 from elastic.sim.costmodel import CostModel
 from elastic.sim.placement import Placement
@@ -69,9 +70,14 @@ class SimConfig:
             raise ValueError(f"lease_start_s: expected >= 0, got {self.lease_start_s}")
         if self.migrate_max < 0:
             raise ValueError(f"migrate_max: expected >= 0, got {self.migrate_max}")
-        if self.kv not in KV_ADMISSIONS or self.kv_page_size < 1:
-            raise ValueError(f"kv: expected one of {', '.join(KV_ADMISSIONS)} and kv_page_size >= 1, "
+        if self.kv not in KV_KINDS or self.kv_page_size < 1:
+            raise ValueError(f"kv: expected one of {', '.join(KV_KINDS)} and kv_page_size >= 1, "
                              f"got {self.kv!r}, {self.kv_page_size}")
+
+    @property
+    def unit(self) -> KVUnit:
+        """How a request holds KV positions: what admission, the plan and every move are checked in."""
+        return KVUnit(self.kv, self.kv_page_size)
 
 
 @dataclass
@@ -124,7 +130,7 @@ class _Rollout:
         prompt = np.array([r.prompt_len for r in batch], dtype=np.int64)
         # The decode step after which each request starts (None: every one at the prefill).
         start = None if config.kv == "tokens" else start_steps(
-            config.kv, config.kv_page_size, shape, self._owned(0), rank, prompt, tokens, np.maximum(tokens - 1, 0))
+            config.unit, shape, self._owned(0), rank, prompt, tokens, np.maximum(tokens - 1, 0))
         self.at = Placement(rank, tokens, prompt, plan.ranks, start)
         self.books = RankBooks(plan.ranks, config.lease, config.lease_start_s, config.timeline)
         self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
@@ -185,7 +191,9 @@ class _Rollout:
         residents = [r for r in plan.stages[-1].members if r in target.members]
         owned = self._owned(len(plan.stages) - 1)
         budget = {r: self.shape.kv_budget_bytes(int(owned[r])) // self.shape.kv_bytes_per_token for r in residents}
-        placed = self.at.move_stragglers(target.drained, residents, budget, step)
+        unit, slot = self.cfg.unit, slot_len(self.at.prompt, self.at.tokens)
+        placed = self.at.move_stragglers(target.drained, residents, budget, step,
+                                         lambda kv_base, t: unit.held(kv_base, t, slot))
         return None if placed is None else self._moved(placed, step)
 
     def _moved(self, moves: list[tuple[int, int]], step: int) -> float:

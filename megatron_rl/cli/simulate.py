@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv", choices=["tokens", "slots", "paged"],
                    help="how a rank admits requests into its KV budget: tokens (default: all at the "
                         "prefill, each at its real tokens), slots (one of the longest sequence each) or "
-                        "paged (pages of kv_page_size=16 positions for each request's real length)")
+                        "paged (pages of kv_page_size=16 positions for each request's real length); the "
+                        "plan's KV check and every move are priced the same way")
     p.add_argument("--epochs", default=None, help="comma-separated epochs to simulate (default: all but the first)")
     p.add_argument("--partial", action="store_true", default=None,
                    help="partial rollouts: over-sample groups, end when one epoch's groups are complete, "

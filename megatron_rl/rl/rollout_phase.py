@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from elastic.planning.kv_unit import KVUnit
 from elastic.timeline import Timeline
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
@@ -129,7 +130,8 @@ class RolloutPhase:
         case: the least device memory and the most resident state of any rank."""
         weight = self.model.embedding.word_embeddings.weight
         budget = memory_budget(self.cfg.model, weight.element_size(), weight.device,
-                               self.dims.ranks_per_node, resident_bytes, record_routes=True)
+                               self.dims.ranks_per_node, resident_bytes, record_routes=True,
+                               kv=KVUnit(self.cfg.generation.kv, self.cfg.generation.kv_page_size))
         if self.world > 1:
             worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64,
                                  device=weight.device)
@@ -248,7 +250,8 @@ class RolloutPhase:
         return online_rule(plan, items, history, policy=cfg.elastic.policy, shape=self.shape,
                            status_interval=cfg.elastic.status_interval,
                            max_batch=cfg.generation.max_batch_per_rank,
-                           max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix)
+                           max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix,
+                           kv=self.budget.kv)
 
 
 def history_records(result: TrainingRollout, epoch: int) -> list[TraceRecord]:

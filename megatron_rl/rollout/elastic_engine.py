@@ -102,7 +102,8 @@ class MigratingRolloutEngine(ElasticRolloutEngine):
     """The elastic engine whose live requests can move to another rank (straggler KV migration).
 
     A request crosses as three tensors: a header (prompt length, tokens so far, max_new_tokens,
-    fixed_len or -1, KV positions held, carried values), its prompt and tokens followed by its
+    fixed_len or -1, KV positions held, carried values, predicted_len or -1: the receiver admits it
+    by the planner's prediction, as its sender did), its prompt and tokens followed by its
     carried values' float64 bits, and its KV rows of every layer. The sampling state is the
     request's identity and token count (`sampling.uniform` is keyed by them), so the receiver
     continues bit-identically. `carried` (key -> list of floats) is what the caller records per
@@ -135,7 +136,8 @@ class MigratingRolloutEngine(ElasticRolloutEngine):
         held = cache.lengths[r.slot] if where is self.engine.live else 0
         carried = [] if self.carried is None else self.carried.get(key, [])
         header = torch.tensor([len(r.prompt), len(r.tokens), r.max_new_tokens,
-                               -1 if r.fixed_len is None else r.fixed_len, held, len(carried)], dtype=torch.long)
+                               -1 if r.fixed_len is None else r.fixed_len, held, len(carried),
+                               -1 if r.predicted_len is None else r.predicted_len], dtype=torch.long)
         ids = torch.cat([torch.tensor(r.prompt + r.tokens, dtype=torch.long),
                          torch.tensor(carried, dtype=torch.float64).view(torch.long)])  # exact bits
         # A paged request's shared prompt pages are copied out: the receiver holds its own.
@@ -151,18 +153,19 @@ class MigratingRolloutEngine(ElasticRolloutEngine):
                        kv: torch.Tensor) -> None:
         from megatron_rl.rollout.engine import Request
 
-        prompt_len, n_tokens, max_new, fixed, held, n_carried = header.tolist()
+        prompt_len, n_tokens, max_new, fixed, held, n_carried, predicted = header.tolist()
         r = Request(key[0], key[1], ids[:prompt_len].tolist(), max_new, None if fixed < 0 else fixed,
-                    ids[prompt_len:prompt_len + n_tokens].tolist())
+                    ids[prompt_len:prompt_len + n_tokens].tolist(), predicted_len=None if predicted < 0 else predicted)
         if self.carried is not None:
             end = prompt_len + n_tokens
             self.carried[key] = ids[end:end + n_carried].contiguous().view(torch.float64).tolist()
         e = self.engine
-        if not held:
+        # The cache's own admission test (a free slot; paged: its predicted pages beside the live
+        # requests' and the reserve). Refused, or not yet prefilled, it waits in line and is
+        # prefilled with its tokens so far when admitted, as a preempted request is.
+        if not held or not (e.cache.free and e.cache.admissible([held], [r.predicted_positions()], len(e.live), [0])):
             e.pending.append(r)
             return
-        if not e.cache.free:
-            raise RuntimeError(f"no free KV slot for migrated request {key}")
         r.slot = e.cache.import_kv(kv, held, r.predicted_positions())
         e.live.append(r)
 

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from elastic.planning.kv_unit import TOKENS, KVUnit
 from elastic.planning.shape import MemoryBudget
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.routes import route_bytes_per_token
@@ -50,12 +51,13 @@ def device_memory_bytes(device: torch.device, ranks_on_host: int) -> tuple[int, 
 
 def memory_budget(mcfg: MoEModelConfig, dtype_bytes: int, device: torch.device, ranks_on_host: int,
                   resident_bytes: int = 0, device_bytes: int | None = None,
-                  record_routes: bool = False) -> MemoryBudget:
+                  record_routes: bool = False, kv: KVUnit = TOKENS) -> MemoryBudget:
     """The budget of one rank running `mcfg` in a `dtype_bytes` dtype on `device`.
 
     `device_bytes` replaces the measured device memory (planning for a machine other than this one,
     e.g. an 80 GB GPU from a laptop). `record_routes` (a training rollout): every KV position also
-    holds its routes (`route_bytes_per_token`), priced with the KV."""
+    holds its routes (`route_bytes_per_token`), priced with the KV. `kv`: how the run's KV cache
+    holds a request (the config's `kv` and `kv_page_size`), what the planner prices it in."""
     dense, expert = weight_bytes(mcfg, dtype_bytes)
     if device_bytes is None:
         device_bytes, source = device_memory_bytes(device, ranks_on_host)
@@ -64,5 +66,5 @@ def memory_budget(mcfg: MoEModelConfig, dtype_bytes: int, device: torch.device, 
     routes = route_bytes_per_token(mcfg.num_layers, mcfg.moe_router_topk, mcfg.num_moe_experts) if record_routes else 0
     return MemoryBudget(device_bytes=device_bytes, dense_bytes=dense, expert_bytes=expert,
                         kv_bytes_per_token=kv_bytes_per_token(mcfg, dtype_bytes) + routes,
-                        resident_bytes=resident_bytes, source=source, route_bytes_per_token=routes)
+                        resident_bytes=resident_bytes, source=source, route_bytes_per_token=routes, kv=kv)
 

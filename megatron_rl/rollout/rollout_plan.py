@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic.planning.dims import ParallelDims
+from elastic.planning.kv_unit import TOKENS, KVUnit
 from elastic.planning.plan import Plan
 from elastic.planning.policies import PolicyError, policy_kind
 from elastic.planning.shape import MemoryBudget, ModelShape
@@ -60,7 +61,8 @@ class RolloutSetup:
         device = device or resolve_device(cfg.device)
         # Every rank computes on that device; one GPU (or this host's RAM over the ranks on it)
         # stands for each rank's budget.
-        budget = memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(device), dims.ranks_per_node)
+        budget = memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(device), dims.ranks_per_node,
+                               kv=KVUnit(cfg.kv, cfg.kv_page_size))
         plan, shape = plan_rollout(batch, history, policy=cfg.policy, dims=dims, floor=cfg.floor,
                                    tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
                                    budget=budget, length_scale=cfg.batch.length_scale, device=device,
@@ -70,7 +72,7 @@ class RolloutSetup:
         if driver_process():
             say_plan_notes(plan)
         rule = online_rule(plan, batch, history, policy=cfg.policy, shape=shape, status_interval=cfg.status_interval,
-                           max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale)
+                           max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale, kv=budget.kv)
         return cls(plan, rule, shape, device)
 
 
@@ -127,19 +129,20 @@ def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int 
 
 def online_rule(plan: Plan, batch, history, *, policy: str, shape: ModelShape, status_interval: int,
                 max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
-                migrate: bool = True, known_prefix: dict | None = None):
+                migrate: bool = True, known_prefix: dict | None = None, kv: KVUnit = TOKENS):
     """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`), or None for
     the other policies and for a plan that keeps every rank (`plan_rollout`: the vanilla path);
     `batch` in `plan.assignments` order. It reasons in trace tokens: the driver divides the run's
     by `length_scale`. On this engine a step costs the same in any group, so a shrink can only
     lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
-    when the objective's occupied rank-seconds say it pays."""
+    when the objective's occupied rank-seconds say it pays. `kv`: how the run's KV cache holds a
+    request (the memory budget's), what the rule checks its moves' receivers in."""
     from elastic.planning.remaining import OnlineOptions
 
     rule = policy_kind(policy).rule(plan, batch, history, cost=engine_cost(length_scale), shape=shape,
                                     options=OnlineOptions(migrate=migrate), max_response_len=max_response_len,
                                     known_prefix=known_prefix, max_slowdown=None, max_batch=max_batch,
-                                    check_every=max(1, round(status_interval / length_scale)))
+                                    check_every=max(1, round(status_interval / length_scale)), kv=kv)
     if rule is not None:
         plan.meta["online"]["migrate"] = migrate
     return rule

@@ -6,11 +6,13 @@ member per stage, and, with exact lengths (the oracle), each rank's true KV peak
 """
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from elastic.planning.kv_unit import KVUnit
 from elastic.planning.layout import LAYOUTS, layout_kind, natural
 from elastic.planning.plan import PlanError
 from elastic.planning.planner import make_plan
@@ -151,6 +153,27 @@ def test_kv_that_cannot_fit_is_rejected():
     plan = make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="planned",
                      tailguard=False, true_lengths=lengths)
     _check_safe(plan, batch, shape, 1, 2, lengths)
+
+
+@pytest.mark.parametrize("kv,ranks", [(KVUnit("tokens"), 2), (KVUnit("paged", 16), 1), (KVUnit("slots"), 2),
+                                      (KVUnit("paged", 4096), 4)])
+def test_kv_is_priced_in_the_positions_the_runs_cache_holds(kv, ranks):
+    # Four samples of one 5,000-token prompt with empty responses, 12,000 positions a rank. Tokens
+    # and slots (5,002 positions each) fit two a rank; pages of 16 hold the prompt's 312 full pages
+    # once and a 16-position page of each sample's own, all four on one rank; pages of 4,096 hold
+    # the one full prompt page once and a page of each sample's own (4,096 + 2 x 4,096 > 12,000):
+    # one a rank.
+    batch = [TraceRecord("a", 0, s, 5000, 0) for s in range(4)]
+    shape = tiny_shape(8, 8, 12_000)
+    budget = replace(shape.budget, kv=kv)
+    lengths = {r.key: 0 for r in batch}
+    for fewer in range(1, ranks):
+        with pytest.raises(PlanError, match="KV cache cannot fit"):
+            make_plan(batch, Trace([]), dims=planned_dims(fewer, shape), floor=1, shape=shape, layout="planned",
+                      tailguard=False, true_lengths=lengths, budget=budget)
+    plan = make_plan(batch, Trace([]), dims=planned_dims(ranks, shape), floor=ranks, shape=shape, layout="planned",
+                     tailguard=False, true_lengths=lengths, budget=budget)
+    assert len(plan.assignments) == 4
 
 
 def test_a_huge_prompt_with_short_responses_is_rejected():

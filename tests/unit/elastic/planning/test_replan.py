@@ -5,12 +5,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from elastic.planning.kv_unit import KVUnit
 from elastic.planning.ladder import ladder_plan
 from elastic.planning.layout import natural
 from elastic.planning.plan import Plan
 from elastic.planning.predict import LengthDist
 from elastic.planning.remaining import OnlineModel, OnlineOptions, SiblingFit
 from elastic.planning.replan import Decision, OnlineRule, check_decision
+from elastic.planning.replan_place import place
 from elastic.planning.schedule import FINE_SPAN, MAX_CANDIDATES, build_stages
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
@@ -159,3 +161,19 @@ def test_shrinks_are_priced_with_the_leaving_requests_dealt_to_members():
     load = {r: rem[0][out == r].sum() for r in kept}
     assert max(load.values()) <= rem[0].sum() / 2 + 100  # the two long ones went to different members
     assert out[2] != out[3]
+
+
+@pytest.mark.parametrize("kv,fits", [(KVUnit("tokens"), True), (KVUnit("paged", 16), True),
+                                     (KVUnit("paged", 256), False), (KVUnit("slots"), False)])
+def test_a_move_is_checked_in_the_receivers_positions_slots_or_pages(kv, fits):
+    # Two requests of 100 prompt + 100 tokens + up to 100 more, one on the rank that stays, one on
+    # the rank that leaves, and 700 positions of room: 2 x 300 tokens fit, as do 2 x 304 in pages of
+    # 16; 2 x 512 in pages of 256 or 2 slots of 4,196 do not.
+    plan = _plan(2, 1, [("p", 0), ("p", 1)])
+    stay = plan.stages[-1].members[0]
+    rank_of = np.array([stay, 1 - stay])
+    live, prompt, tokens, rem = np.arange(2), np.full(2, 100.0), np.full(2, 100.0), np.full((4, 2), 100.0)
+    moves = place(plan, {stay: 700}, prompt, None, len(plan.stages) - 1, live, rank_of, tokens, rem,
+                  lambda positions, more: kv.held(positions, more, 4196))
+    assert moves == ([(1, stay)] if fits else None)
+

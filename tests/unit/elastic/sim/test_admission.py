@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
+from elastic.planning.kv_unit import KVUnit
 from elastic.planning.shape import ModelShape
-from elastic.sim.admission import admit, held_positions
+from elastic.sim.admission import admit
 from elastic.sim.costmodel import DEFAULT_COST
 from elastic.sim.replay import Policy, simulate_trace
 from elastic.sim.simulate import SimConfig
@@ -23,7 +24,7 @@ def _peak(start, length, held=None):
 def _admit(kv, tokens, slots=10):
     tokens = np.asarray(tokens, dtype=np.int64)
     prompt = np.full(len(tokens), PROMPT, dtype=np.int64)
-    held = held_positions(kv, prompt, tokens, SLOT, 16)
+    held = KVUnit(kv, 16).held(prompt, tokens, SLOT)
     length = np.maximum(tokens - 1, 0)
     start = admit(np.zeros(len(tokens), dtype=np.int64), length, held, {0: slots * SLOT})
     return start, length, held

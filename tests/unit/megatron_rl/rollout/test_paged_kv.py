@@ -127,6 +127,33 @@ def test_a_migrated_request_with_shared_pages_continues_identically(model, kinds
     assert got == want
 
 
+def test_a_migrated_request_keeps_its_prediction_and_waits_for_room_on_a_full_receiver(model):
+    """The header carries `predicted_len`, and the receiver admits by its cache's own test: a paged
+    receiver whose pages are promised to its live request queues the migrated one (it re-prefills
+    its tokens so far when admitted, as a preempted request does) instead of overcommitting."""
+    want = run(RolloutEngine(model, SAMPLING, 9, 32), group_requests())
+    src = MigratingRolloutEngine(RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4), 1)
+    dst = MigratingRolloutEngine(RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4, kv_pages=6,
+                                               kv_reserve=0.0), 1)
+    for e in (src, dst):
+        e.use_group(None, {x: 0 for x in range(model.config.num_moe_experts)})
+    src.engine.add(group_requests(predicted_len=8))
+    dst.engine.add([Request("q", 0, list(range(1, 9)), 40, fixed_len=12)])  # promised 5 of the 6 pages
+    for _ in range(3):
+        src.step()
+    dst.step()
+    key = ("p2", 0)  # 11 positions held, 17 predicted: 5 pages, where the receiver has 1 unpromised
+    dst.import_request(key, *src.export_request(key))
+    src.release_request(key)
+    moved = next(r for r in dst.engine.pending + dst.engine.live if r.key == key)
+    assert moved.predicted_len == 8 and moved in dst.engine.pending
+    for e in (src, dst):
+        while e.engine.has_work():
+            e.step()
+    got = {r.key: r.tokens for e in (src, dst) for r in e.engine.finished if r.key != ("q", 0)}
+    assert got == want and dst.engine.cache.peak_pages <= 6
+
+
 def test_carried_over_responses_reprefill_beside_their_fresh_siblings(model):
     """Partial carry-over: a resumed response comes back as prompt + its tokens so far (as
     rl/rollout_phase.py builds it); it prefills on its own, its fresh siblings share their prompt."""
