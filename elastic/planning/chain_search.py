@@ -35,8 +35,11 @@ class ChainSearch:
     EXHAUSTIVE = 16
 
     def __init__(self, keys, work, reserve, demand, samples, prompt_mean, dims, floor, shape,
-                 budget, layout, cost, objective):
+                 budget, layout, cost, objective, queued: bool = False):
+        """`queued`: the batch is known not to fit the KV cache at once, and the run's cache admits
+        what fits and queues the rest (`KVUnit.queues`): place it with no KV check."""
         self.keys, self.work, self.demand, self.samples = keys, work, demand, samples
+        self.queued = queued
         self.prompt_mean, self.ranks, self.floor, self.shape, self.cost = (
             prompt_mean, dims.world, floor, shape, cost)
         self.budget = budget
@@ -81,7 +84,7 @@ class ChainSearch:
                     raise PlanError(f"stage {i}: rank {r} would hold {h} experts, more than its "
                                     f"memory takes ({self.budget.describe(h)})")
                 budget[r] = min(budget[r], room // self.budget.kv_bytes_per_token)
-        return budget
+        return [math.inf] * self.ranks if self.queued else budget
 
     def price(self, sizes: tuple[int, ...]):
         """(estimate, sizes, stages, rank_of) of a chain, or None if its layout cannot fit."""

@@ -32,6 +32,13 @@ class KVUnit:
         if self.page_size < 1:
             raise ValueError(f"KVUnit.page_size: expected >= 1, got {self.page_size}")
 
+    @property
+    def queues(self) -> bool:
+        """The cache admits the requests that fit and queues the rest (a free slot, or the pages
+        of its predicted length): a batch larger than a rank's KV runs, slower. The `tokens` model
+        holds every request from its prefill on, so a batch that does not fit cannot run."""
+        return self.kind != "tokens"
+
     def held(self, prompt, tokens, slot_len):
         """KV positions a request of `prompt` positions and `tokens` more holds (`slot_len`: one
         slot's positions, read under `slots` only)."""

@@ -103,10 +103,24 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
     if effective != layout:
         meta["fallback"] = (f"{layout} placed as {effective}: the prompt explains "
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
-    search = ChainSearch(keys, lengths.work, reserve, demand,
-                         _samples(lengths.dists, true_lengths is not None, seed), float(prompt_len.mean()),
-                         dims, floor, shape, budget, effective, cost, objective)
-    est, sizes, stages, rank_of = search.best()
+    samples = _samples(lengths.dists, true_lengths is not None, seed)
+    try:
+        search = ChainSearch(keys, lengths.work, reserve, demand, samples, float(prompt_len.mean()),
+                             dims, floor, shape, budget, effective, cost, objective)
+        found = search.best()
+    except PlanError as e:
+        alone = float(demand.own_peaks().max()) * budget.kv_bytes_per_token
+        if not budget.kv.queues or alone > budget.kv_budget_bytes(math.ceil(E / ranks)):
+            raise  # (a response that no rank holds even alone would wait for ever)
+        # Not even all ranks hold the batch at once, but the run's cache queues what does not fit:
+        # every rank stays (a shrink would only lengthen the queues) and the layout is placed as if
+        # KV were unbounded; the run is slower than the plan predicts, never refused.
+        meta["kv_queued"] = (f"the batch does not fit the {budget.kv.kind} KV cache at once, even on all "
+                             f"{ranks} ranks ({e}); every rank stays and the ranks queue what does not fit")
+        search = ChainSearch(keys, lengths.work, reserve, demand, samples, float(prompt_len.mean()),
+                             dims, ranks, shape, budget, effective, cost, objective, queued=True)
+        found = search.best()
+    est, sizes, stages, rank_of = found
     meta.update({
         "chain": sizes, "chains_feasible": search.feasible, "chains_priced": len(search.cache),
         "effective_layout": effective, "predicted_rollout_s": est.rollout_s,

@@ -79,7 +79,7 @@ class RolloutSetup:
 def say_plan_notes(plan: Plan) -> None:
     """What the planner decided that a user would not guess, on stderr; the caller says it once
     per run, not once per rank: a raised floor, and why a shrinking policy keeps every rank."""
-    for key in ("floor_raised", "every_rank_stays"):
+    for key in ("floor_raised", "kv_queued", "every_rank_stays"):
         if key in plan.meta:
             print(f"[plan] {plan.meta[key]}", file=sys.stderr, flush=True)
 
@@ -116,7 +116,7 @@ def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int 
         raise FlexFloorError(f"policy {policy}: {e}") from None
     except PlanError as e:
         raise FlexFloorError(f"planner: {e}") from None
-    if len(plan.stages) == 1 and floor < W:
+    if len(plan.stages) == 1 and floor < W and "kv_queued" not in plan.meta:
         m = plan.meta
         m["every_rank_stays"] = (
             f"{policy} floor {floor}: every rank stays{' (the vanilla path)' if kind.online else ''}: "

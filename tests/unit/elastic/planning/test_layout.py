@@ -168,12 +168,27 @@ def test_kv_is_priced_in_the_positions_the_runs_cache_holds(kv, ranks):
     budget = replace(shape.budget, kv=kv)
     lengths = {r.key: 0 for r in batch}
     for fewer in range(1, ranks):
-        with pytest.raises(PlanError, match="KV cache cannot fit"):
-            make_plan(batch, Trace([]), dims=planned_dims(fewer, shape), floor=1, shape=shape, layout="planned",
-                      tailguard=False, true_lengths=lengths, budget=budget)
+        if not kv.queues:
+            with pytest.raises(PlanError, match="KV cache cannot fit"):
+                make_plan(batch, Trace([]), dims=planned_dims(fewer, shape), floor=1, shape=shape,
+                          layout="planned", tailguard=False, true_lengths=lengths, budget=budget)
+            continue
+        # Slots and pages queue what does not fit: planned, every rank staying, and said.
+        plan = make_plan(batch, Trace([]), dims=planned_dims(fewer, shape), floor=1, shape=shape, layout="planned",
+                         tailguard=False, true_lengths=lengths, budget=budget)
+        assert "queue what does not fit" in plan.meta["kv_queued"] and len(plan.stages) == 1
     plan = make_plan(batch, Trace([]), dims=planned_dims(ranks, shape), floor=ranks, shape=shape, layout="planned",
                      tailguard=False, true_lengths=lengths, budget=budget)
-    assert len(plan.assignments) == 4
+    assert len(plan.assignments) == 4 and "kv_queued" not in plan.meta
+
+
+@pytest.mark.parametrize("kv", [KVUnit("slots"), KVUnit("paged", 16)])
+def test_a_response_no_rank_holds_alone_is_refused_even_by_a_queueing_cache(kv):
+    batch = [TraceRecord("a", 0, 0, 13_000, 0)]  # 13,000 positions; a rank has 12,000
+    shape = tiny_shape(8, 8, 12_000)
+    with pytest.raises(PlanError, match="KV cache"):
+        make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="planned",
+                  tailguard=False, true_lengths={("a", 0): 0}, budget=replace(shape.budget, kv=kv))
 
 
 def test_a_huge_prompt_with_short_responses_is_rejected():
