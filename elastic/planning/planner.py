@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -84,10 +85,8 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
     prompt_len = np.array([b.prompt_len for b in batch], float)
     E = shape.num_experts
 
-    if true_lengths is not None:
-        lengths = _true_lengths(keys, true_lengths)
-    else:
-        lengths = _predicted_lengths(batch, keys, history, tailguard, alpha, max_response_len, known_prefix)
+    lengths = (_true_lengths(keys, true_lengths) if true_lengths is not None else
+               _predicted_lengths(batch, keys, history, tailguard, alpha, max_response_len, known_prefix))
     meta, reserve, weak = lengths.meta, lengths.reserve, lengths.weak
 
     # The longest response's bound, in tokens: the runtime turns it into the predicted restoration
@@ -103,29 +102,14 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
     if effective != layout:
         meta["fallback"] = (f"{layout} placed as {effective}: the prompt explains "
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
-    samples = _samples(lengths.dists, true_lengths is not None, seed)
-    try:
-        search = ChainSearch(keys, lengths.work, reserve, demand, samples, float(prompt_len.mean()),
-                             dims, floor, shape, budget, effective, cost, objective)
-        found = search.best()
-    except PlanError as e:
-        alone = float(demand.own_peaks().max()) * budget.kv_bytes_per_token
-        if not budget.kv.queues or alone > budget.kv_budget_bytes(math.ceil(E / ranks)):
-            raise  # (a response that no rank holds even alone would wait for ever)
-        # Not even all ranks hold the batch at once, but the run's cache queues what does not fit:
-        # every rank stays (a shrink would only lengthen the queues) and the layout is placed as if
-        # KV were unbounded; the run is slower than the plan predicts, never refused.
-        meta["kv_queued"] = (f"the batch does not fit the {budget.kv.kind} KV cache at once, even on all "
-                             f"{ranks} ranks ({e}); every rank stays and the ranks queue what does not fit")
-        search = ChainSearch(keys, lengths.work, reserve, demand, samples, float(prompt_len.mean()),
-                             dims, ranks, shape, budget, effective, cost, objective, queued=True)
-        found = search.best()
-    est, sizes, stages, rank_of = found
+    search_at = partial(ChainSearch, keys, lengths.work, reserve, demand,
+                        _samples(lengths.dists, true_lengths is not None, seed), float(prompt_len.mean()), dims,
+                        shape=shape, budget=budget, layout=effective, cost=cost, objective=objective)
+    search, (est, sizes, stages, rank_of) = _best_chain(search_at, floor, ranks, E, budget, demand, meta)
     meta.update({
         "chain": sizes, "chains_feasible": search.feasible, "chains_priced": len(search.cache),
         "effective_layout": effective, "predicted_rollout_s": est.rollout_s,
-        "predicted_static_rollout_s": est.static_s,
-        "predicted_occupied_rank_s": est.occupied_rank_s,
+        "predicted_static_rollout_s": est.static_s, "predicted_occupied_rank_s": est.occupied_rank_s,
         "leave_order": search.leave_order,
     })
     plan = Plan(ranks=ranks, floor=floor, num_experts=E, layout=layout, tailguard=tailguard,
@@ -193,6 +177,25 @@ def _predicted_lengths(batch, keys, history: Trace, tailguard: bool, alpha: floa
         meta["tailguard"] = {"alpha": alpha, "margin": guard.margin_or_none,
                              "calibrated_on": guard.calibrated_on}
     return _Lengths(dists, kv_dists, work, reserve, tail_floor, weak, meta)
+
+
+def _best_chain(search_at, floor: int, ranks: int, E: int, budget: MemoryBudget, demand: Demand, meta: dict):
+    """(the search, its best chain) down to `floor`. Where not even all ranks hold the batch at
+    once, a cache that queues (`KVUnit.queues`: the engine admits what fits, the rest waits) is
+    planned anyway: every rank stays (a shrink would only lengthen the queues), the layout is placed
+    with no KV check, and `meta["kv_queued"]` says why; the run is slower than planned, not refused.
+    A response that no rank holds even alone would wait for ever, and is refused."""
+    try:
+        search = search_at(floor=floor)
+        return search, search.best()
+    except PlanError as e:
+        alone = float(demand.own_peaks().max()) * budget.kv_bytes_per_token
+        if not budget.kv.queues or alone > budget.kv_budget_bytes(math.ceil(E / ranks)):
+            raise
+        meta["kv_queued"] = (f"the batch does not fit the {budget.kv.kind} KV cache at once, even on all "
+                             f"{ranks} ranks ({e}); every rank stays and the ranks queue what does not fit")
+    search = search_at(floor=ranks, queued=True)
+    return search, search.best()
 
 
 def _memory_floor(floor: int, ranks: int, E: int, budget: MemoryBudget, demand: Demand, name: str,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,7 +33,7 @@ from elastic.planning.latency_guard import LatencyGuard
 from elastic.planning.plan import Plan
 from elastic.planning.remaining import OnlineModel
 from elastic.planning.replan_grid import Grid, batch_context
-from elastic.planning.replan_place import deal, place
+from elastic.planning.replan_place import Decision, deal, place
 from elastic.planning.replan_price import Prices, migrate_s
 from elastic.planning.schedule import held_counts
 from elastic.planning.shape import ModelShape
@@ -51,14 +50,6 @@ REPLAN_CHECKS = 8
 # periods), not over the requests' whole remainders: a step waits for the member holding the most
 # KV now, and a later imbalance is the next decision's to fix.
 REBALANCE_HORIZON_CHECKS = 2 * REPLAN_CHECKS
-
-
-@dataclass(frozen=True)
-class Decision:
-    stage: int
-    # (response index, destination rank): made before the stage changes, or, staying, a rebalance.
-    moves: tuple[tuple[int, int], ...] = ()
-    kv_bytes: int = 0  # KV cache the moves carry
 
 
 class OnlineRule:
@@ -282,22 +273,3 @@ class OnlineRule:
                                                self.sizes[stage])
             return Decision(stage, tuple(moves), kv_bytes)
         return Decision(stage)
-
-
-def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence[int],
-                   done: Sequence[bool]) -> None:
-    """Raise ValueError if carrying out `decision` would break an invariant of docs/design.md: the
-    stage goes back up, a rank leaves with a live request, or a request moves outside the group."""
-    if not stage <= decision.stage < len(plan.stages):
-        raise ValueError(f"decision goes from stage {stage} to {decision.stage}")
-    kept = set(plan.stages[decision.stage].members)
-    where = list(rank_of)
-    for i, r in decision.moves:
-        if done[i]:
-            raise ValueError(f"response {i} is finished and cannot move")
-        if r not in kept:
-            raise ValueError(f"response {i} moves to rank {r}, outside stage {decision.stage}")
-        where[i] = r
-    stranded = [i for i, r in enumerate(where) if not done[i] and r not in kept]
-    if stranded:
-        raise ValueError(f"{len(stranded)} live requests (e.g. {stranded[0]}) would leave with their rank")

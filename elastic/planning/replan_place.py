@@ -1,12 +1,24 @@
 """Where the online rule puts live requests: the leaving ranks' requests dealt over the members
-that stay (`deal`, the vectorised estimate `OnlineRule` prices options with) and the exact
-placement under each member's KV budget and slot count (`place`, the moves a decision makes).
+that stay (`deal`, the vectorised estimate `OnlineRule` prices options with), the exact
+placement under each member's KV budget and slot count (`place`, the moves a decision makes),
+and the decision itself with the invariants its moves keep (`Decision`, `check_decision`).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from elastic.planning.plan import Plan
+
+
+@dataclass(frozen=True)
+class Decision:
+    stage: int
+    # (response index, destination rank): made before the stage changes, or, staying, a rebalance.
+    moves: tuple[tuple[int, int], ...] = ()
+    kv_bytes: int = 0  # KV cache the moves carry
 
 
 def deal(plan: Plan, j: int, ranks: np.ndarray, rem: np.ndarray) -> np.ndarray:
@@ -66,3 +78,22 @@ def place(plan: Plan, budget: dict[int, float], prompt: np.ndarray, max_batch: i
         if r != rank_of[i]:
             moves.append((i, r))
     return moves
+
+
+def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence[int],
+                   done: Sequence[bool]) -> None:
+    """Raise ValueError if carrying out `decision` would break an invariant of docs/design.md: the
+    stage goes back up, a rank leaves with a live request, or a request moves outside the group."""
+    if not stage <= decision.stage < len(plan.stages):
+        raise ValueError(f"decision goes from stage {stage} to {decision.stage}")
+    kept = set(plan.stages[decision.stage].members)
+    where = list(rank_of)
+    for i, r in decision.moves:
+        if done[i]:
+            raise ValueError(f"response {i} is finished and cannot move")
+        if r not in kept:
+            raise ValueError(f"response {i} moves to rank {r}, outside stage {decision.stage}")
+        where[i] = r
+    stranded = [i for i, r in enumerate(where) if not done[i] and r not in kept]
+    if stranded:
+        raise ValueError(f"{len(stranded)} live requests (e.g. {stranded[0]}) would leave with their rank")

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from elastic.planning.replan import OnlineRule, check_decision
+from elastic.planning.replan import OnlineRule
+from elastic.planning.replan_place import check_decision
 
 TAG_MIGRATE = 1
 # A migrated request's header: prompt length, tokens so far, max_new_tokens, fixed_len (-1: none),

@@ -11,8 +11,8 @@ from elastic.planning.layout import natural
 from elastic.planning.plan import Plan
 from elastic.planning.predict import LengthDist
 from elastic.planning.remaining import OnlineModel, OnlineOptions, SiblingFit
-from elastic.planning.replan import Decision, OnlineRule, check_decision
-from elastic.planning.replan_place import place
+from elastic.planning.replan import OnlineRule
+from elastic.planning.replan_place import Decision, check_decision, place
 from elastic.planning.schedule import FINE_SPAN, MAX_CANDIDATES, build_stages
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
