@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_rl.rollout.paged_kv import KV_KINDS  # noqa: E402
 from tools.tool_args import add_decode_args, add_model_args  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")  # torch dtype names
@@ -46,12 +47,15 @@ def tiny_hf(args):
     return transformers.Qwen3MoeForCausalLM(cfg).eval().to(args.device, getattr(torch, args.dtype))
 
 
-def ours_generate(model, prompts, new_tokens):
+def ours_generate(model, prompts, new_tokens, kv="slots"):
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
+    # kv_reserve 0: every response's length is exact (fixed_len), so the paged cache admits the
+    # whole batch at once as the slot cache does; with the default reserve (a tenth of the pages)
+    # it would hold back the last tenth, which then decodes alone after the others.
     eng = RolloutEngine(model, SamplingParams(greedy=True), max_batch=len(prompts),
-                        max_len=len(prompts[0]) + new_tokens)
+                        max_len=len(prompts[0]) + new_tokens, kv=kv, kv_reserve=0.0)
     eng.add([Request(f"p{i}", 0, p, max_new_tokens=new_tokens, fixed_len=new_tokens)
              for i, p in enumerate(prompts)])
     while eng.has_work():
@@ -85,6 +89,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--kv", default="slots", choices=KV_KINDS, help="our engine's KV cache (rollout/paged_kv.py)")
     return p
 
 
@@ -105,10 +110,10 @@ def measure(args) -> dict:
     B, N = args.batch, args.new_tokens
     print(f"config: Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-"
           f"{args.topk}, vocab {args.vocab}, {args.dtype} on {args.device}, {args.threads} thread(s); batch "
-          f"{B}, prompt {args.prompt_len}, {N} new tokens, greedy, {args.reps} reps after 1 warm-up; "
+          f"{B}, prompt {args.prompt_len}, {N} new tokens, kv {args.kv}, greedy, {args.reps} reps after 1 warm-up; "
           f"torch {torch.__version__}")
 
-    engines = {"ours": lambda n: ours_generate(ours, prompts, n), "hf": lambda n: hf_generate(hf, prompts, n)}
+    engines = {"ours": lambda n: ours_generate(ours, prompts, n, args.kv), "hf": lambda n: hf_generate(hf, prompts, n)}
     tokens = {name: fn(N) for name, fn in engines.items()}  # warm-up, and the tokens to compare
     for fn in engines.values():
         fn(1)

@@ -22,6 +22,7 @@ key changes exactly when the addresses a graph reads do).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from megatron_rl.models.moe import LocalDispatcher, MoELayer, widens
@@ -49,6 +50,9 @@ class DecodeRunner:
         # [row, field]: a batch's rows are one contiguous block (a strided pinned slice would be
         # staged through pageable memory, which blocks).
         self._host = torch.zeros(n_max, 4, dtype=torch.long, pin_memory=pinned)
+        # The same memory as a numpy array, taken once: a step writes its rows through it, ten
+        # times cheaper than `torch.tensor` of the nested lists (about 0.3 ms at batch 64 on CPU).
+        self._host_np = self._host.numpy()
         self._dev = self._host if self.device.type == "cpu" else torch.zeros_like(self._host, device=self.device)
         self._logits = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -75,8 +79,8 @@ class DecodeRunner:
             self._refresh_copies()
             if self._graph_key != self._key():
                 self.capture()  # before the inputs: capturing runs padding rows through the buffers
-        rows = [list(r) for r in zip(ids, slots, positions, ntok)] + [self._pad_row] * pad
-        self._host[:n].copy_(torch.tensor(rows))
+        self._host_np[:B] = np.array((ids, slots, positions, ntok), dtype=np.int64).T
+        self._host_np[B:n] = self._pad_row
         if self._dev is not self._host:
             # The previous step's copy out of this pinned buffer is done: its tokens were read back.
             self._dev[:n].copy_(self._host[:n], non_blocking=True)

@@ -275,12 +275,12 @@ class RolloutEngine:
                                      [len(r.tokens) for r in batch])
         for s in slots:
             lengths[s] += 1
-        self._rows = (self.runner.inputs[: len(batch), 1], self.runner.inputs[: len(batch), 3])
+        if self._draws is not None:  # each row's draw: its slot's row, at its count of tokens
+            self._rows = (self.runner.inputs[: len(batch), 1], self.runner.inputs[: len(batch), 3])
         return self._emit(batch, logits_BV)
 
     def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
-        slot_B, ntok_B = self._rows
-        toks_B = choose_tokens(logits_BV, self.sampling, None if self._draws is None else self._draws[slot_B, ntok_B])
+        toks_B = choose_tokens(logits_BV, self.sampling, None if self._draws is None else self._draws[self._rows])
         rides_R = self._rides_with_tokens(logits_BV, toks_B)
         # The step's one read of device data: the tokens, what a subclass records of them, and the
         # misrouted count, in one copy.

@@ -80,6 +80,7 @@ class PagedKVCache(CacheTensors):
         self.peak_pages = 0
         self.kernel = None  # the decode-attention kernel, set by the engine where one runs
         self._decode_constants()
+        self._offsets_P = torch.arange(page_size, device=self.device)
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page_size)
@@ -202,11 +203,18 @@ class PagedKVCache(CacheTensors):
     def decode(self, slot_B: torch.Tensor, pos_B: torch.Tensor, L: int, run: slice | None) -> torch.Tensor:
         """As the slot cache's: row b appends at `pos_B[b]` of sequence `slot_B[b]` (pages taken by `grow`)."""
         self._decode, self._L = (slot_B, pos_B), L
-        table_BJ = self.block_table[slot_B]
+        table_BJ = self.block_table.index_select(0, slot_B)
         page_B = table_BJ.gather(1, (pos_B // self.page_size)[:, None])[:, 0]
         self._decode_inputs(page_B, pos_B % self.page_size, pos_B, L)
         if self.kernel is None:
-            self._table_Bn = table_BJ[:, : self.pages_for(L)]
+            # Row b's first L key positions as rows of K viewed [pages x G x P, C], in attention's
+            # [B, G, L] order: every layer gathers them with one index_select per tensor, straight
+            # into the layout SDPA reads (a page gather, then a permuting copy, cost three times that).
+            G, P = self.shape[1], self.page_size
+            n = self.pages_for(L)
+            rows_BGnP = (table_BJ[:, None, :n, None] * (G * P) + self._group_rows_G[:, None, None]
+                         + self._offsets_P)
+            self._keys_R = rows_BGnP.view(len(table_BJ), G, n * P)[:, :, :L].reshape(-1)
         return pos_B[:, None]
 
     def attend(self, layer: int, q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> torch.Tensor:
@@ -220,9 +228,8 @@ class PagedKVCache(CacheTensors):
         if self.kernel is not None:
             return self.kernel(q_BHSC[:, :, 0], K, V, slot_B, pos_B + 1, table_SJ=self.block_table,
                                max_len=self.max_len)[:, :, None]
-        B, n = self._table_Bn.shape
-        G, P, C = self.shape[1], self.page_size, self.shape[3]
-        # [B, n, G, P, C] -> [B, G, n*P, C]: the rows' own pages, in position order.
-        K_BGLC = K[self._table_Bn].permute(0, 2, 1, 3, 4).reshape(B, G, n * P, C)[:, :, : self._L]
-        V_BGLC = V[self._table_Bn].permute(0, 2, 1, 3, 4).reshape(B, G, n * P, C)[:, :, : self._L]
+        G, C = self.shape[1], self.shape[3]
+        shape_BGLC = (slot_B.shape[0], G, self._L, C)
+        K_BGLC = K.view(-1, C).index_select(0, self._keys_R).view(shape_BGLC)
+        V_BGLC = V.view(-1, C).index_select(0, self._keys_R).view(shape_BGLC)
         return F.scaled_dot_product_attention(q_BHSC, K_BGLC, V_BGLC, attn_mask=self._mask_B11L, enable_gqa=True)
