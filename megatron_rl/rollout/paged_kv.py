@@ -96,7 +96,9 @@ class PagedKVCache(CacheTensors):
         """How many of the waiting requests (in order, at most one per free sequence; `now`
         positions to prefill, `total` predicted positions at the end, `shared` positions held
         with an earlier one of them: its group's prompt, whose full pages it will share) to admit,
-        with `live` sequences running."""
+        with `live` sequences running. A request is admitted whatever its prediction while the pool
+        holds every admitted sequence at `max_len` (the slot cache's guarantee, in the same bytes by
+        default): the reserve guards predictions, and a pool that cannot run out needs none."""
         promised = sum(max(0, self.pages_for(self.predicted[s]) - len(self.tables[s]))
                        for s in range(self.slots) if self.tables[s])
         avail = len(self.pool.free) - promised - self.reserve_pages
@@ -104,7 +106,8 @@ class PagedKVCache(CacheTensors):
         for pos, want, common in zip(now, total, shared):
             own = common // self.page_size  # full pages shared, not taken
             need, hold = self.pages_for(max(pos, want)) - own, self.pages_for(pos) - own
-            if hold > free_now or (need > avail and (n or live)):
+            safe = (live + n + 1) * self.pages_per_seq <= self.pool.pages
+            if hold > free_now or (need > avail and (n or live) and not safe):
                 break
             avail, free_now, n = avail - need, free_now - hold, n + 1
         return n

@@ -196,3 +196,18 @@ def test_admission_counts_a_groups_shared_prompt_pages_once():
     # each for the samples that share the prompt's two full pages.
     assert cache.admissible([8, 8, 8], [12, 12, 12], 0, [0, 8, 8]) == 3
     assert cache.admissible([8, 8, 8], [12, 12, 12], 0, [0, 0, 0]) == 2
+
+
+def test_a_pool_of_the_slots_bytes_admits_every_slot_whatever_the_reserve():
+    """The default pool (the slots' bytes) holds every sequence at max_len: requests predicted to
+    reach their cap all start at once, as in the slot cache (with a 10% reserve, 7 of 8 did and
+    the eighth decoded alone afterwards, doubling the decode steps)."""
+    from megatron_rl.rollout.paged_kv import build_kv_cache
+
+    mcfg = MoEModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1)
+    cache = build_kv_cache("paged", mcfg, 8, 64, torch.float64, torch.device("cpu"), page_size=16, reserve=0.1)
+    assert cache.admissible([16] * 8, [64] * 8, 0, [0] * 8) == 8
+    # A pool of 24 pages holds 6 such sequences at max_len (4 pages each): 6 start (5 did).
+    small = build_kv_cache("paged", mcfg, 8, 64, torch.float64, torch.device("cpu"), pages=24, page_size=16,
+                           reserve=0.1)
+    assert small.admissible([16] * 8, [64] * 8, 0, [0] * 8) == 6
