@@ -43,6 +43,7 @@ def tiny_run_folder(folder: Path, steps=(1, 2)) -> Path:
 
     from elastic.trace import Trace
     from megatron_rl.backends import backend
+    from megatron_rl.data.iterator import PromptIterator
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.out_lock import LOCK_NAME
     from megatron_rl.rl.checkpoint import save_checkpoint
@@ -54,7 +55,11 @@ def tiny_run_folder(folder: Path, steps=(1, 2)) -> Path:
     opt = make_optimizer(model, 1e-2)
     out = folder / "out"
     for step in steps:
-        state = {"data": {"epoch": 0, "position": 4 * step}, "seed": 0, "model": cfg.model.to_dict(), "ranks": 1}
+        # The data position of `tiny_train_config`'s run (20 prompts, 4 a step) after `step` steps.
+        data = PromptIterator(20, TINY_TRAIN["prompts_per_step"], seed=0)
+        for _ in range(step):
+            data.next_batch()
+        state = {"data": data.state_dict(), "seed": 0, "model": cfg.model.to_dict(), "ranks": 1}
         save_checkpoint(out, step, model, opt, None, state, Trace([], "h"), 0)
     (out / LOCK_NAME).write_text("")
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
