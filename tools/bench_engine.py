@@ -51,11 +51,8 @@ def ours_generate(model, prompts, new_tokens, kv="slots"):
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
-    # kv_reserve 0: every response's length is exact (fixed_len), so the paged cache admits the
-    # whole batch at once as the slot cache does; with the default reserve (a tenth of the pages)
-    # it would hold back the last tenth, which then decodes alone after the others.
     eng = RolloutEngine(model, SamplingParams(greedy=True), max_batch=len(prompts),
-                        max_len=len(prompts[0]) + new_tokens, kv=kv, kv_reserve=0.0)
+                        max_len=len(prompts[0]) + new_tokens, kv=kv)
     eng.add([Request(f"p{i}", 0, p, max_new_tokens=new_tokens, fixed_len=new_tokens)
              for i, p in enumerate(prompts)])
     while eng.has_work():
