@@ -1,5 +1,5 @@
-"""The sync-free, graph-captured decode engine on one CUDA GPU (issue 19; skipped without one), and
-its paged KV cache against the slot one (issue 35). The bodies are tests/gpu/checks/gpu_decode_checks.py
+"""The sync-free, graph-captured decode engine on one CUDA GPU (skipped without one), and
+its paged KV cache against the slot one. The bodies are tests/gpu/checks/gpu_decode_checks.py
 and gpu_paged_checks.py (their CPU side: tests/unit/tools/test_gpu_decode_checks.py and
 test_gpu_paged_checks.py); each
 records its row for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set."""

@@ -100,7 +100,7 @@ def test_unreadable_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_sharded_export_with_index_rope_theta_and_generation_config(tmp_path):
-    """Issue 29 item 6: shards of at most `shard_bytes`, an index listing every tensor exactly
+    """Shards of at most `shard_bytes`, an index listing every tensor exactly
     once, rope_theta 1e6 for a transformers 4.x reader (the field it reads alone), the bos/eos ids
     and generation_config.json; transformers loads the sharded export to the same logits."""
     from safetensors import safe_open
@@ -143,7 +143,7 @@ def test_sharded_export_with_index_rope_theta_and_generation_config(tmp_path):
 
 
 def test_deep_or_outside_index_and_config_are_one_line(tmp_path):
-    """Issue 31 item 2's depth cap, where HF JSON is read: a nested config.json or index was a
+    """The JSON depth cap, where HF JSON is read: a nested config.json or index was a
     RecursionError traceback; an index naming a file outside the folder is refused."""
     (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(FlexFloorError, match="config.json: not valid JSON \\(nested deeper than 64"):

@@ -1,6 +1,6 @@
 """Expert-parallel dispatch reads the device once per MoE layer (the send and receive counts in one
 copy), in a one-rank gloo group in-process: the same code as on NCCL, where each read is a sync.
-Before issue 19 a layer made five (bincount, two tolists, the bank's bincount and its tolist)."""
+Before the sync-free step a layer made five (bincount, two tolists, the bank's bincount and its tolist)."""
 import datetime
 
 import pytest

@@ -2,7 +2,7 @@
 no host read, data-dependent shape, RNG op or host-to-device copy inside the region; the same trace
 for different inputs; and `DecodeRunner._key()` changes exactly when the storages the region reads do.
 Negative controls: a host read, a random draw and a host tensor injected into the region fail the
-check; on the key before issue 30 (no RoPE tables, no fp32 router copies) the snapshot test fails."""
+check; on a key that leaves out the RoPE tables and the fp32 router copies the snapshot test fails."""
 import gc
 
 import pytest

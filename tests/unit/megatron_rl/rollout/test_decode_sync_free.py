@@ -4,7 +4,7 @@ of the CUDA graphs gives the unpadded step's tokens.
 The count wraps every way the host reads a tensor's values (item, tolist, numpy, cpu, int/float/
 bool/index conversion, boolean-mask indexing, nonzero) and torch.bincount (which syncs on CUDA to
 size its output). On CPU nothing blocks, but the same code path runs on CUDA, where each of these
-is a blocking sync. Negative control: on the engine before issue 19 one decode step of the 4-layer
+is a blocking sync. Negative control: on the engine before the sync-free step one decode step of the 4-layer
 model at batch 64 made 10 such reads (RoPE's int(positions.max()), and per MoE layer a bincount and
 its tolist), and this test failed there.
 """
