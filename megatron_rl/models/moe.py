@@ -230,7 +230,7 @@ class LocalDispatcher:
     def __call__(self, x_TD: torch.Tensor, expert_TK: torch.Tensor, bank: ExpertBank) -> torch.Tensor:
         T, K = expert_TK.shape
         flat_x = x_TD.repeat_interleave(K, dim=0)
-        return bank.compute(flat_x, expert_TK.reshape(-1)).view(T, K, -1)
+        return bank.compute(flat_x, expert_TK.reshape(-1)).view(T, K, x_TD.shape[1])  # (T may be 0)
 
 
 class TorchRouter(nn.Module):

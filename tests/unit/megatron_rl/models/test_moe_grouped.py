@@ -37,6 +37,16 @@ def test_grouped_gemm_equals_per_expert_matmuls():
     assert torch.equal(grouped, loop.detach())
 
 
+def test_the_local_dispatcher_takes_an_empty_batch():
+    """A rank with no token this step (a dummy step) gets an empty [0, K, D] back (it raised on
+    `.view(0, K, -1)`, whose -1 a zero-size tensor cannot infer)."""
+    from megatron_rl.models.moe import LocalDispatcher
+
+    x = torch.empty(0, CFG.hidden_size)
+    out = LocalDispatcher()(x, torch.empty(0, 2, dtype=torch.long), bank([0, 1]))
+    assert out.shape == (0, 2, CFG.hidden_size)
+
+
 def test_float64_uses_per_expert_path_and_agrees():
     b = bank([0, 3], dtype=torch.float64)
     x, e = routed([0, 3], dtype=torch.float64)
