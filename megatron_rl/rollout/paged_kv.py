@@ -80,7 +80,7 @@ class PagedKVCache(CacheTensors):
         self.peak_pages = 0
         self.kernel = None  # the decode-attention kernel, set by the engine where one runs
         self._decode_constants()
-        self._offsets_P = torch.arange(page_size, device=self.device)
+        self._groups_G1 = torch.arange(groups, device=self.device)[:, None]
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page_size)
@@ -210,14 +210,12 @@ class PagedKVCache(CacheTensors):
         page_B = table_BJ.gather(1, (pos_B // self.page_size)[:, None])[:, 0]
         self._decode_inputs(page_B, pos_B % self.page_size, pos_B, L)
         if self.kernel is None:
-            # Row b's first L key positions as rows of K viewed [pages x G x P, C], in attention's
-            # [B, G, L] order: every layer gathers them with one index_select per tensor, straight
-            # into the layout SDPA reads (a page gather, then a permuting copy, cost three times that).
-            G, P = self.shape[1], self.page_size
-            n = self.pages_for(L)
-            rows_BGnP = (table_BJ[:, None, :n, None] * (G * P) + self._group_rows_G[:, None, None]
-                         + self._offsets_P)
-            self._keys_R = rows_BGnP.view(len(table_BJ), G, n * P)[:, :, :L].reshape(-1)
+            # Row b's first pages_for(L) pages, each KV group's P positions one contiguous block of
+            # K viewed [pages x G, P x C], in attention's [B, G, n] order: every layer gathers them
+            # with one index_select per tensor, straight into the layout SDPA reads (by the block:
+            # a gather per position copied P times the rows, a page gather then a permuting copy
+            # three times the bytes).
+            self._blocks_R = (table_BJ[:, None, :self.pages_for(L)] * self.shape[1] + self._groups_G1).reshape(-1)
         return pos_B[:, None]
 
     def attend(self, layer: int, q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> torch.Tensor:
@@ -231,8 +229,8 @@ class PagedKVCache(CacheTensors):
         if self.kernel is not None:
             return self.kernel(q_BHSC[:, :, 0], K, V, slot_B, pos_B + 1, table_SJ=self.block_table,
                                max_len=self.max_len)[:, :, None]
-        G, C = self.shape[1], self.shape[3]
-        shape_BGLC = (slot_B.shape[0], G, self._L, C)
-        K_BGLC = K.view(-1, C).index_select(0, self._keys_R).view(shape_BGLC)
-        V_BGLC = V.view(-1, C).index_select(0, self._keys_R).view(shape_BGLC)
+        G, P, C = self.shape[1:]
+        shape_BGLC = (slot_B.shape[0], G, -1, C)  # n x P positions, the first L attended
+        K_BGLC = K.view(-1, P * C).index_select(0, self._blocks_R).view(shape_BGLC)[:, :, : self._L]
+        V_BGLC = V.view(-1, P * C).index_select(0, self._blocks_R).view(shape_BGLC)[:, :, : self._L]
         return F.scaled_dot_product_attention(q_BHSC, K_BGLC, V_BGLC, attn_mask=self._mask_B11L, enable_gqa=True)
