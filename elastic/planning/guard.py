@@ -127,6 +127,12 @@ def report(trace: Trace, alpha: float = 0.05, decay: float = 0.7) -> list[dict]:
     return rows
 
 
+def reserves(dists, guard: TailGuard | None, alpha: float) -> list[float]:
+    """Each predicted length's KV reserve: TailGuard's bound where a guard is fitted, else the
+    predictor's (1 - alpha) quantile. The planner's rule and the paged cache's admission."""
+    return [guard.bound(d) if guard is not None else d.quantile(1 - alpha) for d in dists]
+
+
 def reserved_lengths(batch, history: Trace, *, tailguard: bool, alpha: float = 0.05) -> list[float]:
     """Each response's length in trace tokens as the planner reserves its KV: TailGuard's bound with
     `tailguard` (once a history can calibrate it), else the predictor's (1 - alpha) quantile; inf
@@ -137,4 +143,4 @@ def reserved_lengths(batch, history: Trace, *, tailguard: bool, alpha: float = 0
         return [math.inf] * len(batch)
     pred = Predictor(history)
     guard = TailGuard.fit(history, alpha, cap=pred.cap) if tailguard else None
-    return [guard.bound(d) if guard is not None else d.quantile(1 - alpha) for d in pred.predict_batch(batch)]
+    return reserves(pred.predict_batch(batch), guard, alpha)

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.kv_unit import TOKENS, KVUnit, slot_len
 from elastic.planning.predict import LengthDist, norm_ppf
 
 GRID = 40
@@ -66,7 +66,7 @@ class Demand:
         surv[:, 0] = 1.0  # every response holds its prompt from prefill on (module docstring)
         self.prompt = np.asarray(prompt_len, float)
         # A slot holds the longest sequence: the longest prompt and the longest possible response.
-        slot = float(self.prompt.max(initial=0.0)) + edges[-1]
+        slot = slot_len(self.prompt, edges[-1])
         shared = unit.shared(self.prompt) if group is not None else np.zeros(len(self.prompt))
         tokens = unit.held(self.prompt[:, None], t_next[None, :], slot) - shared[:, None]
         # Each group's shared positions, counted once per rank that holds one of its samples.

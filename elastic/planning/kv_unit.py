@@ -56,4 +56,11 @@ class KVUnit:
         return 0 * prompt
 
 
+def slot_len(prompt, longest):
+    """A slot's positions: the batch's longest prompt (`prompt`: every request's) plus the longest
+    response it may reach (`longest`: the generation cap where one is known), what the slot cache
+    gives every request."""
+    return max(prompt, default=0) + longest
+
+
 TOKENS = KVUnit()  # every request holds exactly its positions: the default where no cache is named

@@ -35,7 +35,7 @@ import numpy as np
 
 from elastic.planning.chain_search import OBJECTIVES, ChainSearch
 from elastic.planning.dims import LayoutError, ParallelDims
-from elastic.planning.guard import TailGuard
+from elastic.planning.guard import TailGuard, reserves
 from elastic.planning.kv import Demand
 from elastic.planning.layout import layout_kind
 from elastic.planning.partial import conditioned
@@ -154,13 +154,11 @@ def _predicted_lengths(batch, keys, history: Trace, tailguard: bool, alpha: floa
                         "(pass the generation cap: max_response_len, `flexfloor plan --max-response-len`)")
     dists = pred.predict_batch(batch)
     work = np.array([d.median for d in dists])
-    if tailguard:
-        guard = TailGuard.fit(history, alpha, cap=pred.cap)
-        reserve = np.array([guard.bound(d) for d in dists])
+    guard = TailGuard.fit(history, alpha, cap=pred.cap) if tailguard else None
+    reserve = np.array(reserves(dists, guard, alpha))
+    if guard is not None:
         kv_dists, tail_floor = [guard.guarded(d) for d in dists], guard.tail_floor
     else:
-        guard = None
-        reserve = np.array([d.quantile(1 - alpha) for d in dists])
         kv_dists, tail_floor = dists, 0.0
     if known_prefix:
         given = [known_prefix.get(k, 0) for k in keys]

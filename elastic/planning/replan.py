@@ -28,7 +28,7 @@ import numpy as np
 
 from elastic.planning.chain_estimate import Estimate
 from elastic.planning.chain_search import OBJECTIVES
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.kv_unit import TOKENS, KVUnit, slot_len
 from elastic.planning.latency_guard import LatencyGuard
 from elastic.planning.plan import Plan
 from elastic.planning.remaining import OnlineModel
@@ -138,7 +138,7 @@ class OnlineRule:
         rng = np.random.default_rng([self.seed, step])
         rem = self.model.sample_remaining(live, tokens, done, self.samples, rng)  # (S, n)
         longest = self.model.cap or float((tokens[live] + rem.max(axis=0)).max())
-        self.slot_len = float(self.prompt.max()) + longest
+        self.slot_len = float(slot_len(self.prompt, longest))
         grid = Grid(rem, self.prompt[live] + tokens[live], rank_of[live], self.plan.ranks, self.k)
         candidates = self._price(stage, targets, grid) if targets else []
         if not candidates:

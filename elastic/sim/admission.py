@@ -4,7 +4,7 @@ The simulator's default (`tokens`) starts every request of a rank at the prefill
 at its real tokens: the planner's KV-safe placement already keeps their sum within the rank's budget
 (docs/planner.md). A real engine holds the KV in a cache of a fixed size and admits a request only
 when its share fits (megatron_rl/rollout/kv_cache.py, paged_kv.py):
-- `slots`: every request holds a slot of the longest sequence, `slot_len` positions, whatever its
+- `slots`: every request holds a slot of the longest sequence, `kv_unit.slot_len` positions, whatever its
   length; a rank runs `budget // slot_len` requests at once.
 - `paged`: a request holds pages of `page_size` positions for its real length (prompt + response,
   rounded up to whole pages), reserved at admission. The engine reserves by the predicted length
@@ -25,14 +25,8 @@ import heapq
 
 import numpy as np
 
-from elastic.planning.kv_unit import KVUnit
+from elastic.planning.kv_unit import KVUnit, slot_len
 from elastic.planning.shape import ModelShape
-
-
-def slot_len(prompt: np.ndarray, tokens: np.ndarray) -> int:
-    """A slot's positions: the batch's longest prompt plus its longest response (the generation
-    cap, which a length-tailed batch reaches)."""
-    return int(np.max(prompt) + np.max(tokens))
 
 
 def start_steps(unit: KVUnit, shape: ModelShape, owned: np.ndarray, rank: np.ndarray,
@@ -41,7 +35,7 @@ def start_steps(unit: KVUnit, shape: ModelShape, owned: np.ndarray, rank: np.nda
     decode steps, under a `slots` or `paged` cache (`unit`). Each rank's budget is what its memory
     leaves for KV beside the `owned[rank]` experts it holds at stage 0 (the engine sizes its cache
     once)."""
-    held = unit.held(np.asarray(prompt, np.int64), np.asarray(tokens, np.int64), slot_len(prompt, tokens))
+    held = unit.held(np.asarray(prompt, np.int64), np.asarray(tokens, np.int64), int(slot_len(prompt, np.max(tokens))))
     budget = {r: shape.kv_budget_bytes(int(owned[r])) // shape.kv_bytes_per_token for r in range(len(owned))}
     return admit(rank, length, held, budget)
 

@@ -34,11 +34,11 @@ import numpy as np
 
 from elastic.ledger import Ledger
 from elastic.planning.busiest import busiest_load
-from elastic.planning.kv_unit import KV_KINDS, KVUnit
+from elastic.planning.kv_unit import KV_KINDS, KVUnit, slot_len
 from elastic.planning.plan import Plan
 from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
-from elastic.sim.admission import peak_concurrent, slot_len, start_steps
+from elastic.sim.admission import peak_concurrent, start_steps
 from elastic.sim.books import RankBooks
 from elastic.sim.costmodel import CostModel
 from elastic.sim.placement import Placement
@@ -191,7 +191,7 @@ class _Rollout:
         residents = [r for r in plan.stages[-1].members if r in target.members]
         owned = self._owned(len(plan.stages) - 1)
         budget = {r: self.shape.kv_budget_bytes(int(owned[r])) // self.shape.kv_bytes_per_token for r in residents}
-        unit, slot = self.cfg.unit, slot_len(self.at.prompt, self.at.tokens)
+        unit, slot = self.cfg.unit, int(slot_len(self.at.prompt, np.max(self.at.tokens)))
         placed = self.at.move_stragglers(target.drained, residents, budget, step,
                                          lambda kv_base, t: unit.held(kv_base, t, slot))
         return None if placed is None else self._moved(placed, step)

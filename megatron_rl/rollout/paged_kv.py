@@ -212,9 +212,9 @@ class PagedKVCache(CacheTensors):
         if self.kernel is None:
             # Row b's first pages_for(L) pages, each KV group's P positions one contiguous block of
             # K viewed [pages x G, P x C], in attention's [B, G, n] order: every layer gathers them
-            # with one index_select per tensor, straight into the layout SDPA reads (by the block:
-            # a gather per position copied P times the rows, a page gather then a permuting copy
-            # three times the bytes).
+            # with one index_select per tensor, straight into the layout SDPA reads. (One index
+            # per position takes P times the indices; a page gather then a permuting copy moves
+            # the bytes twice.)
             self._blocks_R = (table_BJ[:, None, :self.pages_for(L)] * self.shape[1] + self._groups_G1).reshape(-1)
         return pos_B[:, None]
 
