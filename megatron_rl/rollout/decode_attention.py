@@ -20,7 +20,7 @@ Tested on CPU under `TRITON_INTERPRET=1` in fp32 and fp16 against SDPA
 (tests/unit/megatron_rl/rollout/test_decode_attention.py, skipped where triton is not installed), and
 compiled for sm90 without a GPU for every constant set the GPU checks use
 (tests/unit/megatron_rl/rollout/test_decode_attention_sm90.py); the rollout engine uses it on CUDA
-(`available`), and the torch path (SDPA over a masked key range, kv_cache.py) everywhere else.
+(`available`), and the torch path (a masked key range, `_attend_keys` in kv_cache.py) everywhere else.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.errors import FlexFloorError
+from megatron_rl.models.moe import widens
 
 
 def kv_numel(num_layers: int, groups: int, positions: int, channels: int) -> int:
@@ -103,6 +104,22 @@ class CacheTensors:
         K.view(-1, C).index_copy_(0, rows, k_BGSC.reshape(-1, C))
         V.view(-1, C).index_copy_(0, rows, v_BGSC.reshape(-1, C))
 
+    def _attend_keys(self, q_BHSC: torch.Tensor, K_BGLC: torch.Tensor, V_BGLC: torch.Tensor) -> torch.Tensor:
+        """The torch path's decode attention: each row's one query per head over its first L keys,
+        those past its position masked (`_mask_B11L`: a masked key adds an exact zero, so attending
+        over L >= a row's length leaves its result unchanged). In float32/float64 it is two batched
+        matmuls and a softmax over each KV group's H/G query heads: at one query per head SDPA's
+        CPU flash kernel spends its time on blocking made for long queries (decode is 20% faster
+        this way: tools/bench_engine.py). Half types keep SDPA, whose kernels hold the scores and
+        the softmax in fp32."""
+        if widens(q_BHSC.dtype):
+            return F.scaled_dot_product_attention(q_BHSC, K_BGLC, V_BGLC, attn_mask=self._mask_B11L, enable_gqa=True)
+        B, H, _, C = q_BHSC.shape
+        G = K_BGLC.shape[1]
+        q_BGNC = q_BHSC.view(B, G, H // G, C) * C ** -0.5  # SDPA's default scale
+        s_BGNL = torch.matmul(q_BGNC, K_BGLC.transpose(-1, -2)).add_(self._mask_B11L)
+        return torch.matmul(s_BGNL.softmax(-1), V_BGLC).view(B, H, 1, C)
+
     def commit(self) -> None:
         """After a prefill: the written tokens become part of each sequence."""
         for s, n in zip(self._slots, self._new):
@@ -134,8 +151,8 @@ class SlotKVCache(CacheTensors):
     each: attention is causal over the new keys alone, no mask tensor) or `decode(slot_B, pos_B,
     L, run)` (one new token per row at position pos_B, device tensors: the engine's static input
     buffers). Decode attention reads each row's own length: with the Triton split-K kernel on
-    CUDA (rollout/decode_attention.py), or, the torch path, SDPA over the first L key positions
-    with a [B, 1, 1, L] mask made once per forward from pos_B on the device.
+    CUDA (rollout/decode_attention.py), or, the torch path (`_attend_keys`), over the first L key
+    positions with a [B, 1, 1, L] mask made once per forward from pos_B on the device.
 
     The sequence methods the engine calls (`admissible`, `alloc`, `grow`, `export_kv`,
     `import_kv`) are the paged cache's too (rollout/paged_kv.py), so either serves the engine.
@@ -248,5 +265,4 @@ class SlotKVCache(CacheTensors):
             # generic path on CPU.
             K_BGLC = K[:, :, : self._L].index_select(0, slot_B)
             V_BGLC = V[:, :, : self._L].index_select(0, slot_B)
-        # A masked key adds an exact zero, so attending over L >= a row's length leaves its result unchanged.
-        return F.scaled_dot_product_attention(q_BHSC, K_BGLC, V_BGLC, attn_mask=self._mask_B11L, enable_gqa=True)
+        return self._attend_keys(q_BHSC, K_BGLC, V_BGLC)

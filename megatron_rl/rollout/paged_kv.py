@@ -212,7 +212,7 @@ class PagedKVCache(CacheTensors):
         if self.kernel is None:
             # Row b's first pages_for(L) pages, each KV group's P positions one contiguous block of
             # K viewed [pages x G, P x C], in attention's [B, G, n] order: every layer gathers them
-            # with one index_select per tensor, straight into the layout SDPA reads. (One index
+            # with one index_select per tensor, straight into the layout attention reads. (One index
             # per position takes P times the indices; a page gather then a permuting copy moves
             # the bytes twice.)
             self._blocks_R = (table_BJ[:, None, :self.pages_for(L)] * self.shape[1] + self._groups_G1).reshape(-1)
@@ -233,4 +233,4 @@ class PagedKVCache(CacheTensors):
         shape_BGLC = (slot_B.shape[0], G, -1, C)  # n x P positions, the first L attended
         K_BGLC = K.view(-1, P * C).index_select(0, self._blocks_R).view(shape_BGLC)[:, :, : self._L]
         V_BGLC = V.view(-1, P * C).index_select(0, self._blocks_R).view(shape_BGLC)[:, :, : self._L]
-        return F.scaled_dot_product_attention(q_BHSC, K_BGLC, V_BGLC, attn_mask=self._mask_B11L, enable_gqa=True)
+        return self._attend_keys(q_BHSC, K_BGLC, V_BGLC)
