@@ -3,7 +3,7 @@ chain of group sizes (W down to the floor) to run, and under which layout.
 
 Apart from planner.py because it is the planner's one combinatorial step: `make_plan` decides the
 inputs (predicted lengths, KV demand, the floor the memory allows), `ChainSearch` prices chains
-against them (`chain_estimate.ChainTimeline`) and keeps the best by an objective (`OBJECTIVES`),
+against them (`chain_estimate.ChainTimeline`) and keeps the best by an objective (`objective_key`),
 which the online rule (`replan.OnlineRule`) and the simulator's policies compare by as well.
 """
 from __future__ import annotations
@@ -16,15 +16,24 @@ from elastic.planning import layout as layouts
 from elastic.planning.chain_estimate import ChainTimeline, rank_drain_steps
 from elastic.planning.kv import RankKV
 from elastic.planning.plan import Plan, PlanError
+from elastic.planning.policies import OBJECTIVES
 from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
 
-# How chains are compared (smaller first). `occupied`: fewest occupied rank-seconds, the largest
-# release area net of lengthening (capacity-oriented); `rollout`: shortest rollout, then the
-# largest release area (latency-oriented). Ties go to the larger release area.
-OBJECTIVES = {
+# How chains are compared (smaller first), for each of `policies.OBJECTIVES`. `occupied`: fewest
+# occupied rank-seconds, the largest release area net of lengthening (capacity-oriented);
+# `rollout`: shortest rollout, then the largest release area (latency-oriented). Ties go to the
+# larger release area.
+_OBJECTIVE_KEYS = {
     "occupied": lambda r: (round(r[0].occupied_rank_s, 6), -r[0].detached_rank_s),
     "rollout": lambda r: (round(r[0].rollout_s, 6), -r[0].detached_rank_s),
 }
+
+
+def objective_key(objective: str):
+    """The sort key of scored chains under `objective` (one of `policies.OBJECTIVES`)."""
+    if objective not in _OBJECTIVE_KEYS:
+        raise PlanError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    return _OBJECTIVE_KEYS[objective]
 
 
 class ChainSearch:
@@ -44,7 +53,7 @@ class ChainSearch:
             prompt_mean, dims.world, floor, shape, cost)
         self.budget = budget
         self.dims, self.E = dims, dims.experts
-        self.key = OBJECTIVES[objective]
+        self.key = objective_key(objective)
         self.order = layouts.placement_order(reserve, work)
         self.cands = candidate_sizes(dims, floor) if floor < dims.world else []
         self.cache: dict[tuple[int, ...], tuple | None] = {}

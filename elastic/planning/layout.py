@@ -29,6 +29,7 @@ import numpy as np
 
 from elastic.planning.kv import RankKV
 from elastic.planning.plan import Assignment, PlanError
+from elastic.planning.policies import LAYOUTS
 
 
 def natural(batch: Sequence[tuple[str, int]], ranks: int) -> list[Assignment]:
@@ -167,7 +168,6 @@ _KINDS = {k.name: k for k in (
     LayoutKind("lengthsort", place_once=_lengthsort_ranks),
     LayoutKind("planned", weak="lengthsort"),
 )}
-LAYOUTS = tuple(_KINDS)
 
 
 def layout_kind(name: str) -> LayoutKind:

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import numpy as np
 
-from elastic.planning.chain_search import OBJECTIVES, ChainSearch
+from elastic.planning.chain_search import ChainSearch, objective_key
 from elastic.planning.dims import LayoutError, ParallelDims
 from elastic.planning.guard import TailGuard, reserves
 from elastic.planning.kv import Demand
@@ -245,8 +245,7 @@ def _validate(batch, dims: ParallelDims, floor, shape, layout, alpha, objective)
     layout_kind(layout)  # a PlanError naming the layouts
     if not 0 < alpha < 1:
         raise PlanError(f"alpha: expected in (0, 1), got {alpha}")
-    if objective not in OBJECTIVES:
-        raise PlanError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    objective_key(objective)  # a PlanError naming the objectives
     if not batch:
         raise PlanError("the batch is empty")
     keys = [(b.prompt_id, b.sample) for b in batch]

@@ -13,7 +13,7 @@ busiest member's live batch, so a scenario "stay in the current group until step
 costs its steps at each group's price, plus the shrink (`shrink_s`), the KV moved (`migrate_s`)
 and the restore it commits to. The rule acts only when shrinking now beats every later shrink it
 prices (D = one check, then doubling) and staying, under the same objective as `make_plan`
-(`chain_search.OBJECTIVES`: fewest occupied rank-seconds, or the shortest rollout), and, with
+(`chain_search.objective_key`: fewest occupied rank-seconds, or the shortest rollout), and, with
 `max_slowdown`, only within the time it may spend (`LatencyGuard.bound`: what the rollout has gained
 on vanilla so far, priced on both clocks, plus the margin). Between shrinks it rebalances: live
 requests move inside the group so the KV its members hold over the next checks is even
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from elastic.planning.chain_estimate import Estimate
-from elastic.planning.chain_search import OBJECTIVES
+from elastic.planning.chain_search import objective_key
 from elastic.planning.kv_unit import TOKENS, KVUnit, slot_len
 from elastic.planning.latency_guard import LatencyGuard
 from elastic.planning.plan import Plan
@@ -59,8 +59,7 @@ class OnlineRule:
                  shape: ModelShape, *, objective: str = "occupied", check_every: int = 16,
                  samples: int = 16, seed: int = 0, max_slowdown: float | None = 0.01,
                  max_batch: int | None = None, kv: KVUnit = TOKENS):
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
+        objective_key(objective)  # a ValueError (PlanError) naming the objectives
         self.plan, self.model, self.cost, self.shape = plan, model, cost, shape
         self.prices = Prices(plan, prompt_len, cost, shape)
         self.prompt, self.sizes = self.prices.prompt, self.prices.sizes
@@ -102,7 +101,7 @@ class OnlineRule:
         return self.kv.held(positions, more, self.slot_len)
 
     def key(self, scored: tuple[Estimate]):
-        return OBJECTIVES[self.objective](scored)
+        return objective_key(self.objective)(scored)
 
     def _due(self, step: int, live: int) -> bool:
         """Whether to re-plan at this check: once a 64th of the live requests has finished since

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
+from elastic.planning.policies import LAYOUTS, OBJECTIVES
 from elastic.planning.shape import QWEN3_30B_A3B_H100
 from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require, require_seed
@@ -32,11 +33,11 @@ class PlanConfig:
     epoch: int | None = None
     ranks: int = 16
     floor: int | None = None  # default: ranks (nobody leaves)
-    layout: Literal["natural", "lengthsort", "planned"] = "natural"
+    layout: Literal[LAYOUTS] = "natural"
     tailguard: bool = False
     alpha: float = 0.05
     oracle: bool = False
-    objective: Literal["occupied", "rollout"] = "occupied"
+    objective: Literal[OBJECTIVES] = "occupied"
     backend: Literal[BACKENDS] = "torch"
     model: str = QWEN3_30B_A3B_H100.name
     max_response_len: int | None = None
@@ -73,11 +74,11 @@ def register(subparsers) -> None:
     p.add_argument("--epoch", type=int, help="epoch to plan (default: the last)")
     p.add_argument("--ranks", type=int, help="ranks W (default: 16)")
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to (default: W, nobody leaves)")
-    p.add_argument("--layout", choices=("natural", "lengthsort", "planned"), help="default: natural")
+    p.add_argument("--layout", choices=LAYOUTS, help="default: natural")
     p.add_argument("--tailguard", action="store_true", default=None, help="size KV with TailGuard's bounds")
     p.add_argument("--alpha", type=float, help="TailGuard's target miss rate and the KV risk level (default: 0.05)")
     p.add_argument("--oracle", action="store_true", default=None, help="plan with the true lengths (the bound)")
-    p.add_argument("--objective", choices=("occupied", "rollout"),
+    p.add_argument("--objective", choices=OBJECTIVES,
                    help="pick the chain with the fewest occupied rank-seconds (default) or the "
                         "shortest predicted rollout")
     p.add_argument("--backend", choices=BACKENDS,

@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from elastic.planning.policies import SIM_POLICIES
+from elastic.planning.kv_unit import KV_KINDS
+from elastic.planning.policies import OBJECTIVES, SIM_POLICIES
 from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.errors import FlexFloorError
 
@@ -25,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to (default 4)")
     p.add_argument("--tailguard", action="store_true", default=None,
                    help="plan with TailGuard's calibrated upper bounds")
-    p.add_argument("--objective", choices=["occupied", "rollout"],
+    p.add_argument("--objective", choices=OBJECTIVES,
                    help="how the planner picks the chain of stages: fewest occupied rank-seconds "
                         "(capacity, default) or shortest predicted rollout (latency)")
     p.add_argument("--backend", choices=BACKENDS,
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also simulate migrating the last N straggler responses a shrink waits for, "
                         "with their KV, to resident ranks, and report what that saves (a what-if for "
                         "the fixed plans; --policy adaptive migrates by its online rule, as the runtime does)")
-    p.add_argument("--kv", choices=["tokens", "slots", "paged"],
+    p.add_argument("--kv", choices=KV_KINDS,
                    help="how a rank admits requests into its KV budget: tokens (default: all at the "
                         "prefill, each at its real tokens), slots (one of the longest sequence each) or "
                         "paged (pages of kv_page_size=16 positions for each request's real length); the "

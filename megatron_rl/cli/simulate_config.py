@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from elastic.planning.policies import SIM_POLICIES
+from elastic.planning.kv_unit import KV_KINDS
+from elastic.planning.policies import OBJECTIVES, SIM_POLICIES
 from elastic.planning.shape import SHAPES, ModelShape
 from elastic.sim.costmodel import CostModel
+from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require
 from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
@@ -21,8 +23,8 @@ class SimulateConfig:
     policy: Literal[SIM_POLICIES] = "planned"
     floor: int = 4
     tailguard: bool = False
-    objective: Literal["occupied", "rollout"] = "occupied"
-    backend: Literal["torch", "megatron"] = "torch"
+    objective: Literal[OBJECTIVES] = "occupied"
+    backend: Literal[BACKENDS] = "torch"
     ranks: int = 16
     model: str | None = None  # a name of elastic.planning.shape.SHAPES; None: cost.shape
     cost: CostModel = field(default_factory=CostModel)
@@ -32,7 +34,7 @@ class SimulateConfig:
     epochs: list[int] | None = None  # default: every epoch that has an earlier one
     # KV admission (elastic/sim/admission.py): `tokens`, every request at the prefill; `slots` or
     # `paged` (pages of kv_page_size positions), each request as its rank's KV budget has room.
-    kv: Literal["tokens", "slots", "paged"] = "tokens"
+    kv: Literal[KV_KINDS] = "tokens"
     kv_page_size: int = 16
     partial: PartialConfig = field(default_factory=PartialConfig)  # partial rollouts (elastic/sim/partial.py)
 
