@@ -63,4 +63,12 @@ def slot_len(prompt, longest):
     return max(prompt, default=0) + longest
 
 
+def share_groups(keys, known_prefix=None):
+    """Each response's sharing group under `paged`, from its `(prompt_id, sample)` key: its prompt,
+    whose samples prefilled together compute it once; a response carried over from an earlier
+    rollout (`known_prefix`: its tokens so far) is re-prefilled with them and shares nothing (its
+    own key)."""
+    return [k if known_prefix and known_prefix.get(k) else k[0] for k in keys]
+
+
 TOKENS = KVUnit()  # every request holds exactly its positions: the default where no cache is named

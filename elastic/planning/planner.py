@@ -37,6 +37,7 @@ from elastic.planning.chain_search import ChainSearch, objective_key
 from elastic.planning.dims import LayoutError, ParallelDims
 from elastic.planning.guard import TailGuard, reserves
 from elastic.planning.kv import Demand
+from elastic.planning.kv_unit import share_groups
 from elastic.planning.layout import layout_kind
 from elastic.planning.partial import conditioned
 from elastic.planning.plan import Assignment, Plan, PlanError
@@ -92,10 +93,8 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
     # The longest response's bound, in tokens: the runtime turns it into the predicted restoration
     # time that caps every lease.
     meta["predicted_max_len"] = float(reserve.max()) if len(reserve) else 0.0
-    # A GRPO group's samples share their prompt's pages; a carried-over response (re-prefilled with
-    # its tokens so far) shares nothing.
-    group = [k if known_prefix and known_prefix.get(k) else k[0] for k in keys]
-    demand = Demand(lengths.kv_dists, prompt_len, alpha, lengths.tail_floor, budget.kv, group)
+    demand = Demand(lengths.kv_dists, prompt_len, alpha, lengths.tail_floor, budget.kv,
+                    share_groups(keys, known_prefix))
     floor = _memory_floor(floor, ranks, E, budget, demand, shape.name, meta)
 
     effective = layout_kind(layout).placed_as(weak)
