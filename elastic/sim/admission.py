@@ -9,9 +9,14 @@ when its share fits (megatron_rl/rollout/kv_cache.py, paged_kv.py):
 - `paged`: a request holds pages of `page_size` positions for its real length (prompt + response,
   rounded up to whole pages), reserved at admission. The engine reserves by the predicted length
   and preempts when a prediction falls short; the simulator reserves the true length, so no
-  request is ever preempted here. Nor does it share a group's prompt pages: a request's pages are
-  its own (the planner's `kv.Demand` counts the sharing).
-What a request holds is `KVUnit.held` (elastic/planning/kv_unit.py), the planner's rule as well.
+  request is ever preempted here. The samples of one GRPO group that a rank admits at the same
+  step share their prompt's full pages, as the engine's prefill does (engine.py `_prefill`,
+  paged_kv.py `fork`): the first holds all its pages, each other only its pages beyond the shared
+  ones, and the shared pages return to the budget when the last of those sharers ends (the
+  engine's refcounted pages). A sample admitted at a later step than its group's first shares
+  nothing: it prefills its own pages. The groups are `kv_unit.share_groups`.
+What a request holds is `KVUnit.held`, what it shares `KVUnit.shared` (elastic/planning/kv_unit.py),
+the planner's rules as well.
 
 Requests are admitted in batch order (first come, first served), each as soon as the requests
 before it are admitted and its positions fit beside those still decoding; a request admitted when
@@ -22,6 +27,8 @@ admitted requests' effect is fewer requests per step and more steps.
 from __future__ import annotations
 
 import heapq
+import itertools
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -30,20 +37,23 @@ from elastic.planning.shape import ModelShape
 
 
 def start_steps(unit: KVUnit, shape: ModelShape, owned: np.ndarray, rank: np.ndarray,
-                prompt: np.ndarray, tokens: np.ndarray, length: np.ndarray) -> np.ndarray:
+                prompt: np.ndarray, tokens: np.ndarray, length: np.ndarray, group: Sequence[Hashable]) -> np.ndarray:
     """The decode step after which each request starts (0: at the prefill), `length` being its
-    decode steps, under a `slots` or `paged` cache (`unit`). Each rank's budget is what its memory
-    leaves for KV beside the `owned[rank]` experts it holds at stage 0 (the engine sizes its cache
-    once)."""
-    held = unit.held(np.asarray(prompt, np.int64), np.asarray(tokens, np.int64), int(slot_len(prompt, np.max(tokens))))
+    decode steps, under a `slots` or `paged` cache (`unit`); `group` is each request's sharing group
+    (`kv_unit.share_groups`). Each rank's budget is what its memory leaves for KV beside the
+    `owned[rank]` experts it holds at stage 0 (the engine sizes its cache once)."""
+    prompt = np.asarray(prompt, np.int64)
+    held = unit.held(prompt, np.asarray(tokens, np.int64), int(slot_len(prompt, np.max(tokens))))
     budget = {r: shape.kv_budget_bytes(int(owned[r])) // shape.kv_bytes_per_token for r in range(len(owned))}
-    return admit(rank, length, held, budget)
+    return admit(rank, length, held, budget, group, unit.shared(prompt))
 
 
-def admit(rank: np.ndarray, length: np.ndarray, held: np.ndarray, budget: dict[int, int]) -> np.ndarray:
+def admit(rank: np.ndarray, length: np.ndarray, held: np.ndarray, budget: dict[int, int],
+          group: Sequence[Hashable] | None = None, shared: np.ndarray | None = None) -> np.ndarray:
     """The decode step after which each request starts, first come first served: `held` is its KV
-    positions, `budget` each rank's. A request that alone exceeds its rank's budget can never run:
-    ValueError naming it."""
+    positions, `budget` each rank's; `shared` (None: none) the positions of `held` that the requests
+    of its `group` admitted with it on its rank hold once. A request that alone exceeds its rank's
+    budget can never run: ValueError naming it."""
     start = np.zeros(len(rank), dtype=np.int64)
     for r in np.unique(rank):
         mine = np.flatnonzero(rank == r)
@@ -52,16 +62,61 @@ def admit(rank: np.ndarray, length: np.ndarray, held: np.ndarray, budget: dict[i
             i = mine[int(np.argmax(held[mine]))]
             raise ValueError(f"kv: request {int(i)} holds {int(held[i])} KV positions, more than rank {int(r)}'s "
                              f"budget of {room}")
-        live: list[tuple[int, int]] = []  # (end step, positions) of the requests decoding
-        now = 0
+        cache = _RankCache(room)
         for i in mine:
-            while room < held[i]:  # wait for the next end
-                end, pos = heapq.heappop(live)
-                now, room = max(now, end), room + pos
-            start[i] = now
-            room -= int(held[i])
-            heapq.heappush(live, (now + int(length[i]), int(held[i])))
+            g, common = (None, 0) if shared is None or not shared[i] else (group[i], int(shared[i]))
+            while cache.room < cache.need(int(held[i]), g, common):
+                cache.wait()
+            start[i] = cache.now
+            cache.take(int(held[i]), g, common, cache.now + int(length[i]))
     return start
+
+
+class _RankCache:
+    """One rank's KV positions as its requests are admitted: the requests decoding, and the prompt
+    pages shared by the samples of one group admitted at the same step (refcounted, as the engine's
+    pool: they return with the last of their holders)."""
+
+    def __init__(self, room: int):
+        self.room, self.now = room, 0
+        self.live: list[tuple[int, int, int]] = []  # (end step, own positions, sharing or -1) decoding
+        self.sharings: dict[int, list] = {}  # sharing -> [holders, positions, group]
+        self.opened: dict[Hashable, int] = {}  # group -> its sharing opened at step `now`
+        self._ids = itertools.count()
+
+    def need(self, held: int, group: Hashable | None, common: int) -> int:
+        """Positions a request of `held` takes now: those beyond `common` where its group's sharing
+        of this step is open."""
+        return held - common if group in self.opened else held
+
+    def wait(self) -> None:
+        """Until the next request ends: its own positions, and its sharing's once it held it last."""
+        end, pos, s = heapq.heappop(self.live)
+        if end > self.now:  # a later prefill: nothing admitted from now on shares with earlier ones
+            self.now, self.opened = end, {}
+        self.room += pos
+        if s >= 0:
+            sharing = self.sharings[s]
+            sharing[0] -= 1
+            if not sharing[0]:  # its last holder: the shared pages return
+                self.room += sharing[1]
+                del self.sharings[s]
+                if self.opened.get(sharing[2]) == s:
+                    del self.opened[sharing[2]]
+
+    def take(self, held: int, group: Hashable | None, common: int, end: int) -> None:
+        """Admit a request of `held` positions until step `end`, `common` of them shared with its
+        group's requests admitted now (`group` None: `common` is 0, it shares nothing)."""
+        s = -1
+        if group is not None:
+            if group not in self.opened:  # the first of its group this step: it brings the shared pages
+                self.opened[group] = next(self._ids)
+                self.sharings[self.opened[group]] = [0, common, group]
+                self.room -= common
+            s = self.opened[group]
+            self.sharings[s][0] += 1
+        self.room -= held - common
+        heapq.heappush(self.live, (end, held - common, s))
 
 
 def peak_concurrent(live: np.ndarray) -> list[int]:

@@ -92,7 +92,7 @@ def simulate_partial(trace: Trace, policy: Policy, rule: PartialRule, *, ranks: 
             online = make_policy_rule(policy, plan, batch, history, shape=shape, cost=cost, config=config,
                                       known_prefix=told)
             result.plans.append(plan)
-            result.rollouts.append(simulate_rollout(plan, batch, cost, shape, config, online))
+            result.rollouts.append(simulate_rollout(plan, batch, cost, shape, config, online, known))
         for (g, s), n in zip(live, run):
             s.extend(int(n), version, s.n + int(n) >= g.payload[1][s.sample].response_len)
         settled = pool.settle(version)

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from elastic.ledger import Ledger
 from elastic.planning.busiest import busiest_load
-from elastic.planning.kv_unit import KV_KINDS, KVUnit, slot_len
+from elastic.planning.kv_unit import KV_KINDS, KVUnit, share_groups, slot_len
 from elastic.planning.plan import Plan
 from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
@@ -116,7 +116,7 @@ class _Rollout:
     while `at` (`Placement`) holds where the responses are and `books` (`RankBooks`) what the ranks did."""
 
     def __init__(self, plan: Plan, batch: Sequence[TraceRecord], cost: CostModel, shape: ModelShape,
-                 config: SimConfig):
+                 config: SimConfig, known_prefix: Mapping[tuple[str, int], int] | None = None):
         if plan.num_experts != cost.shape.num_experts:
             raise ValueError(f"plan has {plan.num_experts} experts, cost model {cost.name!r} has "
                              f"{cost.shape.num_experts}")
@@ -130,7 +130,8 @@ class _Rollout:
         prompt = np.array([r.prompt_len for r in batch], dtype=np.int64)
         # The decode step after which each request starts (None: every one at the prefill).
         start = None if config.kv == "tokens" else start_steps(
-            config.unit, shape, self._owned(0), rank, prompt, tokens, np.maximum(tokens - 1, 0))
+            config.unit, shape, self._owned(0), rank, prompt, tokens, np.maximum(tokens - 1, 0),
+            share_groups([r.key for r in batch], known_prefix))
         self.at = Placement(rank, tokens, prompt, plan.ranks, start)
         self.books = RankBooks(plan.ranks, config.lease, config.lease_start_s, config.timeline)
         self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
@@ -292,10 +293,13 @@ class _Rollout:
 
 def simulate_rollout(plan: Plan, batch: Sequence[TraceRecord], cost: CostModel,
                      shape: ModelShape | None = None, config: SimConfig | None = None,
-                     rule: OnlineRule | None = None) -> SimulatedRollout:
+                     rule: OnlineRule | None = None,
+                     known_prefix: Mapping[tuple[str, int], int] | None = None) -> SimulatedRollout:
     """Carry out `plan` on `batch` (one rollout) and return its ledger; `Ledger.check` has passed.
     With `rule` (built on the same batch order), the online rule chooses the stages instead of
-    `Plan.advance`, at every check, and moves requests as it says."""
+    `Plan.advance`, at every check, and moves requests as it says. `known_prefix`: the tokens so far
+    of responses carried over from an earlier rollout (re-prefilled with them, they share no
+    prompt pages under `paged`)."""
     if not batch:
         raise ValueError("simulate_rollout: the batch is empty")
-    return _Rollout(plan, batch, cost, shape or ModelShape(), config or SimConfig()).run(rule)
+    return _Rollout(plan, batch, cost, shape or ModelShape(), config or SimConfig(), known_prefix).run(rule)

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from elastic.planning.kv_unit import KVUnit
+from elastic.planning.kv_unit import KVUnit, share_groups
 from elastic.planning.shape import ModelShape
-from elastic.sim.admission import admit
+from elastic.sim.admission import admit, start_steps
 from elastic.sim.costmodel import DEFAULT_COST
 from elastic.sim.replay import Policy, simulate_trace
 from elastic.sim.simulate import SimConfig
@@ -54,6 +54,80 @@ def test_pages_and_slots_admit_alike_when_every_request_runs_to_the_longest_leng
 def test_a_request_larger_than_its_ranks_budget_is_named():
     with pytest.raises(ValueError, match="request 1 holds 4096 KV positions, more than rank 0's budget of 4000"):
         admit(np.zeros(2, dtype=np.int64), np.array([5, 9]), np.array([100, 4096]), {0: 4000})
+
+
+PAGED = KVUnit("paged", 16)
+
+
+def _paged(groups, tokens, length, budget, prompt=32):
+    """Start steps of one rank's requests (`groups`: each one's GRPO group) under pages of 16."""
+    prompt = np.full(len(tokens), prompt, dtype=np.int64)
+    held = PAGED.held(prompt, np.asarray(tokens, dtype=np.int64), 0)
+    return admit(np.zeros(len(tokens), dtype=np.int64), np.asarray(length), held, {0: budget}, groups,
+                 PAGED.shared(prompt)).tolist()
+
+
+def test_a_groups_samples_admitted_together_hold_its_prompt_pages_once():
+    # A 32-position prompt and 32 tokens: 4 pages, 2 of them the prompt's. Three samples fit 128
+    # positions only together: 64 + 32 + 32. Apart (three prompts) the third waits for the first.
+    assert _paged(["g", "g", "g"], [32, 32, 32], [10, 20, 5], 128) == [0, 0, 0]
+    assert _paged(["a", "b", "c"], [32, 32, 32], [10, 20, 5], 128) == [0, 0, 10]
+    # A 40-position prompt shares its 2 full pages only, its partial third page is each sample's
+    # own: in 96 positions the third sample (64 alone, 32 beside the others) waits for room, until
+    # the first ends at 10 (32 back, the shared pages still held) and then, a later prefill that
+    # shares nothing, for the second at 20. Sharing 3 pages would fit all three at once: 64 + 16 + 16.
+    assert _paged(["g", "g", "g"], [24, 24, 24], [10, 20, 5], 96, prompt=40) == [0, 0, 20]
+
+
+def test_samples_admitted_at_different_steps_share_nothing():
+    # g1 and x (64 each) fill 128 at step 0; g2 waits for x (step 10) and then holds all 64 of its
+    # positions, though g1 still decodes: it prefills its own prompt. z (32) waits for g2's end (15);
+    # had g2 shared g1's prompt pages, z would have fit at step 10.
+    assert _paged(["g", "x", "g", "z"], [32, 32, 32, 0], [20, 10, 5, 1], 128) == [0, 0, 10, 15]
+
+
+def test_shared_pages_return_when_their_last_holder_ends():
+    # g1 (64, 32 of them shared) and g2 (32 more) fill 96. w (64) waits: g1's end at 5 returns its
+    # own 32 only, g2's at 20 its own and the shared 32.
+    assert _paged(["g", "g", "w"], [32, 32, 32], [5, 20, 1], 96) == [0, 0, 20]
+    # The same when the first holder ends last.
+    assert _paged(["g", "g", "w"], [32, 32, 32], [20, 5, 1], 96) == [0, 0, 20]
+
+
+class _Budget:
+    """A shape whose ranks each leave `positions` KV positions, whatever experts they hold."""
+    kv_bytes_per_token = 1
+
+    def __init__(self, positions):
+        self.positions = positions
+
+    def kv_budget_bytes(self, experts_held):
+        return self.positions
+
+
+@pytest.mark.parametrize("kind", ["slots", "tokens"])
+def test_slots_and_tokens_share_nothing(kind):
+    # Groups of 8 on 2 ranks, a budget that binds: the start steps are those of a batch with no groups.
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(1, 600, 64)
+    prompt = np.repeat(rng.integers(20, 200, 8), 8)
+    rank, length = np.tile([0, 1], 32), tokens - 1
+    groups = share_groups([(f"p{i // 8}", i % 8) for i in range(64)])
+    shape, owned, budget = _Budget(3000), np.zeros(2), {0: 3000, 1: 3000}
+    unit = KVUnit(kind, 16)
+    alone = admit(rank, length, unit.held(prompt, tokens, int(prompt.max() + tokens.max())), budget)
+    assert alone.max() > 0  # the budget binds
+    np.testing.assert_array_equal(start_steps(unit, shape, owned, rank, prompt, tokens, length, groups), alone)
+    # The same batch under pages: its groups share, so requests start sooner, none later.
+    alone = admit(rank, length, PAGED.held(prompt, tokens, 0), budget)
+    shared = start_steps(PAGED, shape, owned, rank, prompt, tokens, length, groups)
+    assert (shared <= alone).all() and (shared < alone).any()
+
+
+def test_a_resumed_response_is_its_own_sharing_group():
+    keys = [("p", 0), ("p", 1), ("p", 2), ("q", 0)]
+    assert share_groups(keys) == ["p", "p", "p", "q"]
+    assert share_groups(keys, {("p", 1): 40, ("p", 2): 0}) == ["p", ("p", 1), "p", "q"]
 
 
 def test_the_simulator_decodes_fewer_requests_at_once_under_slots():
