@@ -63,12 +63,13 @@ class Placement:
         return int(lens[-(few + 1)]) if len(lens) > few else 0
 
     def move_stragglers(self, leaving, residents: list[int], budget: dict[int, int],
-                        step: int, held) -> list[tuple[int, int]] | None:
+                        step: int, held, max_batch: int | None = None) -> list[tuple[int, int]] | None:
         """Move the live responses of `leaving` onto `residents`, each to the one with the fewest
-        live responses among those whose KV `budget` (positions) holds it over its remaining steps;
-        the moves, or None (and nothing moved) if some response has nowhere to go. `held(kv_base,
-        t)`: the KV positions a request holds at decode step t under the run's cache (`KVUnit.held`:
-        its tokens kv_base + t, a slot, or pages)."""
+        live responses among those whose KV `budget` (positions) holds it over its remaining steps,
+        and that decode fewer than `max_batch` (None: no cap) at every one of them; the moves, or
+        None (and nothing moved) if some response has nowhere to go. `held(kv_base, t)`: the KV
+        positions a request holds at decode step t under the run's cache (`KVUnit.held`: its tokens
+        kv_base + t, a slot, or pages)."""
         moves = []
         for r in leaving:
             for i in np.nonzero((self.rank == r) & (self.length > step))[0]:
@@ -81,7 +82,8 @@ class Placement:
             # Peak KV positions each resident would hold over the response's remaining steps.
             mine = held(self.kv_base[i], ts)
             peaks = np.array([(self._held_on(r, ts, held) + mine).max() for r in residents])
-            fits = [r for r, p in zip(residents, peaks) if p <= budget[r]]
+            fits = [r for r, p in zip(residents, peaks)
+                    if p <= budget[r] and (max_batch is None or self.live[r, span].max() < max_batch)]
             if not fits:
                 self.live, self.psum, self.rank = saved
                 return None

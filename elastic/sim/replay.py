@@ -99,10 +99,12 @@ def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], histo
                      shape: ModelShape, cost: CostModel, config: SimConfig,
                      known_prefix: dict[tuple[str, int], int] | None = None) -> OnlineRule | None:
     """The online rule of an `adaptive` plan (None for the other policies, which follow
-    `Plan.advance`); `batch` in the order the simulator indexes responses."""
+    `Plan.advance`); `batch` in the order the simulator indexes responses. Its moves fit the
+    receivers' KV and, as the engine's (`config.max_batch`, the runtime's `max_batch_per_rank`),
+    their slots."""
     rule = policy.kind.rule(plan, batch, history, cost=cost, shape=shape, options=policy.online,
                             known_prefix=known_prefix, objective=policy.objective, check_every=config.check_every,
-                            kv=config.unit)
+                            kv=config.unit, max_batch=config.max_batch)
     if rule is not None:
         plan.meta["online"]["options"] = policy.online.suffix.strip() or "all"
     return rule
@@ -141,9 +143,11 @@ class TraceResult:
         if self.partial is not None:
             out["partial"] = dict(self.partial)
         peaks = [p for r in self.rollouts for p in (r.peak_concurrent or ())]
-        if peaks:  # a `slots` or `paged` admission (elastic/sim/admission.py)
+        if peaks:  # admission ran (`SimConfig.admits`, elastic/sim/admission.py)
             out["kv"] = {"peak_concurrent_per_rank": max(peaks),
                          "mean_peak_concurrent_per_rank": sum(peaks) / len(peaks)}
+            if self.rollouts[0].max_batch is not None:
+                out["kv"]["max_batch"] = self.rollouts[0].max_batch
         out["per_rollout"] = [
             {"rollout_time_s": r.ledger.wall_s, "lower_bound_s": r.lower_bound_s,
              "rank_seconds": r.ledger.rank_seconds(), "transitions": [list(t) for t in r.transitions],

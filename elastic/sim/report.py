@@ -92,9 +92,11 @@ def single_report(summary: dict) -> str:
              f"{summary['shrinks']} shrinks, {summary['detached_rank_s']:.1f} detached rank-s")]
     if summary.get("partial"):
         lines.append(_partial_line(summary["partial"]))
-    if summary.get("kv"):
-        lines.append(f"KV admission: at most {summary['kv']['peak_concurrent_per_rank']} requests decoding at once "
-                     f"per rank (mean peak {summary['kv']['mean_peak_concurrent_per_rank']:.1f})")
+    kv = summary.get("kv")
+    if kv:
+        cap = f", cap max_batch={kv['max_batch']}" if "max_batch" in kv else ""
+        lines.append(f"KV admission: at most {kv['peak_concurrent_per_rank']} requests decoding at once "
+                     f"per rank (mean peak {kv['mean_peak_concurrent_per_rank']:.1f}{cap})")
     mig = summary.get("migration")
     if mig:
         lines.append(f"KV migration (up to {mig['max_responses']} stragglers per shrink): {mig['migrated_responses']} "

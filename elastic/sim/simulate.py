@@ -13,8 +13,8 @@ Semantics (docs/design.md), the same the runtime follows, so that a simulated le
 - After the last token, full-world restoration (experts back to stage 0's owners, then the weight
   check: `CostModel.restore_extra_s`) is one `transition` tick for all W ranks.
 - Optional KV migration (`migrate_max > 0`): when the ranks a stage waits for hold at most that many
-  live responses in all (stragglers), those move with their KV to resident ranks that have room, and
-  the stage starts.
+  live responses in all (stragglers), those move with their KV to resident ranks that have room (KV
+  and, with `max_batch`, a free slot), and the stage starts.
 - With an online rule (`adaptive`), the rule replaces `Plan.advance` at every check, reading only
   what the runtime's status gives it (tokens so far, finished or not), and its moves are booked
   like migrations (a rebalance inside the group is one `transition` tick of its members).
@@ -62,6 +62,9 @@ class SimConfig:
     # at the prefill; `slots` or `paged` (pages of kv_page_size positions), as KV room frees.
     kv: str = "tokens"
     kv_page_size: int = 16
+    # Requests one rank decodes at once (the engine's `max_batch_per_rank`, its KV slots): the rest
+    # wait, first come first served, under any `kv` (None: no cap).
+    max_batch: int | None = None
 
     def __post_init__(self):
         if self.check_every < 1:
@@ -73,11 +76,19 @@ class SimConfig:
         if self.kv not in KV_KINDS or self.kv_page_size < 1:
             raise ValueError(f"kv: expected one of {', '.join(KV_KINDS)} and kv_page_size >= 1, "
                              f"got {self.kv!r}, {self.kv_page_size}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch: expected >= 1 or None (no cap), got {self.max_batch}")
 
     @property
     def unit(self) -> KVUnit:
         """How a request holds KV positions: what admission, the plan and every move are checked in."""
         return KVUnit(self.kv, self.kv_page_size)
+
+    @property
+    def admits(self) -> bool:
+        """Whether requests start as room frees (elastic/sim/admission.py): a cache that queues, or a
+        cap; else every request starts at the prefill."""
+        return self.unit.queues or self.max_batch is not None
 
 
 @dataclass
@@ -92,8 +103,9 @@ class SimulatedRollout:
     migrated: int = 0
     migrated_kv_bytes: int = 0
     rebalances: int = 0  # moves between members that stay (online rule only)
-    # Each rank's most requests decoding at once, under a `slots` or `paged` admission (else None).
+    # Each rank's most requests decoding at once where admission ran (`SimConfig.admits`, else None).
     peak_concurrent: list[int] | None = None
+    max_batch: int | None = None  # the cap admission ran under (`SimConfig.max_batch`)
 
 
 def lower_bound_s(prompt_lens, response_lens, cost: CostModel, floor: int, ranks: int) -> float:
@@ -129,14 +141,14 @@ class _Rollout:
         tokens = np.array([r.response_len for r in batch], dtype=np.int64)
         prompt = np.array([r.prompt_len for r in batch], dtype=np.int64)
         # The decode step after which each request starts (None: every one at the prefill).
-        start = None if config.kv == "tokens" else start_steps(
+        start = None if not config.admits else start_steps(
             config.unit, shape, self._owned(0), rank, prompt, tokens, np.maximum(tokens - 1, 0),
-            share_groups([r.key for r in batch], known_prefix))
+            share_groups([r.key for r in batch], known_prefix), config.max_batch)
         self.at = Placement(rank, tokens, prompt, plan.ranks, start)
         self.books = RankBooks(plan.ranks, config.lease, config.lease_start_s, config.timeline)
         self.no_migration: set[int] = set()  # stages whose stragglers had nowhere to go
         self.result = SimulatedRollout(ledger=None, response_tokens=int(self.at.tokens.sum()),  # type: ignore[arg-type]
-                                    lower_bound_s=0.0)
+                                    lower_bound_s=0.0, max_batch=config.max_batch)
         if start is not None:
             self.result.peak_concurrent = peak_concurrent(self.at.live)
 
@@ -194,7 +206,7 @@ class _Rollout:
         budget = {r: self.shape.kv_budget_bytes(int(owned[r])) // self.shape.kv_bytes_per_token for r in residents}
         unit, slot = self.cfg.unit, int(slot_len(self.at.prompt, np.max(self.at.tokens)))
         placed = self.at.move_stragglers(target.drained, residents, budget, step,
-                                         lambda kv_base, t: unit.held(kv_base, t, slot))
+                                         lambda kv_base, t: unit.held(kv_base, t, slot), self.cfg.max_batch)
         return None if placed is None else self._moved(placed, step)
 
     def _moved(self, moves: list[tuple[int, int]], step: int) -> float:

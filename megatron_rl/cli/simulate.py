@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "prefill, each at its real tokens), slots (one of the longest sequence each) or "
                         "paged (pages of kv_page_size=16 positions for each request's real length); the "
                         "plan's KV check and every move are priced the same way")
+    p.add_argument("--max-batch", type=int, metavar="N",
+                   help="a rank decodes at most N requests at once, the rest waiting first come first "
+                        "served, under any --kv (the engine's max_batch_per_rank; default: no cap)")
     p.add_argument("--epochs", default=None, help="comma-separated epochs to simulate (default: all but the first)")
     p.add_argument("--partial", action="store_true", default=None,
                    help="partial rollouts: over-sample groups, end when one epoch's groups are complete, "
@@ -68,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 FLAGS = tuple((a, a) for a in ("trace", "policy", "floor", "tailguard", "objective", "backend", "ranks", "model",
-                               "check_every", "lease", "migrate", "kv")) + (("partial", "partial.enabled"),)
+                               "check_every", "lease", "migrate", "kv", "max_batch")) \
+    + (("partial", "partial.enabled"),)
 
 
 def resolve_simulate(args):
@@ -104,7 +108,7 @@ def _setup(c):
     except TraceError as e:
         raise FlexFloorError(str(e)) from None
     return trace, epochs, c.shape, c.cost, SimConfig(check_every=c.check_every, lease=c.lease, kv=c.kv,
-                                                      kv_page_size=c.kv_page_size)
+                                                      kv_page_size=c.kv_page_size, max_batch=c.max_batch)
 
 
 def run(args) -> int:

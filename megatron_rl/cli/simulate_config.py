@@ -36,6 +36,9 @@ class SimulateConfig:
     # `paged` (pages of kv_page_size positions), each request as its rank's KV budget has room.
     kv: Literal[KV_KINDS] = "tokens"
     kv_page_size: int = 16
+    # Requests one rank decodes at once, the rest waiting first come first served, under any `kv`
+    # (the engine's max_batch_per_rank, e.g. 64); None: no cap.
+    max_batch: int | None = None
     partial: PartialConfig = field(default_factory=PartialConfig)  # partial rollouts (elastic/sim/partial.py)
 
     def __post_init__(self):
@@ -55,6 +58,8 @@ class SimulateConfig:
         require(self.check_every >= 1, f"check_every: expected >= 1, got {self.check_every}")
         require(self.migrate >= 0, f"migrate: expected >= 0, got {self.migrate}")
         require(self.kv_page_size >= 1, f"kv_page_size: expected >= 1, got {self.kv_page_size}")
+        require(self.max_batch is None or self.max_batch >= 1,
+                f"max_batch: expected >= 1 or null (no cap), got {self.max_batch}")
 
     @property
     def shape(self) -> ModelShape:

@@ -105,9 +105,10 @@ class _Budget:
         return self.positions
 
 
-@pytest.mark.parametrize("kind", ["slots", "tokens"])
-def test_slots_and_tokens_share_nothing(kind):
-    # Groups of 8 on 2 ranks, a budget that binds: the start steps are those of a batch with no groups.
+@pytest.mark.parametrize("kind, cap", [("slots", None), ("tokens", 5)])
+def test_slots_and_tokens_share_nothing(kind, cap):
+    # Groups of 8 on 2 ranks, a budget (under `tokens` a cap) that binds: the start steps are those
+    # of a batch with no groups.
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 600, 64)
     prompt = np.repeat(rng.integers(20, 200, 8), 8)
@@ -115,9 +116,10 @@ def test_slots_and_tokens_share_nothing(kind):
     groups = share_groups([(f"p{i // 8}", i % 8) for i in range(64)])
     shape, owned, budget = _Budget(3000), np.zeros(2), {0: 3000, 1: 3000}
     unit = KVUnit(kind, 16)
-    alone = admit(rank, length, unit.held(prompt, tokens, int(prompt.max() + tokens.max())), budget)
+    held = unit.held(prompt, tokens, int(prompt.max() + tokens.max()))
+    alone = admit(rank, length, held, budget if unit.queues else None, max_batch=cap)
     assert alone.max() > 0  # the budget binds
-    np.testing.assert_array_equal(start_steps(unit, shape, owned, rank, prompt, tokens, length, groups), alone)
+    np.testing.assert_array_equal(start_steps(unit, shape, owned, rank, prompt, tokens, length, groups, cap), alone)
     # The same batch under pages: its groups share, so requests start sooner, none later.
     alone = admit(rank, length, PAGED.held(prompt, tokens, 0), budget)
     shared = start_steps(PAGED, shape, owned, rank, prompt, tokens, length, groups)
@@ -154,3 +156,115 @@ def test_simulate_takes_the_admission_as_a_flag_and_the_page_size_as_an_override
     assert (c["kv"], c["kv_page_size"]) == ("paged", 32)
     assert main(["simulate", "--trace", str(tailed_trace), "kv_page_size=0", "--print-config"]) == 2
     assert "kv_page_size: expected >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_cap_delays_the_request_past_it_to_the_first_end():
+    # At most 2 at once and no budget: the third (ends 4 and 10 decoding) starts when the second
+    # ends at 4, the fourth when the first ends at 10; uncapped, all four start at the prefill.
+    rank, length, held = np.zeros(4, dtype=np.int64), np.array([10, 4, 7, 3]), np.full(4, 100)
+    assert admit(rank, length, held, None, max_batch=2).tolist() == [0, 0, 4, 10]
+    assert admit(rank, length, held, None).tolist() == [0, 0, 0, 0]
+    # Each rank counts its own: rank 1's two requests both start at the prefill.
+    assert admit(np.array([0, 1, 0, 1, 0]), np.array([5, 5, 5, 5, 5]), np.full(5, 1), None,
+                 max_batch=2).tolist() == [0, 0, 0, 0, 5]
+
+
+def test_the_cap_applies_on_top_of_the_kv_budget_and_the_shared_pages():
+    # Three samples of a group that fit 128 positions together (the shared case above): 2 at once,
+    # so the third waits for the first end (10) and, a later prefill, shares nothing.
+    assert _paged(["g", "g", "g"], [32, 32, 32], [10, 20, 5], 128) == [0, 0, 0]
+    groups, tokens, length = ["g", "g", "g"], np.full(3, 32), np.array([10, 20, 5])
+    prompt = np.full(3, 32)
+    held = PAGED.held(prompt, tokens, 0)
+    assert admit(np.zeros(3, dtype=np.int64), length, held, {0: 128}, groups, PAGED.shared(prompt),
+                 max_batch=2).tolist() == [0, 0, 10]
+    # Where the budget binds first (three prompts, 64 each in 128), the cap of 2 adds nothing; a cap
+    # of 1 delays each to the end of the one before.
+    apart = (np.zeros(3, dtype=np.int64), length, np.full(3, 64), {0: 128})
+    assert admit(*apart, max_batch=2).tolist() == admit(*apart).tolist() == [0, 0, 10]
+    assert admit(*apart, max_batch=1).tolist() == [0, 10, 30]
+
+
+def test_under_tokens_only_a_cap_binds():
+    # A budget of 10 positions that every request exceeds: `tokens` admits them all at the prefill
+    # (no budget), and with a cap only as slots free.
+    rank, prompt, tokens = np.zeros(3, dtype=np.int64), np.full(3, 50), np.array([20, 30, 40])
+    args = (KVUnit("tokens"), _Budget(10), np.zeros(1), rank, prompt, tokens, tokens - 1, ["a", "b", "c"])
+    assert start_steps(*args).tolist() == [0, 0, 0]
+    assert start_steps(*args, max_batch=1).tolist() == [0, 19, 48]
+
+
+def _capped_trace():
+    # 4 ranks of 64 responses of about 2,000 tokens (as above).
+    return generate(preset("deepscaler", prompts=32, samples=8, epochs=2), seed=0)
+
+
+@pytest.mark.parametrize("kv", ["tokens", "slots", "paged"])
+def test_the_simulator_decodes_at_most_max_batch_requests_at_once(kv):
+    from elastic.sim.admission import peak_concurrent
+    from elastic.sim.replay import make_policy_plan, make_policy_rule
+    from elastic.sim.simulate import _Rollout
+
+    trace, cost, shape = _capped_trace(), DEFAULT_COST, ModelShape()
+    run = {cap: simulate_trace(trace, Policy("vanilla", 4), ranks=4, cost=cost, shape=shape,
+                               config=SimConfig(kv=kv, max_batch=cap)).summary() for cap in (None, 16)}
+    assert run[16]["kv"]["peak_concurrent_per_rank"] == run[16]["kv"]["max_batch"] == 16
+    assert run[16]["rollout_time_s"] > run[None]["rollout_time_s"]
+    assert run[16]["response_tokens"] == run[None]["response_tokens"]
+    # The online rule's moves respect the receivers' slots: the cap holds after them as well.
+    config, batch = SimConfig(kv=kv, max_batch=16), trace.epoch(1)
+    plan = make_policy_plan(Policy("adaptive", 2), batch, trace.before(1), ranks=4, shape=shape, cost=cost,
+                            kv=config.unit)
+    rule = make_policy_rule(Policy("adaptive", 2), plan, batch, trace.before(1), shape=shape, cost=cost,
+                            config=config)
+    assert rule.max_batch == 16
+    sim = _Rollout(plan, batch, cost, shape, config)
+    res = sim.run(rule)
+    assert res.migrated > 0 and max(peak_concurrent(sim.at.live)) <= 16
+
+
+@pytest.mark.parametrize("kv", ["tokens", "slots", "paged"])
+def test_a_cap_that_never_binds_changes_nothing_but_the_kv_block(kv):
+    trace = _capped_trace()
+    run = {cap: simulate_trace(trace, Policy("adaptive", 2), ranks=4, cost=DEFAULT_COST, shape=ModelShape(),
+                               config=SimConfig(kv=kv, max_batch=cap)).summary() for cap in (None, 256)}
+    kv_block = run[256].pop("kv")
+    assert kv_block["max_batch"] == 256 > kv_block["peak_concurrent_per_rank"]
+    assert run[None].pop("kv", None) in (None, {k: v for k, v in kv_block.items() if k != "max_batch"})
+    assert run[256] == run[None]
+
+
+def test_simulate_takes_the_cap_as_a_flag_or_an_override_and_names_it(capsys, tailed_trace):
+    import yaml
+
+    from megatron_rl.cli import main
+
+    assert main(["simulate", "--trace", str(tailed_trace), "--max-batch", "8", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["max_batch"] == 8
+    assert main(["simulate", "--trace", str(tailed_trace), "max_batch=0", "--print-config"]) == 2
+    assert "max_batch: expected >= 1 or null (no cap), got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_batch: expected >= 1 or None"):
+        SimConfig(max_batch=0)
+    assert main(["simulate", "--trace", str(tailed_trace), "--ranks", "4", "max_batch=2"]) == 0
+    out = capsys.readouterr().out
+    assert "KV admission: at most 2 requests decoding at once per rank" in out and "cap max_batch=2" in out
+    assert main(["simulate", "--trace", str(tailed_trace), "--ranks", "4"]) == 0
+    assert "KV admission" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kv", ["tokens", "paged"])
+def test_straggler_migration_moves_only_onto_a_free_slot(kv):
+    from elastic.sim.admission import peak_concurrent
+    from elastic.sim.replay import make_policy_plan
+    from elastic.sim.simulate import _Rollout
+
+    trace, shape = _capped_trace(), ModelShape()
+    batch = trace.epoch(1)
+    plan = make_policy_plan(Policy("planned", 2), batch, trace.before(1), ranks=4, shape=shape, cost=DEFAULT_COST,
+                            kv=KVUnit(kv, 16))
+    moved = {}
+    for cap in (16, 24):
+        sim = _Rollout(plan, batch, DEFAULT_COST, shape, SimConfig(kv=kv, max_batch=cap, migrate_max=16))
+        moved[cap] = sim.run().migrated
+        assert max(peak_concurrent(sim.at.live)) <= cap
+    assert moved[24] > 0 == moved[16]  # at 16 every resident's slots are full
