@@ -14,12 +14,12 @@ import numpy as np
 
 from elastic.planning import layout as layouts
 from elastic.planning.chain_estimate import ChainTimeline, rank_drain_steps
+from elastic.planning.choices import OBJECTIVES
 from elastic.planning.kv import RankKV
 from elastic.planning.plan import Plan, PlanError
-from elastic.planning.policies import OBJECTIVES
 from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
 
-# How chains are compared (smaller first), for each of `policies.OBJECTIVES`. `occupied`: fewest
+# How chains are compared (smaller first), for each of `choices.OBJECTIVES`. `occupied`: fewest
 # occupied rank-seconds, the largest release area net of lengthening (capacity-oriented);
 # `rollout`: shortest rollout, then the largest release area (latency-oriented). Ties go to the
 # larger release area.
@@ -30,7 +30,7 @@ _OBJECTIVE_KEYS = {
 
 
 def objective_key(objective: str):
-    """The sort key of scored chains under `objective` (one of `policies.OBJECTIVES`)."""
+    """The sort key of scored chains under `objective` (one of `choices.OBJECTIVES`)."""
     if objective not in _OBJECTIVE_KEYS:
         raise PlanError(f"objective: expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
     return _OBJECTIVE_KEYS[objective]

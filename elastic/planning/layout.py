@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from elastic.planning.choices import LAYOUTS
 from elastic.planning.kv import RankKV
 from elastic.planning.plan import Assignment, PlanError
-from elastic.planning.policies import LAYOUTS
 
 
 def natural(batch: Sequence[tuple[str, int]], ranks: int) -> list[Assignment]:

@@ -8,8 +8,8 @@ all ask the `PolicyKind` of a name, so the two cannot drift apart.
   ladder of stages needs `balanced` expert ownership (the torch backend);
 - `oracle` (simulator only): planned on the true lengths, a bound beside the policies.
 
-The planner and the online rule are imported where a plan is made, so that reading a policy's,
-a layout's or an objective's name (`flexfloor --help`, a config's check) imports no numpy.
+The planner and the online rule are imported where a plan is made, so that reading a policy's
+name (`flexfloor --help`, a config's check) imports no numpy.
 """
 from __future__ import annotations
 
@@ -19,10 +19,6 @@ from elastic.planning.dims import OWNERSHIPS, ParallelDims
 
 POLICIES = ("vanilla", "lengthsort", "natural", "planned", "adaptive")
 SIM_POLICIES = ("vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive")
-# The planner's layouts (each defined in layout.py: `layout_kind`) and chain objectives (each
-# defined in chain_search.py: `objective_key`), named here for the CLIs' choices and configs.
-LAYOUTS = ("natural", "lengthsort", "planned")
-OBJECTIVES = ("occupied", "rollout")
 
 
 class PolicyError(ValueError):

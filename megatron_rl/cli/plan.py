@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-from elastic.planning.policies import LAYOUTS, OBJECTIVES
+from elastic.planning.choices import LAYOUTS, OBJECTIVES
 from elastic.planning.shape import QWEN3_30B_A3B_H100
 from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require, require_seed

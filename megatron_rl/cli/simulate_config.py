@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from elastic.planning.choices import OBJECTIVES
 from elastic.planning.kv_unit import KV_KINDS
-from elastic.planning.policies import OBJECTIVES, SIM_POLICIES
+from elastic.planning.policies import SIM_POLICIES
 from elastic.planning.shape import SHAPES, ModelShape
 from elastic.sim.costmodel import CostModel
 from megatron_rl.backend_rules import BACKENDS
