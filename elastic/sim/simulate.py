@@ -73,9 +73,10 @@ class SimConfig:
             raise ValueError(f"lease_start_s: expected >= 0, got {self.lease_start_s}")
         if self.migrate_max < 0:
             raise ValueError(f"migrate_max: expected >= 0, got {self.migrate_max}")
-        if self.kv not in KV_KINDS or self.kv_page_size < 1:
-            raise ValueError(f"kv: expected one of {', '.join(KV_KINDS)} and kv_page_size >= 1, "
-                             f"got {self.kv!r}, {self.kv_page_size}")
+        if self.kv not in KV_KINDS:
+            raise ValueError(f"kv: expected one of {', '.join(KV_KINDS)}, got {self.kv!r}")
+        if self.kv_page_size < 1:
+            raise ValueError(f"kv_page_size: expected >= 1, got {self.kv_page_size}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"max_batch: expected >= 1 or None (no cap), got {self.max_batch}")
 

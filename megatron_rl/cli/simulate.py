@@ -92,7 +92,6 @@ def resolve_simulate(args):
 
 
 def _setup(c):
-    from elastic.sim.simulate import SimConfig
     from elastic.trace import TraceError, read_trace
 
     try:
@@ -108,8 +107,7 @@ def _setup(c):
             epochs = rollout_epochs(trace)
     except TraceError as e:
         raise FlexFloorError(str(e)) from None
-    return trace, epochs, c.shape, c.cost, SimConfig(check_every=c.check_every, lease=c.lease, kv=c.kv,
-                                                      kv_page_size=c.kv_page_size, max_batch=c.max_batch)
+    return trace, epochs, c.shape, c.cost, c.sim
 
 
 def run(args) -> int:

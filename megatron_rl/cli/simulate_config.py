@@ -12,6 +12,7 @@ from elastic.planning.kv_unit import KV_KINDS
 from elastic.planning.policies import SIM_POLICIES
 from elastic.planning.shape import SHAPES, ModelShape
 from elastic.sim.costmodel import CostModel
+from elastic.sim.simulate import SimConfig
 from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require
 from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
@@ -56,11 +57,16 @@ class SimulateConfig:
         self.dims = parallel_dims(self.ranks, self.shape.num_experts, self.backend,
                                   f"the experts of {self.shape.name}", even=False)
         require_policy(self.policy, self.backend)
-        require(self.check_every >= 1, f"check_every: expected >= 1, got {self.check_every}")
         require(self.migrate >= 0, f"migrate: expected >= 0, got {self.migrate}")
-        require(self.kv_page_size >= 1, f"kv_page_size: expected >= 1, got {self.kv_page_size}")
+        # Said here in the YAML's words (null); `SimConfig` checks it for Python callers (None).
         require(self.max_batch is None or self.max_batch >= 1,
                 f"max_batch: expected >= 1 or null (no cap), got {self.max_batch}")
+        # The simulator's own settings, built once and checked by `SimConfig` (not a field either).
+        try:
+            self.sim = SimConfig(check_every=self.check_every, lease=self.lease, kv=self.kv,
+                                 kv_page_size=self.kv_page_size, max_batch=self.max_batch)
+        except ValueError as e:
+            require(False, str(e))
 
     @property
     def shape(self) -> ModelShape:
