@@ -97,7 +97,7 @@ class PolicyKind:
         return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, **rule_options)
 
 
-_KINDS = {k.name: k for k in (
+_POLICY_KINDS = {k.name: k for k in (
     PolicyKind("vanilla", None, shrinks=False),
     PolicyKind("lengthsort", "lengthsort", shrinks=False),
     PolicyKind("natural", "natural", shrinks=True),
@@ -109,6 +109,6 @@ _KINDS = {k.name: k for k in (
 
 def policy_kind(name: str) -> PolicyKind:
     """The policy `name` (one of `SIM_POLICIES`)."""
-    if name not in _KINDS:
+    if name not in _POLICY_KINDS:
         raise PolicyError(f"policy: expected one of {', '.join(SIM_POLICIES)}, got {name!r}")
-    return _KINDS[name]
+    return _POLICY_KINDS[name]

@@ -36,7 +36,8 @@ from elastic.planning.partial import conditioned
 from elastic.planning.predict import LengthDist, Predictor, log_norm_sf, norm_ppf_array
 from elastic.trace import Trace
 
-GRID = np.linspace(-4.0, 4.0, 33)
+# Values of a GRPO group's shared effect (in standard deviations) its posterior is computed on.
+EFFECT_GRID = np.linspace(-4.0, 4.0, 33)
 # Residual scale of a response whose predictive distribution has no spread (an empty history puts
 # every response at the cap): small, so its prediction stands until its tokens say otherwise.
 _MIN_SD = 1e-3
@@ -127,8 +128,8 @@ class OnlineModel:
             self.group = np.arange(len(dists), dtype=np.int64)
             icc = 0.0
         self.groups = int(self.group.max()) + 1 if len(self.group) else 0
-        self.b = math.sqrt(icc) * fit.scale * GRID  # grid of the shared effect, in z units
-        log_prior = -0.5 * GRID**2
+        self.b = math.sqrt(icc) * fit.scale * EFFECT_GRID  # grid of the shared effect, in z units
+        log_prior = -0.5 * EFFECT_GRID**2
         self.log_prior = log_prior - log_prior.max()
         self.noise = math.sqrt(max(1.0 - icc, 1e-6)) * fit.scale
 
