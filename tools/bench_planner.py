@@ -6,7 +6,7 @@ Each policy is planned `--repeat` times on epoch 5 of the DeepScaleR-like preset
 samples, five epochs of history) and the best and median wall times are printed beside the 1 s
 budget. `--large` adds a 256-rank, 16,384-response plan (the simulator's scale). `--quality` replays
 every policy's plans on the true lengths of epochs 1-5 of each preset with the planner's own coarse
-estimate (`elastic.planning.chain_estimate.replay`, default `ShapeCost`) and prints rollout time and occupied and
+estimate (`elastic.planning.chains.estimate.replay`, default `ShapeCost`) and prints rollout time and occupied and
 detached rank-seconds against vanilla, side by side. The simulator (`flexfloor simulate`) is the
 decode-step-granular judge; this table only shows what the planner believes it is optimising.
 """
@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from elastic.planning.chain_estimate import replay
+from elastic.planning.chains.estimate import replay
 from elastic.planning.dims import ParallelDims
-from elastic.planning.guard import TailGuard
+from elastic.planning.lengths.guard import TailGuard
+from elastic.planning.lengths.predict import Predictor
 from elastic.planning.planner import plan_epoch
-from elastic.planning.predict import Predictor
 from elastic.planning.shape import ModelShape
 from elastic.planning.step_cost import ShapeCost
 from elastic.sim.synth import generate, preset

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from elastic.planning.choices import LAYOUTS
-from elastic.planning.kv import RankKV
+from elastic.planning.memory.kv import RankKV
 from elastic.planning.plan import Assignment, PlanError
 
 

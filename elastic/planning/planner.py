@@ -12,7 +12,7 @@ Order of decisions (each step documented in its own module):
 4. for every quorum chain from W down to at least the floor (`schedule.chains`), build its stages,
    the per-rank KV budgets at the tightest stage each rank belongs to, and the layout under those
    budgets (`natural` and `lengthsort` place once and only check); drop chains whose layout cannot
-   fit; price the rest over samples of the predictive distribution (`chain_estimate.ChainTimeline`) and keep
+   fit; price the rest over samples of the predictive distribution (`chains.estimate.ChainTimeline`) and keep
    the one with the fewest occupied rank-seconds (the largest release area net of lengthening;
    `objective="rollout"` keeps the shortest predicted rollout instead);
 5. with a `blocks` layout (`dims.ownership`, the megatron backend) every stage is megatron-core's contiguous
@@ -33,15 +33,15 @@ from typing import Protocol
 
 import numpy as np
 
-from elastic.planning.chain_search import ChainSearch, objective_key
+from elastic.planning.chains.search import ChainSearch, objective_key
 from elastic.planning.dims import LayoutError, ParallelDims
-from elastic.planning.guard import TailGuard, reserves
-from elastic.planning.kv import Demand
-from elastic.planning.kv_unit import share_groups
 from elastic.planning.layout import layout_kind
-from elastic.planning.partial import conditioned
+from elastic.planning.lengths.guard import TailGuard, reserves
+from elastic.planning.lengths.predict import LengthDist, Predictor
+from elastic.planning.lengths.remaining import conditioned
+from elastic.planning.memory.kv import Demand
+from elastic.planning.memory.kv_unit import share_groups
 from elastic.planning.plan import Assignment, Plan, PlanError
-from elastic.planning.predict import LengthDist, Predictor
 from elastic.planning.shape import MemoryBudget, ModelShape
 from elastic.planning.step_cost import FixedCost, ShapeCost, StepCost
 from elastic.trace import Trace
@@ -76,7 +76,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
     memory every check prices weights, experts and KV against (default: `shape.budget`).
     `known_prefix`: the tokens so far of responses carried over from an earlier rollout (partial
     rollouts); their `prompt_len` counts those tokens (they are re-prefilled), and they are planned
-    by what is left of them (`partial.conditioned`: the length given it exceeds the tokens so far).
+    by what is left of them (`lengths.remaining.conditioned`: the length given it exceeds the tokens so far).
     """
     _validate(batch, dims, floor, shape, layout, alpha, objective)
     ranks = dims.world

@@ -58,7 +58,7 @@ class PolicyKind:
              ladder_always: bool = False, **planner):
         """The plan of one rollout of `batch` on `dims` (`planner.make_plan`'s `planner` options);
         `oracle` plans on the true lengths (`response_len`) whatever the policy. An online policy's
-        plan is the ladder of every candidate stage (`ladder.ladder_plan`); where the offline plan
+        plan is the ladder of every candidate stage (`online.ladder.ladder_plan`); where the offline plan
         keeps every rank a rank rollout takes the vanilla path instead (no ladder, no online rule),
         while the simulator, `ladder_always`, still ladders it."""
         from elastic.planning.layout import natural
@@ -67,7 +67,7 @@ class PolicyKind:
         if not self.uses_planner:
             keys = [(b.prompt_id, b.sample) for b in batch]
             return static_plan("natural", natural(keys, dims.world), dims.world, dims.experts)
-        from elastic.planning.ladder import ladder_plan
+        from elastic.planning.online.ladder import ladder_plan
         from elastic.planning.planner import make_plan
 
         self.check_ownership(dims.ownership)
@@ -81,14 +81,14 @@ class PolicyKind:
 
     def rule(self, plan, batch, history, *, cost, shape, options, max_response_len: int | None = None,
              known_prefix: dict | None = None, **rule_options):
-        """The online rule of a laddered plan (`replan.OnlineRule`, `rule_options` its own), or None:
+        """The online rule of a laddered plan (`online.rule.OnlineRule`, `rule_options` its own), or None:
         the other policies follow `Plan.advance`. `batch` in the order the rule indexes responses;
         `options` (`online.OnlineOptions`) the evidence it uses; `max_response_len` bounds lengths
         when the plan's predictor learnt no cap."""
         if not self.online or "ladder" not in plan.meta:
             return None
-        from elastic.planning.remaining import online_model
-        from elastic.planning.replan import OnlineRule
+        from elastic.planning.lengths.remaining import online_model
+        from elastic.planning.online.rule import OnlineRule
 
         predictor = plan.meta["predictor"]  # "oracle" when started from the true-length plan
         cap = predictor["cap"] if isinstance(predictor, dict) else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit
 
 GiB = 1024**3
 

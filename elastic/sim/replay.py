@@ -5,7 +5,7 @@ By default every epoch of the trace that has an earlier epoch is one rollout (it
 earlier epoch, `Trace.before`). `vanilla` is verl's placement with nobody leaving and needs no
 planner; every other policy is `elastic.planning.planner.make_plan` with the layout it names, and `oracle` is
 the planned layout given the true lengths (the bound a predictor could reach). A policy's
-`objective` is the planner's chain criterion (`elastic.planning.chain_search.objective_key`): `occupied`, the
+`objective` is the planner's chain criterion (`elastic.planning.chains.search.objective_key`): `occupied`, the
 capacity-oriented default (fewest occupied rank-seconds), or `rollout`, the latency-oriented one
 (shortest predicted rollout). It only matters where the group may shrink (natural, planned, oracle).
 A policy's `ownership` is the planner's (`elastic.planning.dims.OWNERSHIPS`): `blocks` simulates
@@ -16,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from elastic.ledger import STATES, Ledger, RankLedger
-from elastic.planning.chain_search import objective_key
+from elastic.planning.chains.search import objective_key
 from elastic.planning.dims import OWNERSHIPS, ParallelDims
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.lengths.remaining import OnlineOptions
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit
+from elastic.planning.online.rule import OnlineRule
 from elastic.planning.plan import Plan
 from elastic.planning.policies import SIM_POLICIES as POLICIES
 from elastic.planning.policies import PolicyKind, policy_kind
-from elastic.planning.remaining import OnlineOptions
-from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.simulate import SimConfig, SimulatedRollout, simulate_rollout

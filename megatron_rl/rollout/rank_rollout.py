@@ -47,7 +47,7 @@ class RankRollout:
     # elastic engine runs (`Backend.elastic_engine`).
     backend: Any
     transport: str = "direct"  # `elastic.runtime.transport.TRANSPORTS`
-    rule: Any = None  # `adaptive`: the online rule (`elastic.planning.replan.OnlineRule`)
+    rule: Any = None  # `adaptive`: the online rule (`elastic.planning.online.rule.OnlineRule`)
     # Run tokens per trace token (a trace replayed at a length scale); the plan and rule reason in
     # trace tokens.
     token_scale: float = 1.0

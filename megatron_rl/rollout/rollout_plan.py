@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from elastic.planning.dims import ParallelDims
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit
 from elastic.planning.plan import Plan
 from elastic.planning.policies import PolicyError, policy_kind
 from elastic.planning.shape import MemoryBudget, ModelShape
@@ -137,7 +137,7 @@ def online_rule(plan: Plan, batch, history, *, policy: str, shape: ModelShape, s
     lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
     when the objective's occupied rank-seconds say it pays. `kv`: how the run's KV cache holds a
     request (the memory budget's), what the rule checks its moves' receivers in."""
-    from elastic.planning.remaining import OnlineOptions
+    from elastic.planning.lengths.remaining import OnlineOptions
 
     rule = policy_kind(policy).rule(plan, batch, history, cost=engine_cost(length_scale), shape=shape,
                                     options=OnlineOptions(migrate=migrate), max_response_len=max_response_len,

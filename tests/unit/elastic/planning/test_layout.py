@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.planning.kv_unit import KVUnit
+from elastic.planning.chains.schedule import contiguous_owners, held_counts
 from elastic.planning.layout import LAYOUTS, layout_kind, natural
+from elastic.planning.memory.kv_unit import KVUnit
 from elastic.planning.plan import PlanError
 from elastic.planning.planner import make_plan
-from elastic.planning.schedule import contiguous_owners, held_counts
 from elastic.planning.shape import ModelShape
 from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from elastic.planning.chains.schedule import build_stages, candidate_sizes, chains
 from elastic.planning.dims import LayoutError, ParallelDims, block_owners
 from elastic.planning.plan import Plan, PlanError
 from elastic.planning.planner import make_plan
-from elastic.planning.schedule import build_stages, candidate_sizes, chains
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, simulate_trace

@@ -5,9 +5,9 @@ access; planning epoch E must still work, and give the same plan as with the rea
 """
 import pytest
 
-from elastic.planning.guard import TailGuard
+from elastic.planning.lengths.guard import TailGuard
+from elastic.planning.lengths.predict import Predictor
 from elastic.planning.planner import plan_epoch
-from elastic.planning.predict import Predictor
 from elastic.planning.shape import ModelShape
 from elastic.trace import Trace, TraceRecord
 from tests.helpers.plans import planned_dims

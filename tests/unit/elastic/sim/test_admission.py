@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from elastic.planning.kv_unit import KVUnit, share_groups
+from elastic.planning.memory.kv_unit import KVUnit, share_groups
 from elastic.planning.shape import ModelShape
 from elastic.sim.admission import admit, start_steps
 from elastic.sim.costmodel import DEFAULT_COST

@@ -1,9 +1,9 @@
 """Partial rollouts in the planner and the simulator (elastic/sim/partial.py): a resumed response is
 planned by what is left of it, and over a trace nothing is dropped, carried responses resume, and
 adaptive + partial carries exactly what partial alone carries (the end rule counts steps)."""
+from elastic.planning.lengths.predict import Predictor
 from elastic.planning.partial import PartialRule
 from elastic.planning.planner import make_plan
-from elastic.planning.predict import Predictor
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.partial import simulate_partial

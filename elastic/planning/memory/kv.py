@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from elastic.planning.kv_unit import TOKENS, KVUnit, slot_len
-from elastic.planning.predict import LengthDist, norm_ppf
+from elastic.planning.lengths.predict import LengthDist, norm_ppf
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit, slot_len
 
 # Points of the step grid the demand curves are evaluated on (geometric, from one step to the longest).
 DEMAND_POINTS = 40

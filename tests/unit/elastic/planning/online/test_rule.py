@@ -5,15 +5,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.planning.kv_unit import KVUnit
-from elastic.planning.ladder import ladder_plan
+from elastic.planning.chains.schedule import FINE_SPAN, MAX_CANDIDATES, build_stages
 from elastic.planning.layout import natural
+from elastic.planning.lengths.predict import LengthDist
+from elastic.planning.lengths.remaining import OnlineModel, OnlineOptions, SiblingFit
+from elastic.planning.memory.kv_unit import KVUnit
+from elastic.planning.online.ladder import ladder_plan
+from elastic.planning.online.place import Decision, check_decision, place
+from elastic.planning.online.rule import OnlineRule
 from elastic.planning.plan import Plan
-from elastic.planning.predict import LengthDist
-from elastic.planning.remaining import OnlineModel, OnlineOptions, SiblingFit
-from elastic.planning.replan import OnlineRule
-from elastic.planning.replan_place import Decision, check_decision, place
-from elastic.planning.schedule import FINE_SPAN, MAX_CANDIDATES, build_stages
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, simulate_trace

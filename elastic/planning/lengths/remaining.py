@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic.planning.partial import conditioned
-from elastic.planning.predict import LengthDist, Predictor, log_norm_sf, norm_ppf_array
+from elastic.planning.lengths.predict import LengthDist, Predictor, log_norm_sf, norm_ppf, norm_ppf_array
 from elastic.trace import Trace
 
 # Values of a GRPO group's shared effect (in standard deviations) its posterior is computed on.
@@ -192,10 +191,33 @@ def online_model(batch: Sequence, history: Trace, cap: int | None,
 
     `known_prefix`: tokens so far of responses resumed from an earlier rollout (partial rollouts);
     their tokens in this rollout count from 0, so each is modelled by what is left of it
-    (`partial.conditioned`), and conditioning on this rollout's tokens then continues from there."""
+    (`conditioned`), and conditioning on this rollout's tokens then continues from there."""
     pred = Predictor(history, cap=cap)
     fit = SiblingFit.fit(history, cap=pred.cap) if not pred.empty else SiblingFit.neutral()
     dists = pred.predict_batch(batch)
     if known_prefix:
         dists = [conditioned(d, known_prefix.get((b.prompt_id, b.sample), 0)) for d, b in zip(dists, batch)]
     return OnlineModel(dists, [b.prompt_id for b in batch], fit, options)
+
+
+def conditioned(dist: LengthDist, tokens: int) -> LengthDist:
+    """The distribution of the remaining length R = L - tokens of a response with `tokens` so far,
+    given L > tokens (`OnlineModel.sample_remaining`'s conditioning),
+    summarised as a `LengthDist` with the same median and 90% quantile (so every planner check
+    that reads a `LengthDist` prices what is left). The cap becomes the tokens still allowed."""
+    if tokens <= 0:
+        return dist
+    cap = None if dist.cap is None else max(int(dist.cap) - tokens, 1)
+    if dist.sd <= 0:
+        return LengthDist(math.log1p(max(math.expm1(dist.mu) - tokens, 1.0)), 0.0, cap, dist.seen)
+    # Upper-tail levels of L | L > tokens: P(L > q_p | L > t) = 1 - p, i.e. Q(z_p) = S(t) (1 - p).
+    log_s = float(log_norm_sf(np.array([(math.log1p(tokens + 0.5) - dist.mu) / dist.sd]))[0])
+    levels = np.exp(log_s + np.log([0.5, 0.1]))
+    z = -norm_ppf_array(np.maximum(levels, 1e-300))
+    length = np.expm1(dist.mu + dist.sd * z)
+    if dist.cap is not None:
+        length = np.minimum(length, dist.cap)
+    rem = np.maximum(length - tokens, 1.0)
+    mu = math.log1p(rem[0])
+    sd = max((math.log1p(rem[1]) - mu) / norm_ppf(0.9), 0.0)
+    return LengthDist(mu, sd, cap, dist.seen)

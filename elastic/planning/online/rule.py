@@ -1,7 +1,7 @@
 """Online re-planning: the decision rule the runtime and the simulator both run at every status check.
 
 The rule chooses among the stages of a laddered plan (`ladder.ladder_plan`: every candidate group
-size, nested, each owning every expert), and prices its scenarios with `replan_price.Prices`.
+size, nested, each owning every expert), and prices its scenarios with `online.price.Prices`.
 
 `OnlineRule.decide` looks at the live state (which rank holds which response, tokens so far, which
 finished) and chooses the stage to be in, never going back up. A shrink to stage j makes the ranks
@@ -13,7 +13,7 @@ busiest member's live batch, so a scenario "stay in the current group until step
 costs its steps at each group's price, plus the shrink (`shrink_s`), the KV moved (`migrate_s`)
 and the restore it commits to. The rule acts only when shrinking now beats every later shrink it
 prices (D = one check, then doubling) and staying, under the same objective as `make_plan`
-(`chain_search.objective_key`: fewest occupied rank-seconds, or the shortest rollout), and, with
+(`chains.search.objective_key`: fewest occupied rank-seconds, or the shortest rollout), and, with
 `max_slowdown`, only within the time it may spend (`LatencyGuard.bound`: what the rollout has gained
 on vanilla so far, priced on both clocks, plus the margin). Between shrinks it rebalances: live
 requests move inside the group so the KV its members hold over the next checks is even
@@ -26,16 +26,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from elastic.planning.chain_estimate import Estimate
-from elastic.planning.chain_search import objective_key
-from elastic.planning.kv_unit import TOKENS, KVUnit, slot_len
-from elastic.planning.latency_guard import LatencyGuard
+from elastic.planning.chains.estimate import Estimate
+from elastic.planning.chains.schedule import held_counts
+from elastic.planning.chains.search import objective_key
+from elastic.planning.lengths.remaining import OnlineModel
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit, slot_len
+from elastic.planning.online.grid import Grid, batch_context
+from elastic.planning.online.latency_guard import LatencyGuard
+from elastic.planning.online.place import Decision, deal, place
+from elastic.planning.online.price import Prices, migrate_s
 from elastic.planning.plan import Plan
-from elastic.planning.remaining import OnlineModel
-from elastic.planning.replan_grid import Grid, batch_context
-from elastic.planning.replan_place import Decision, deal, place
-from elastic.planning.replan_price import Prices, migrate_s
-from elastic.planning.schedule import held_counts
 from elastic.planning.shape import ModelShape
 from elastic.planning.step_cost import StepCost
 
@@ -168,7 +168,7 @@ class OnlineRule:
 
     def _price(self, stage: int, targets: list[int], grid: Grid) -> list[int]:
         """The targets to shrink to now, best first, or none when staying (perhaps to shrink later)
-        is best. The leaving ranks' requests are dealt to the members that stay (`replan_place.deal`) and every
+        is best. The leaving ranks' requests are dealt to the members that stay (`online.place.deal`) and every
         option is priced per sample at its busiest member: spread evenly instead, a large shrink
         looked faster than it ran (the busiest of 64 members holding 250 requests each is some 15%
         above their mean)."""

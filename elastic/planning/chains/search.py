@@ -3,8 +3,8 @@ chain of group sizes (W down to the floor) to run, and under which layout.
 
 Apart from planner.py because it is the planner's one combinatorial step: `make_plan` decides the
 inputs (predicted lengths, KV demand, the floor the memory allows), `ChainSearch` prices chains
-against them (`chain_estimate.ChainTimeline`) and keeps the best by an objective (`objective_key`),
-which the online rule (`replan.OnlineRule`) and the simulator's policies compare by as well.
+against them (`chains.estimate.ChainTimeline`) and keeps the best by an objective (`objective_key`),
+which the online rule (`online.rule.OnlineRule`) and the simulator's policies compare by as well.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import math
 import numpy as np
 
 from elastic.planning import layout as layouts
-from elastic.planning.chain_estimate import ChainTimeline, rank_drain_steps
+from elastic.planning.chains.estimate import ChainTimeline, rank_drain_steps
+from elastic.planning.chains.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.planning.choices import OBJECTIVES
-from elastic.planning.kv import RankKV
+from elastic.planning.memory.kv import RankKV
 from elastic.planning.plan import Plan, PlanError
-from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
 
 # How chains are compared (smaller first), for each of `choices.OBJECTIVES`. `occupied`: fewest
 # occupied rank-seconds, the largest release area net of lengthening (capacity-oriented);

@@ -1,4 +1,4 @@
-"""The ladder: the stages the online rule (`replan.OnlineRule`) may choose, fixed before the rollout.
+"""The ladder: the stages the online rule (`online.rule.OnlineRule`) may choose, fixed before the rollout.
 
 The offline plan (`make_plan`) is the starting point: its layout, and its order of leaving ranks.
 `ladder_plan` turns it into a plan whose stages are every candidate group size of that order
@@ -10,9 +10,9 @@ smaller ladder step, so every expert is owned in every stage whichever stage is 
 """
 from __future__ import annotations
 
+from elastic.planning.chains.schedule import build_stages, candidate_sizes
 from elastic.planning.dims import ParallelDims
 from elastic.planning.plan import Plan
-from elastic.planning.schedule import build_stages, candidate_sizes
 
 
 def leave_order(plan: Plan) -> list[int]:

@@ -5,11 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from elastic.planning.chain_estimate import replay
-from elastic.planning.dims import ParallelDims, block_owners
-from elastic.planning.plan import Assignment, Plan, PlanError
-from elastic.planning.planner import FixedCost, ShapeCost, make_plan, plan_epoch
-from elastic.planning.schedule import (
+from elastic.planning.chains.estimate import replay
+from elastic.planning.chains.schedule import (
     build_stages,
     candidate_sizes,
     chains,
@@ -17,6 +14,9 @@ from elastic.planning.schedule import (
     held_counts,
     shrink_owners,
 )
+from elastic.planning.dims import ParallelDims, block_owners
+from elastic.planning.plan import Assignment, Plan, PlanError
+from elastic.planning.planner import FixedCost, ShapeCost, make_plan, plan_epoch
 from elastic.planning.shape import ModelShape
 from elastic.sim.synth import generate, preset
 from tests.helpers.plans import planned_dims
