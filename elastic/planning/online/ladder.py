@@ -11,7 +11,7 @@ smaller ladder step, so every expert is owned in every stage whichever stage is 
 from __future__ import annotations
 
 from elastic.planning.chains.schedule import build_stages, candidate_sizes
-from elastic.planning.dims import ParallelDims
+from elastic.planning.dims import planned_dims
 from elastic.planning.plan import Plan
 
 
@@ -27,7 +27,7 @@ def leave_order(plan: Plan) -> list[int]:
 
 def ladder_plan(plan: Plan, floor: int) -> Plan:
     """`plan` with a stage for every candidate group size down to `floor`, in its leaving order."""
-    dims = ParallelDims(plan.ranks, plan.num_experts, even=False)  # a ladder's stages are `balanced`
+    dims = planned_dims(plan.ranks, plan.num_experts)  # a ladder's stages are `balanced`
     sizes = [plan.ranks] + (candidate_sizes(dims, floor) if floor < plan.ranks else [])
     stages = build_stages(sizes, plan.num_experts, leave_order(plan))
     meta = dict(plan.meta, ladder=sizes, offline_chain=[len(s.members) for s in plan.stages])

@@ -40,6 +40,10 @@ class LatencyGuard:
             b = max(int(count.max()), 1)
             self.clock[name] += steps * float(step_table(self.cost, np.array([b]), np.array([kv.max() / b]), g)[0])
 
+    def spend(self, seconds: float) -> None:
+        """Charge this rollout's clock what a decision's shrink and KV moves cost."""
+        self.clock["own"] += seconds
+
     def bound(self, fastest_s: float) -> float:
         """The longest remainder an option may be priced at, given the fastest option's: within
         `max_slowdown` of it, or within the deadline. The deadline is the earliest finish ever

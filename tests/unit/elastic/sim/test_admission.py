@@ -217,7 +217,7 @@ def test_the_simulator_decodes_at_most_max_batch_requests_at_once(kv):
                             kv=config.unit)
     rule = make_policy_rule(Policy("adaptive", 2), plan, batch, trace.before(1), shape=shape, cost=cost,
                             config=config)
-    assert rule.max_batch == 16
+    assert rule.config.max_batch == 16
     sim = _Rollout(plan, batch, cost, shape, config)
     res = sim.run(rule)
     assert res.migrated > 0 and max(peak_concurrent(sim.at.live)) <= 16
