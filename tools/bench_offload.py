@@ -75,7 +75,7 @@ def measure(params: int, device: str, reps: int) -> dict:
 
 
 def freed_30b(ranks: int = 16) -> dict:
-    from elastic.planning.memory.train_memory import training_memory
+    from elastic.planning.memory.train_memory import OptimizerSetup, training_memory
     from megatron_rl.config import load_dataclass
     from megatron_rl.rollout.memory import weight_bytes
     from megatron_rl.trainer_config import TrainerConfig
@@ -83,8 +83,9 @@ def freed_30b(ranks: int = 16) -> dict:
     cfg = load_dataclass(TrainerConfig, REPO / "examples" / "qwen3_30b_a3b_16xh100.yaml", {})
     dense, expert = weight_bytes(cfg.model, 1)
     kw = dict(dense_params=dense, expert_params_per_expert=expert, experts_held=cfg.model.num_moe_experts // ranks,
-              world=ranks, backend="torch", dtype_bytes=2, masters=True, activations=0)
-    return {s: training_memory(state=s, **kw).optimizer for s in ("replicated", "sharded", "offloaded")}
+              world=ranks, activations=0)
+    return {s: training_memory(setup=OptimizerSetup("torch", s, True, 2), **kw).optimizer
+            for s in ("replicated", "sharded", "offloaded")}
 
 
 def main(argv=None) -> int:

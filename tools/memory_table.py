@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from elastic.planning.memory.train_memory import activation_bytes, training_memory  # noqa: E402
+from elastic.planning.memory.train_memory import OptimizerSetup, activation_bytes, training_memory  # noqa: E402
 from elastic.planning.shape import MemoryBudget  # noqa: E402
 
 GB = 1e9
@@ -38,10 +38,9 @@ def rows(cfg, device_bytes: int) -> list[dict]:
     out = []
     for backend, state in [("torch", "replicated"), ("torch", "sharded"), ("torch", "offloaded"),
                            ("megatron", "sharded")]:
+        setup = OptimizerSetup(backend, state, dtype_bytes < 4 or state == "offloaded", dtype_bytes)
         mem = training_memory(dense_params=dense, expert_params_per_expert=expert, experts_held=held,
-                              world=world, backend=backend, state=state, dtype_bytes=dtype_bytes,
-                              masters=dtype_bytes < 4 or state == "offloaded", activations=acts,
-                              reference=cfg.grpo.kl_coef > 0)
+                              world=world, setup=setup, activations=acts, reference=cfg.grpo.kl_coef > 0)
         budget = MemoryBudget(device_bytes=device_bytes, dense_bytes=mem.dense_weights,
                               expert_bytes=expert * dtype_bytes, kv_bytes_per_token=kv_token,
                               resident_bytes=mem.resident, source="given")
