@@ -24,7 +24,7 @@ GiB = 1024**3
 @dataclass(frozen=True)
 class MemoryBudget:
     """One device's memory as the runtime knows it, in bytes: what every memory check of the
-    planner reads (`make_plan(budget=...)`; by default a shape's own, `ModelShape.budget`).
+    planner reads (`Platform.budget`; by default a shape's own, `ModelShape.budget`).
 
     The runtime builds it from the real model and device (megatron_rl/rollout/memory.py); the
     planner stays pure Python and only does arithmetic on it.
