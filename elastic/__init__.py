@@ -2,7 +2,7 @@
 
     trace.py, ledger.py  length traces and the rank-time ledger (pure data; everyone reads them)
     planning/            what the planner decides: prediction, TailGuard, layouts, quorum schedules,
-                         plans (pure Python over dataclasses, no torch, no dist)
+                         the online rule, plans (pure Python over dataclasses, no torch, no dist)
     runtime/             carrying a plan out on live ranks (torch.distributed) through an engine that
                          implements `elastic.runtime.interface.ElasticEngine`
     sim/                 the same plans on a cluster cost model (simulator, calibration, reports)

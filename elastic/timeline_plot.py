@@ -17,6 +17,7 @@ assert set(_MARK_STYLE) == set(MARKS)
 
 def plot_timelines(timelines: list[Timeline], path: str | Path) -> Path:
     """Write the timelines side by side (one panel each, one x axis) to `path`; returns it."""
+    # Deferred: matplotlib is optional and heavy, imported only when a plot is asked for.
     import matplotlib
 
     matplotlib.use("Agg")

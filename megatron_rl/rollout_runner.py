@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from elastic.planning.dims import ParallelDims
-from elastic.planning.guard import reserved_lengths
+from elastic.planning.lengths.guard import reserved_lengths
 from elastic.planning.plan import Plan
 from megatron_rl.backends import backend
 from megatron_rl.errors import FlexFloorError
@@ -148,7 +148,7 @@ class RolloutJob:
     requests: list[Request]  # in plan.assignments order
     plan: Plan
     out_dir: str | None
-    rule: object | None = None  # `adaptive`: the online rule (elastic.planning.replan.OnlineRule)
+    rule: object | None = None  # `adaptive`: the online rule (elastic.planning.online.rule.OnlineRule)
 
 
 def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None = None) -> RolloutJob:

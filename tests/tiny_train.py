@@ -27,7 +27,7 @@ def laddered(plan_fn):
     """`RolloutPhase.plan` with the ladder of stages down to one rank even where the offline plan
     keeps every rank (`adaptive` then takes the vanilla path, with no online rule): for tests of
     what the online rule does (moves, shrinks), not of when it pays."""
-    from elastic.planning.ladder import ladder_plan
+    from elastic.planning.online.ladder import ladder_plan
 
     def plan(*args, **kwargs):
         p = plan_fn(*args, **kwargs)

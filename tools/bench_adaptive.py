@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.planning.remaining import OnlineOptions
+from elastic.planning.lengths.remaining import OnlineOptions
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, make_policy_plan, make_policy_rule

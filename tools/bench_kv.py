@@ -7,7 +7,7 @@ Both engines get the same KV byte budget: `--budget-slots` sequences of the batc
 length (prompt + cap), which is exactly what the slot cache holds. The paged cache spends the same
 bytes on pages of `--page-size` positions and admits requests by their predicted length (the
 planner's per-response `--quantile` of its predictive length, from the trace's earlier epochs;
-`reserved_lengths` in elastic/planning/guard.py), keeping `--reserve` of the pages free and
+`reserved_lengths` in elastic/planning/lengths/guard.py), keeping `--reserve` of the pages free and
 preempting the newest request when the pool runs out. Requests replay the trace's last epoch: the
 response lengths times `--length-scale`, the prompts times `--prompt-scale` (random ids, one prompt
 per GRPO group).
@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
 
 def batch(args):
     """The requests (their predicted lengths set) and the longest sequence."""
-    from elastic.planning.guard import reserved_lengths
+    from elastic.planning.lengths.guard import reserved_lengths
     from elastic.sim.synth import generate, preset
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.rollout.batch import predicted_len, prompt_tokens, scaled_len, select_epoch

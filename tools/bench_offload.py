@@ -7,7 +7,7 @@ side by side on one slice of parameters, and the device bytes offload frees for 
 The slice is bf16 weights with fp32 gradients, stepped by `rl/zero.py`'s `ShardedOptimizer` on one
 rank (replicated vs offloaded). On a GPU it also measures the device bytes each optimizer's state
 holds (`torch.cuda.memory_allocated` around building and first stepping it). The 30B-A3B figures
-are computed (elastic/planning/train_memory.py) for 16 ranks under ZeRO-1.
+are computed (elastic/planning/memory/train_memory.py) for 16 ranks under ZeRO-1.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def measure(params: int, device: str, reps: int) -> dict:
 
 
 def freed_30b(ranks: int = 16) -> dict:
-    from elastic.planning.train_memory import training_memory
+    from elastic.planning.memory.train_memory import OptimizerSetup, training_memory
     from megatron_rl.config import load_dataclass
     from megatron_rl.rollout.memory import weight_bytes
     from megatron_rl.trainer_config import TrainerConfig
@@ -83,8 +83,9 @@ def freed_30b(ranks: int = 16) -> dict:
     cfg = load_dataclass(TrainerConfig, REPO / "examples" / "qwen3_30b_a3b_16xh100.yaml", {})
     dense, expert = weight_bytes(cfg.model, 1)
     kw = dict(dense_params=dense, expert_params_per_expert=expert, experts_held=cfg.model.num_moe_experts // ranks,
-              world=ranks, backend="torch", dtype_bytes=2, masters=True, activations=0)
-    return {s: training_memory(state=s, **kw).optimizer for s in ("replicated", "sharded", "offloaded")}
+              world=ranks, activations=0)
+    return {s: training_memory(setup=OptimizerSetup("torch", s, True, 2), **kw).optimizer
+            for s in ("replicated", "sharded", "offloaded")}
 
 
 def main(argv=None) -> int:

@@ -89,7 +89,7 @@ def _probe_steps(ctx, mcfg: MoEModelConfig, sizes, points, steps: int, seed: int
     import torch
     import torch.distributed as dist
 
-    from elastic.planning.schedule import contiguous_owners
+    from elastic.planning.chains.schedule import contiguous_owners
     from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
@@ -129,8 +129,8 @@ def _probe_shrinks(ctx, mcfg: MoEModelConfig, chains, seed: int):
     import torch
     import torch.distributed as dist
 
+    from elastic.planning.chains.schedule import build_stages
     from elastic.planning.plan import Assignment
-    from elastic.planning.schedule import build_stages
     from elastic.runtime.runtime import ElasticRuntime
     from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine

@@ -3,7 +3,7 @@ state placement (replicated, ZeRO-1 sharded, offloaded): the table of docs/plann
 
     python tools/memory_table.py [--config examples/qwen3_30b_a3b_16xh100.yaml] [--device-gb 80]
 
-Arithmetic on the configuration (elastic/planning/train_memory.py), not a measurement: the
+Arithmetic on the configuration (elastic/planning/memory/train_memory.py), not a measurement: the
 weights from the model's exact parameter counts, the update's micro-batch at
 `grpo.micro_batch x generation.max_response_len` tokens, and the KV budget of a rank holding its
 training share of the experts, with how many sequences of the longest response it holds.
@@ -17,8 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from elastic.planning.memory.train_memory import OptimizerSetup, activation_bytes, training_memory  # noqa: E402
 from elastic.planning.shape import MemoryBudget  # noqa: E402
-from elastic.planning.train_memory import activation_bytes, training_memory  # noqa: E402
 
 GB = 1e9
 
@@ -38,10 +38,9 @@ def rows(cfg, device_bytes: int) -> list[dict]:
     out = []
     for backend, state in [("torch", "replicated"), ("torch", "sharded"), ("torch", "offloaded"),
                            ("megatron", "sharded")]:
+        setup = OptimizerSetup(backend, state, dtype_bytes < 4 or state == "offloaded", dtype_bytes)
         mem = training_memory(dense_params=dense, expert_params_per_expert=expert, experts_held=held,
-                              world=world, backend=backend, state=state, dtype_bytes=dtype_bytes,
-                              masters=dtype_bytes < 4 or state == "offloaded", activations=acts,
-                              reference=cfg.grpo.kl_coef > 0)
+                              world=world, setup=setup, activations=acts, reference=cfg.grpo.kl_coef > 0)
         budget = MemoryBudget(device_bytes=device_bytes, dense_bytes=mem.dense_weights,
                               expert_bytes=expert * dtype_bytes, kv_bytes_per_token=kv_token,
                               resident_bytes=mem.resident, source="given")

@@ -132,3 +132,10 @@ class ParallelDims:
     def block_owners(self, members: Iterable[int]) -> dict[int, tuple[int, ...]]:
         """megatron-core's contiguous blocks of this model's experts over `members`."""
         return block_owners(self.experts, members)
+
+
+def planned_dims(world: int, experts: int, ownership: str = "balanced") -> ParallelDims:
+    """The layout of a world only planned or simulated, with no ranks to run it (`ParallelDims.even`
+    False): a plan's own (`Plan.dims`), the online rule's ladder and the simulator's. A command's
+    layout, for ranks that run, is `megatron_rl/parallel/dims.py`'s."""
+    return ParallelDims(world, experts, ownership, even=False)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from elastic.planning.choices import LAYOUTS
-from elastic.planning.kv import RankKV
+from elastic.planning.memory.kv import RankKV
 from elastic.planning.plan import Assignment, PlanError
 
 
@@ -163,7 +163,7 @@ class LayoutKind:
         return self.weak if weak and self.weak else self.name
 
 
-_KINDS = {k.name: k for k in (
+_LAYOUT_KINDS = {k.name: k for k in (
     LayoutKind("natural", place_once=_natural_ranks),
     LayoutKind("lengthsort", place_once=_lengthsort_ranks),
     LayoutKind("planned", weak="lengthsort"),
@@ -172,6 +172,6 @@ _KINDS = {k.name: k for k in (
 
 def layout_kind(name: str) -> LayoutKind:
     """The layout `name` (one of `LAYOUTS`)."""
-    if name not in _KINDS:
+    if name not in _LAYOUT_KINDS:
         raise PlanError(f"layout: expected one of {', '.join(LAYOUTS)}, got {name!r}")
-    return _KINDS[name]
+    return _LAYOUT_KINDS[name]

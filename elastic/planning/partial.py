@@ -18,9 +18,9 @@ in the next rollout, under the next policy. The pieces here are pure Python, sha
   fresh ones; `settle` books what a rollout made and hands out up to `target` complete
   groups, oldest first. A group is trained only when all its samples are complete. `check`: every
   group launched is trained exactly once or still pending, and every response's tokens only grow.
-- `conditioned`: the predictive distribution of a carried response's *remaining* length given the
-  tokens it has (L > tokens so far), so `make_plan` and the online rule plan a resumed response by
-  what is left of it: a carried long response is a known long one, and lands on resident ranks.
+A carried response is planned by what is left of it (`lengths.remaining.conditioned`, which
+`make_plan` and the online rule read): a carried long response is a known long one, and lands on
+resident ranks.
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from elastic.planning.predict import LengthDist, log_norm_sf, norm_ppf, norm_ppf_array
 
 END_RULES = ("groups", "budget")
 
@@ -242,26 +240,3 @@ class CarryPool:
         pending = {g.uid for g in self.pending}
         # Only the count of trained groups matters after a resume (`check` counts uids).
         self.trained_uids = [u for u in range(self.next_uid) if u not in pending]
-
-
-def conditioned(dist: LengthDist, tokens: int) -> LengthDist:
-    """The distribution of the remaining length R = L - tokens of a response with `tokens` so far,
-    given L > tokens (the online model's conditioning, `remaining.OnlineModel.sample_remaining`),
-    summarised as a `LengthDist` with the same median and 90% quantile (so every planner check
-    that reads a `LengthDist` prices what is left). The cap becomes the tokens still allowed."""
-    if tokens <= 0:
-        return dist
-    cap = None if dist.cap is None else max(int(dist.cap) - tokens, 1)
-    if dist.sd <= 0:
-        return LengthDist(math.log1p(max(math.expm1(dist.mu) - tokens, 1.0)), 0.0, cap, dist.seen)
-    # Upper-tail levels of L | L > tokens: P(L > q_p | L > t) = 1 - p, i.e. Q(z_p) = S(t) (1 - p).
-    log_s = float(log_norm_sf(np.array([(math.log1p(tokens + 0.5) - dist.mu) / dist.sd]))[0])
-    levels = np.exp(log_s + np.log([0.5, 0.1]))
-    z = -norm_ppf_array(np.maximum(levels, 1e-300))
-    length = np.expm1(dist.mu + dist.sd * z)
-    if dist.cap is not None:
-        length = np.minimum(length, dist.cap)
-    rem = np.maximum(length - tokens, 1.0)
-    mu = math.log1p(rem[0])
-    sd = max((math.log1p(rem[1]) - mu) / norm_ppf(0.9), 0.0)
-    return LengthDist(mu, sd, cap, dist.seen)

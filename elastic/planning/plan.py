@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable
 
 from elastic.errors import InputError
-from elastic.planning.dims import ParallelDims, contiguous_owners, divides
+from elastic.planning.dims import ParallelDims, contiguous_owners, divides, planned_dims
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Plan:
     def dims(self) -> ParallelDims:
         """The layout the plan is made for (its world need not divide the experts: `balanced`
         ownership holds uneven blocks or replicas)."""
-        return ParallelDims(self.ranks, self.num_experts, self.ownership, even=False)
+        return planned_dims(self.ranks, self.num_experts, self.ownership)
 
     def rank_of(self) -> dict[tuple[str, int], int]:
         return {(a.prompt_id, a.sample): a.rank for a in self.assignments}

@@ -4,7 +4,7 @@ Order of decisions (each step documented in its own module):
 1. predict every response's length from the history (`predict.Predictor`, epochs before the batch
    only) or take the true lengths (`true_lengths`, the `oracle` policy);
 2. size each response's KV by a length distribution (`kv.Demand`): TailGuard's calibrated one
-   (`guard.TailGuard`) with `tailguard=True`, the predictor's own without it, the true length for
+   (`guard.TailGuard`) with `PlanChoices.tailguard`, the predictor's own without it, the true length for
    the oracle; its reserved length (the bound, or the (1 - alpha) quantile) orders placement;
 3. price the floor against the device's memory budget (`shape.MemoryBudget`: weights, experts
    held, resident state, KV): reject a floor that cannot hold every expert, and raise one whose
@@ -12,10 +12,10 @@ Order of decisions (each step documented in its own module):
 4. for every quorum chain from W down to at least the floor (`schedule.chains`), build its stages,
    the per-rank KV budgets at the tightest stage each rank belongs to, and the layout under those
    budgets (`natural` and `lengthsort` place once and only check); drop chains whose layout cannot
-   fit; price the rest over samples of the predictive distribution (`chain_estimate.ChainTimeline`) and keep
-   the one with the fewest occupied rank-seconds (the largest release area net of lengthening;
-   `objective="rollout"` keeps the shortest predicted rollout instead);
-5. with a `blocks` layout (`dims.ownership`, the megatron backend) every stage is megatron-core's contiguous
+   fit; price the rest over samples of the predictive distribution (`chains.estimate.ChainTimeline`)
+   and keep the one with the fewest occupied rank-seconds (the largest release area net of lengthening;
+   `PlanChoices.objective` "rollout" keeps the shortest predicted rollout instead);
+5. with a `blocks` layout (`Platform.dims.ownership`, the megatron backend) every stage is megatron-core's contiguous
    blocks, so only group sizes that divide the expert count are candidates (`schedule` module doc);
 6. with a weak predictor (the prompt explains under `WEAK_ICC` of the length variance), `planned`
    places like `lengthsort`: residency built on noise would only concentrate random long responses.
@@ -33,16 +33,18 @@ from typing import Protocol
 
 import numpy as np
 
-from elastic.planning.chain_search import ChainSearch, objective_key
-from elastic.planning.dims import LayoutError, ParallelDims
-from elastic.planning.guard import TailGuard, reserves
-from elastic.planning.kv import Demand
-from elastic.planning.kv_unit import share_groups
+from elastic.planning.chains.search import BatchBeliefs, ChainSearch, objective_key
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import LayoutError
 from elastic.planning.layout import layout_kind
-from elastic.planning.partial import conditioned
+from elastic.planning.lengths.guard import TailGuard, reserves
+from elastic.planning.lengths.predict import LengthDist, Predictor
+from elastic.planning.lengths.remaining import conditioned
+from elastic.planning.memory.kv import Demand
+from elastic.planning.memory.kv_unit import share_groups
 from elastic.planning.plan import Assignment, Plan, PlanError
-from elastic.planning.predict import LengthDist, Predictor
-from elastic.planning.shape import MemoryBudget, ModelShape
+from elastic.planning.platform import Platform
+from elastic.planning.shape import MemoryBudget
 from elastic.planning.step_cost import FixedCost, ShapeCost, StepCost
 from elastic.trace import Trace
 
@@ -60,34 +62,32 @@ class BatchItem(Protocol):
     prompt_len: int
 
 
-def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims, floor: int,
-              shape: ModelShape, layout: str, tailguard: bool, alpha: float = 0.05,
-              cost: StepCost | None = None,
-              true_lengths: dict[tuple[str, int], int] | None = None,
-              max_response_len: int | None = None, seed: int = 0,
-              objective: str = "occupied", budget: MemoryBudget | None = None,
+def make_plan(batch: Sequence[BatchItem], history: Trace, *, platform: Platform, layout: str,
+              choices: PlanChoices, true_lengths: dict[tuple[str, int], int] | None = None,
+              max_response_len: int | None = None,
               known_prefix: dict[tuple[str, int], int] | None = None) -> Plan:
-    """Plan one rollout of `batch` (data order) on the layout `dims` (its ranks, and the expert
-    ownership its backend carries out); see the module docstring.
+    """Plan one rollout of `batch` (data order) under `layout` on `platform` (its ranks and the
+    expert ownership their backend carries out, the model's shape, the device memory every check
+    prices weights, experts and KV against, and the step cost) with the run's `choices` (the floor,
+    TailGuard, the objective); see the module docstring.
 
-    Only `prompt_id`, `sample` and `prompt_len` of the batch are read. `max_response_len` is the
-    generation cap; it is inferred from truncated history records when omitted, and is required
-    when the history is empty (nothing else bounds a response's KV then). `budget`: the device
-    memory every check prices weights, experts and KV against (default: `shape.budget`).
-    `known_prefix`: the tokens so far of responses carried over from an earlier rollout (partial
-    rollouts); their `prompt_len` counts those tokens (they are re-prefilled), and they are planned
-    by what is left of them (`partial.conditioned`: the length given it exceeds the tokens so far).
+    Only `prompt_id`, `sample` and `prompt_len` of the batch are read. `true_lengths`: every
+    response's length, known (the `oracle` policy). `max_response_len` is the generation cap; it is
+    inferred from truncated history records when omitted, and is required when the history is empty
+    (nothing else bounds a response's KV then). `known_prefix`: the tokens so far of responses
+    carried over from an earlier rollout (partial rollouts); their `prompt_len` counts those tokens
+    (they are re-prefilled), and they are planned by what is left of them
+    (`lengths.remaining.conditioned`: the length given it exceeds the tokens so far).
     """
-    _validate(batch, dims, floor, shape, layout, alpha, objective)
+    _validate(batch, platform, layout, choices)
+    dims, shape, budget, alpha = platform.dims, platform.shape, platform.budget, choices.alpha
     ranks = dims.world
-    cost = cost or ShapeCost(shape)
-    budget = budget or shape.budget
     keys = [(b.prompt_id, b.sample) for b in batch]
     prompt_len = np.array([b.prompt_len for b in batch], float)
     E = shape.num_experts
 
     lengths = (_true_lengths(keys, true_lengths) if true_lengths is not None else
-               _predicted_lengths(batch, keys, history, tailguard, alpha, max_response_len, known_prefix))
+               _predicted_lengths(batch, keys, history, choices.tailguard, alpha, max_response_len, known_prefix))
     meta, reserve, weak = lengths.meta, lengths.reserve, lengths.weak
 
     # The longest response's bound, in tokens: the runtime turns it into the predicted restoration
@@ -95,15 +95,15 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
     meta["predicted_max_len"] = float(reserve.max()) if len(reserve) else 0.0
     demand = Demand(lengths.kv_dists, prompt_len, alpha, lengths.tail_floor, budget.kv,
                     share_groups(keys, known_prefix))
-    floor = _memory_floor(floor, ranks, E, budget, demand, shape.name, meta)
+    floor = _memory_floor(choices.floor, ranks, E, budget, demand, shape.name, meta)
 
     effective = layout_kind(layout).placed_as(weak)
     if effective != layout:
         meta["fallback"] = (f"{layout} placed as {effective}: the prompt explains "
                             f"{meta['predictor']['icc']:.1%} of length variance (< {WEAK_ICC:.0%})")
-    search_at = partial(ChainSearch, keys, lengths.work, reserve, demand,
-                        _samples(lengths.dists, true_lengths is not None, seed), float(prompt_len.mean()), dims,
-                        shape=shape, budget=budget, layout=effective, cost=cost, objective=objective)
+    beliefs = BatchBeliefs(keys, lengths.work, reserve, demand,
+                           _samples(lengths.dists, true_lengths is not None, choices.seed), float(prompt_len.mean()))
+    search_at = partial(ChainSearch, beliefs, platform, layout=effective, objective=choices.objective)
     search, (est, sizes, stages, rank_of) = _best_chain(search_at, floor, ranks, E, budget, demand, meta)
     meta.update({
         "chain": sizes, "chains_feasible": search.feasible, "chains_priced": len(search.cache),
@@ -111,7 +111,7 @@ def make_plan(batch: Sequence[BatchItem], history: Trace, *, dims: ParallelDims,
         "predicted_static_rollout_s": est.static_s, "predicted_occupied_rank_s": est.occupied_rank_s,
         "leave_order": search.leave_order,
     })
-    plan = Plan(ranks=ranks, floor=floor, num_experts=E, layout=layout, tailguard=tailguard,
+    plan = Plan(ranks=ranks, floor=floor, num_experts=E, layout=layout, tailguard=choices.tailguard,
                 assignments=[Assignment(pid, s, r) for (pid, s), r in zip(keys, rank_of)],
                 stages=stages, predicted_release_rank_s=est.detached_rank_s, meta=meta, ownership=dims.ownership)
     plan.check(keys)
@@ -225,26 +225,29 @@ def _memory_floor(floor: int, ranks: int, E: int, budget: MemoryBudget, demand: 
     return raised
 
 
-def plan_epoch(trace: Trace, epoch: int, **kw) -> Plan:
-    """Plan epoch `epoch` of a trace from the epochs before it (the history a live run would have)."""
+def plan_epoch(trace: Trace, epoch: int, *, platform: Platform, layout: str, choices: PlanChoices,
+               oracle: bool = False, max_response_len: int | None = None) -> Plan:
+    """Plan epoch `epoch` of a trace from the epochs before it (the history a live run would have);
+    `oracle`: on its true lengths."""
     batch = trace.epoch(epoch)
-    if kw.pop("oracle", False):
-        kw["true_lengths"] = {r.key: r.response_len for r in batch}
-    return make_plan(batch, trace.before(epoch), **kw)
+    true_lengths = {r.key: r.response_len for r in batch} if oracle else None
+    return make_plan(batch, trace.before(epoch), platform=platform, layout=layout, choices=choices,
+                     true_lengths=true_lengths, max_response_len=max_response_len)
 
 
-def _validate(batch, dims: ParallelDims, floor, shape, layout, alpha, objective) -> None:
+def _validate(batch, platform: Platform, layout: str, choices: PlanChoices) -> None:
     """The inputs' checks (the layout checked itself when it was built)."""
+    dims, shape = platform.dims, platform.shape
     if dims.experts != shape.num_experts:
         raise PlanError(f"dims: expected the {shape.num_experts} experts of {shape.name}, got {dims.experts}")
     try:
-        dims.check_floor(floor)
+        dims.check_floor(choices.floor)
     except LayoutError as e:
         raise PlanError(str(e)) from None
     layout_kind(layout)  # a PlanError naming the layouts
-    if not 0 < alpha < 1:
-        raise PlanError(f"alpha: expected in (0, 1), got {alpha}")
-    objective_key(objective)  # a PlanError naming the objectives
+    if not 0 < choices.alpha < 1:
+        raise PlanError(f"alpha: expected in (0, 1), got {choices.alpha}")
+    objective_key(choices.objective)  # a PlanError naming the objectives
     if not batch:
         raise PlanError("the batch is empty")
     keys = [(b.prompt_id, b.sample) for b in batch]

@@ -8,14 +8,22 @@ all ask the `PolicyKind` of a name, so the two cannot drift apart.
   ladder of stages needs `balanced` expert ownership (the torch backend);
 - `oracle` (simulator only): planned on the true lengths, a bound beside the policies.
 
-The planner and the online rule are imported where a plan is made, so that reading a policy's
-name (`flexfloor --help`, a config's check) imports no numpy.
+The layouts, the planner and the online rule import numpy: they are imported where a plan is made,
+so that reading a policy's name (`flexfloor --help`, a config's check) imports no numpy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from elastic.planning.dims import OWNERSHIPS, ParallelDims
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import OWNERSHIPS
+from elastic.planning.online.ladder import ladder_plan
+from elastic.planning.plan import static_plan
+
+if TYPE_CHECKING:  # numpy's modules, named here for the annotations only (module docstring)
+    from elastic.planning.online.rule import RuleConfig
+    from elastic.planning.platform import Platform
 
 POLICIES = ("vanilla", "lengthsort", "natural", "planned", "adaptive")
 SIM_POLICIES = ("vanilla", "lengthsort", "natural", "planned", "oracle", "adaptive")
@@ -54,50 +62,51 @@ class PolicyKind:
             raise PolicyError("its ladder of stages needs arbitrary expert ownership (backend torch); "
                               "megatron-core holds only contiguous blocks")
 
-    def plan(self, batch, history, *, dims: ParallelDims, floor: int | None, shape, cost, oracle: bool = False,
-             ladder_always: bool = False, **planner):
-        """The plan of one rollout of `batch` on `dims` (`planner.make_plan`'s `planner` options);
-        `oracle` plans on the true lengths (`response_len`) whatever the policy. An online policy's
-        plan is the ladder of every candidate stage (`ladder.ladder_plan`); where the offline plan
-        keeps every rank a rank rollout takes the vanilla path instead (no ladder, no online rule),
-        while the simulator, `ladder_always`, still ladders it."""
+    def plan(self, batch, history, *, platform: Platform, choices: PlanChoices, oracle: bool = False,
+             ladder_always: bool = False, max_response_len: int | None = None, known_prefix: dict | None = None):
+        """The plan of one rollout of `batch` on `platform` with the run's `choices` (`choices.floor`
+        None: this policy's default), by `planner.make_plan` (`max_response_len`, `known_prefix`:
+        its own); `oracle` plans on the true lengths (`response_len`) whatever the policy. An online
+        policy's plan is the ladder of every candidate stage (`online.ladder.ladder_plan`); where the
+        offline plan keeps every rank a rank rollout takes the vanilla path instead (no ladder, no
+        online rule), while the simulator, `ladder_always`, still ladders it."""
+        # Deferred: numpy (module docstring).
         from elastic.planning.layout import natural
-        from elastic.planning.plan import static_plan
+        from elastic.planning.planner import make_plan
 
+        dims = platform.dims
         if not self.uses_planner:
             keys = [(b.prompt_id, b.sample) for b in batch]
             return static_plan("natural", natural(keys, dims.world), dims.world, dims.experts)
-        from elastic.planning.ladder import ladder_plan
-        from elastic.planning.planner import make_plan
-
         self.check_ownership(dims.ownership)
-        floor = self.floor(dims.world, floor)
+        choices = replace(choices, floor=self.floor(dims.world, choices.floor))
         true = {(b.prompt_id, b.sample): b.response_len for b in batch} if oracle or self.oracle else None
-        plan = make_plan(batch, history, dims=dims, floor=floor, shape=shape, layout=self.layout,
-                         cost=cost, true_lengths=true, **planner)
+        plan = make_plan(batch, history, platform=platform, layout=self.layout, choices=choices, true_lengths=true,
+                         max_response_len=max_response_len, known_prefix=known_prefix)
         if self.online and (ladder_always or len(plan.stages) > 1):
-            return ladder_plan(plan, floor)
+            return ladder_plan(plan, choices.floor)
         return plan
 
-    def rule(self, plan, batch, history, *, cost, shape, options, max_response_len: int | None = None,
-             known_prefix: dict | None = None, **rule_options):
-        """The online rule of a laddered plan (`replan.OnlineRule`, `rule_options` its own), or None:
+    def rule(self, plan, batch, history, *, cost, shape, options, config: RuleConfig,
+             max_response_len: int | None = None, known_prefix: dict | None = None):
+        """The online rule of a laddered plan (`online.rule.OnlineRule`, `config` its own), or None:
         the other policies follow `Plan.advance`. `batch` in the order the rule indexes responses;
         `options` (`online.OnlineOptions`) the evidence it uses; `max_response_len` bounds lengths
         when the plan's predictor learnt no cap."""
         if not self.online or "ladder" not in plan.meta:
             return None
-        from elastic.planning.remaining import online_model
-        from elastic.planning.replan import OnlineRule
+        # Deferred: numpy (module docstring).
+        from elastic.planning.lengths.remaining import online_model
+        from elastic.planning.online.rule import OnlineRule
 
         predictor = plan.meta["predictor"]  # "oracle" when started from the true-length plan
         cap = predictor["cap"] if isinstance(predictor, dict) else None
         model = online_model(batch, history, cap or max_response_len, options, known_prefix)
         plan.meta["online"] = {"siblings": model.fit.to_dict()}
-        return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, **rule_options)
+        return OnlineRule(plan, [r.prompt_len for r in batch], model, cost, shape, config)
 
 
-_KINDS = {k.name: k for k in (
+_POLICY_KINDS = {k.name: k for k in (
     PolicyKind("vanilla", None, shrinks=False),
     PolicyKind("lengthsort", "lengthsort", shrinks=False),
     PolicyKind("natural", "natural", shrinks=True),
@@ -109,6 +118,6 @@ _KINDS = {k.name: k for k in (
 
 def policy_kind(name: str) -> PolicyKind:
     """The policy `name` (one of `SIM_POLICIES`)."""
-    if name not in _KINDS:
+    if name not in _POLICY_KINDS:
         raise PolicyError(f"policy: expected one of {', '.join(SIM_POLICIES)}, got {name!r}")
-    return _KINDS[name]
+    return _POLICY_KINDS[name]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit
 
 GiB = 1024**3
 
@@ -24,7 +24,7 @@ GiB = 1024**3
 @dataclass(frozen=True)
 class MemoryBudget:
     """One device's memory as the runtime knows it, in bytes: what every memory check of the
-    planner reads (`make_plan(budget=...)`; by default a shape's own, `ModelShape.budget`).
+    planner reads (`Platform.budget`; by default a shape's own, `ModelShape.budget`).
 
     The runtime builds it from the real model and device (megatron_rl/rollout/memory.py); the
     planner stays pure Python and only does arithmetic on it.

@@ -1,4 +1,4 @@
-"""The runtime side of online re-planning (`elastic.planning.replan.OnlineRule`): the status check
+"""The runtime side of online re-planning (`elastic.planning.online.rule.OnlineRule`): the status check
 that feeds it, and the straggler KV migrations it asks for.
 
 Status: one all-reduce over the current group of a vector with one entry per response of the
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from elastic.planning.replan import OnlineRule
-from elastic.planning.replan_place import check_decision
+from elastic.planning.online.place import check_decision
+from elastic.planning.online.rule import OnlineRule
 
 TAG_MIGRATE = 1
 # A migrated request's header: prompt length, tokens so far, max_new_tokens, fixed_len (-1: none),

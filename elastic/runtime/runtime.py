@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import re
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,6 +39,8 @@ import torch.distributed as dist
 from elastic.errors import shorten
 from elastic.ledger import Ledger, RankLedger
 from elastic.planning.plan import Plan
+from elastic.runtime.clock import RankClock
+from elastic.runtime.detached import IdlePoolLike, RestoreSignal, RunEnd, serve_detached
 from elastic.runtime.groups import first_use, process_group
 from elastic.runtime.interface import ElasticEngine
 from elastic.runtime.online import OnlineDriver
@@ -105,12 +106,6 @@ def transitions_of(outcomes: list[RankOutcome]) -> dict:
             "restore_s": max(o.restore_s for o in outcomes)}
 
 
-class IdlePoolLike:
-    def serve(self, should_stop: Callable[[], bool], restore_by: float | None = None) -> tuple[float, dict]:
-        """Run leases until `should_stop()`, none past `restore_by` (a `time.perf_counter()`
-        instant, the predicted restoration); return (leased seconds, report). `pool.IdlePool`."""
-
-
 def _stage_group(members: tuple[int, ...], world: int):
     """The communicator of a stage: the world's, or one made once per member set (a training run
     plans every rollout anew; every rank meets the same plans in the same order)."""
@@ -126,6 +121,19 @@ def warm_groups(stages: list[tuple[int, ...]], groups: list, rank: int, transpor
             transport.all_reduce(torch.zeros(1, device=device), group)
 
 
+def verify_restored(engine: ElasticEngine, before: dict[str, str], rank: int, stage: int) -> None:
+    """The held weights after a restore against their pre-rollout checksums `before`; one
+    all-reduce tells every rank whether any rank failed. A mismatch is an `ElasticFault`, never
+    silently trained on."""
+    bad = sorted(k for k, v in engine.checksums().items() if before.get(k) != v)
+    bad += sorted(set(before) - set(engine.checksums()))
+    flag = engine.transport.all_reduce(torch.tensor([len(bad)], device=engine.device))
+    if bad:
+        raise ElasticFault(rank, stage, "verify", f"restored weights differ from the pre-rollout checksums: {bad[:5]}")
+    if int(flag) > 0:
+        raise ElasticFault(rank, stage, "verify", "another rank's restored weights failed the checksum")
+
+
 def _move_experts(engine: ElasticEngine, moves: list[tuple[int, int, int]], rank: int) -> None:
     for e, src, dst in moves:
         if rank == src:
@@ -134,48 +142,63 @@ def _move_experts(engine: ElasticEngine, moves: list[tuple[int, int, int]], rank
             engine.import_expert(e, engine.transport.recv(engine.empty_expert(), src, TAG_EXPERT))
 
 
+@dataclass(frozen=True)
+class DecodeHooks:
+    """What the caller asks of the decode loop: `progress(tick, stage, members, live)` at each
+    status check (on the group's first member), `after_step()` after each step, and `stop(engine,
+    group)` (partial rollouts' end rule), whether the members end the loop with live requests left:
+    one collective over the current group at a status check, so every member returns the same; the
+    restore then runs as after the last token, and the caller takes the unfinished requests from
+    the engine."""
+
+    progress: Callable[[int, int, int, int], None] | None = None
+    after_step: Callable[[], None] | None = None
+    stop: Callable[[ElasticEngine, object], bool] | None = None
+
+
+@dataclass
+class RunState:
+    """One run's state from its setup on, carried through the phases: every stage's communicator
+    (in stage order), the held weights' checksums before the rollout (what the restore is verified
+    against), the rank's clock, the tick it left at and its experts' bytes then, and each shrink's
+    seconds (stage entered -> seconds)."""
+
+    groups: list
+    checksums: dict[str, str]
+    clock: RankClock
+    detached_at: int | None = None
+    expert_bytes: int = 0
+    shrink_s: dict[int, float] = field(default_factory=dict)
+
+
 class ElasticRuntime:
     def __init__(self, engine: ElasticEngine, plan: Plan, rank: int, store, *, status_interval: int = 1,
-                 pool: IdlePoolLike | None = None,
-                 progress: Callable[[int, int, int, int], None] | None = None,
-                 predicted_ticks: float | None = None,
-                 after_step: Callable[[], None] | None = None,
-                 online: OnlineDriver | None = None,
-                 stop: Callable[[ElasticEngine, object], bool] | None = None):
-        self.engine, self.plan, self.rank, self.store = engine, plan, rank, store
-        self.restore_key = f"flexfloor/rollout{next(_rollout_ids)}/restore"
+                 pool: IdlePoolLike | None = None, predicted_ticks: float | None = None,
+                 online: OnlineDriver | None = None, hooks: DecodeHooks = DecodeHooks()):
+        self.engine, self.plan, self.rank = engine, plan, rank
+        self.signal = RestoreSignal(store, f"flexfloor/rollout{next(_rollout_ids)}/restore")
         self.k = status_interval
-        self.pool, self.progress, self.after_step = pool, progress, after_step
-        self.predicted_ticks = predicted_ticks
+        self.pool, self.predicted_ticks, self.hooks = pool, predicted_ticks, hooks
         # With `online`, the online rule chooses the stage at each status check and may move live
         # requests first (elastic/runtime/online.py); without, `Plan.advance`.
         self.online = online
-        # With `stop` (partial rollouts' end rule), the members may end the decode loop with live
-        # requests left: at a status check, `stop(engine, group)` (one collective over the current
-        # group, so every member returns the same) says so; the restore then runs as after the last
-        # token, and the caller takes the unfinished requests from the engine.
-        self.stop = stop
         self.world = plan.ranks
         self.stage, self.phase = 0, "setup"
-        self.ledger: RankLedger | None = None
+        self.ledger: RankLedger | None = None  # from the setup on: what a caller keeps after a failure
 
     # ---- helpers ------------------------------------------------------------------------------
     def _fault(self, e: BaseException) -> ElasticFault:
         return e if isinstance(e, ElasticFault) else ElasticFault(self.rank, self.stage, self.phase, e)
 
-    def _owners(self, stage: int) -> dict[int, int]:
-        return {e: self.plan.stages[stage].owner_of(e) for e in range(self.plan.num_experts)}
-
-    def _group(self, stage: int):
-        return self.groups[stage]
-
-    def _use_stage(self, stage: int) -> None:
-        """Route through stage `stage`; refuse an ownership that leaves an expert without a member."""
-        owners, members = self._owners(stage), set(self.plan.stages[stage].members)
+    def _use_stage(self, groups: list, stage: int) -> None:
+        """Route through stage `stage` (`groups`: every stage's communicator); refuse an ownership
+        that leaves an expert without a member."""
+        owners = {e: self.plan.stages[stage].owner_of(e) for e in range(self.plan.num_experts)}
+        members = set(self.plan.stages[stage].members)
         orphans = sorted(e for e, r in owners.items() if r not in members)
         if len(owners) != self.plan.num_experts or orphans:
             raise ElasticFault(self.rank, stage, self.phase, f"experts {orphans} have no owner in the group")
-        self.engine.use_group(self._group(stage), owners)
+        self.engine.use_group(groups[stage], owners)
 
     # ---- the run --------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
@@ -185,71 +208,63 @@ class ElasticRuntime:
             raise self._fault(e) from e
 
     def _run(self) -> RankOutcome:
-        before = self._setup()
-        self.t0 = self.t_prev = time.perf_counter()
-        start_wall = time.time()
-        self.tick, self.detached_at, self.shrink_s = 0, None, {}
-        self._decode()
-        if self.detached_at is not None:
-            total_ticks, freed, pool_report = self._detached()
+        run = self._setup()
+        clock = run.clock
+        self._decode(run)
+        if run.detached_at is not None:
+            self.phase = "detached"
+            end = serve_detached(self.engine, clock, self.signal, self.pool, self.predicted_ticks, run.expert_bytes)
+            self.stage = end.stage
         else:
-            total_ticks, freed, pool_report = self._announce_end(), {}, {}
-        restore_s = 0.0
+            end = self._announce_end(clock)
+        total_ticks, restore_s = end.total_ticks, 0.0
         if self.stage != 0:
-            restore_s = self._restore(before)
+            restore_s = self._restore(run)
             total_ticks += 1
         dist.barrier()
-        end = time.perf_counter()
         # The final barrier waits for the slowest rank: that wait is part of the last state held.
         last = "transition" if self.stage != 0 else "dummy"
-        self.ledger.add(last, end - self.t_prev, 0)
-        return RankOutcome(self.ledger, total_ticks, self.stage, self.detached_at, end - self.t0, self.shrink_s,
-                           restore_s, pool_report, start_wall, start_wall + (end - self.t0), last, freed,
+        clock.settle(last, 0)
+        wall_s = clock.t_prev - clock.t0
+        return RankOutcome(clock.ledger, total_ticks, self.stage, run.detached_at, wall_s, run.shrink_s,
+                           restore_s, end.pool_report, clock.start_wall, clock.start_wall + wall_s, last, end.freed,
                            self.online.migrated if self.online is not None else 0)
 
     # ---- the phases of a run, in order ----------------------------------------------------------
-    def _setup(self) -> dict[str, str]:
+    def _setup(self) -> RunState:
         """Every stage's communicator (warmed), the full world's routing; the weights' checksums,
-        which the restore is verified against."""
+        which the restore is verified against; the clock starts once every rank is set up."""
         plan = self.plan
         plan.check()
-        self.groups = [_stage_group(st.members, self.world) for st in plan.stages]
-        warm_groups([st.members for st in plan.stages], self.groups, self.rank, self.engine.transport,
+        groups = [_stage_group(st.members, self.world) for st in plan.stages]
+        warm_groups([st.members for st in plan.stages], groups, self.rank, self.engine.transport,
                     self.engine.device)
-        before = self.engine.checksums()
-        self._use_stage(0)
+        checksums = self.engine.checksums()
+        self._use_stage(groups, 0)
         self.ledger = RankLedger(self.rank)
         dist.barrier()
-        return before
-
-    def _book(self, state: str) -> float:
-        """End the tick in `state`: its seconds go to the ledger (and are returned)."""
-        now = time.perf_counter()
-        seconds = now - self.t_prev
-        self.ledger.add(state, seconds)
-        self.t_prev, self.tick = now, self.tick + 1
-        return seconds
-
-    def _decode(self) -> None:
+        return RunState(groups, checksums, RankClock.start(self.ledger))
+    def _decode(self, run: RunState) -> None:
         """Decode steps, with a status check every `k` ticks, until the group has drained or this
         rank leaves it."""
+        clock, stop, after_step = run.clock, self.hooks.stop, self.hooks.after_step
         self.phase = "decode"
         while True:
-            if self.tick % self.k == 0:
-                status, live = self._status()
-                if live == 0 or (self.stop is not None and self.stop(self.engine, self._group(self.stage))):
+            if clock.tick % self.k == 0:
+                status, live = self._status(run)
+                if live == 0 or (stop is not None and stop(self.engine, run.groups[self.stage])):
                     return
-                nxt, decision = self._decide(status)
+                nxt, decision = self._decide(run, status)
                 if nxt == self.stage and decision is not None and decision.moves:
                     # A rebalance inside the group: one transition tick for its members.
                     self.phase = "migrate"
                     moved = self.online.migrate(self.engine, decision.moves)
-                    self._book("transition")
+                    clock.book("transition")
                     if moved:
-                        self.ledger.mark("migrate", f"{moved} moved")
+                        clock.ledger.mark("migrate", f"{moved} moved")
                     continue
                 if nxt != self.stage:
-                    if self._shrink(nxt, decision):
+                    if self._shrink(run, nxt, decision):
                         return
                     continue
             self.phase = "decode"
@@ -258,43 +273,44 @@ class ElasticRuntime:
                 self.engine.step()
             else:
                 self.engine.dummy_step()
-            if self.after_step is not None:
-                self.after_step()
-            self._book(state)
+            if after_step is not None:
+                after_step()
+            clock.book(state)
 
-    def _status(self) -> tuple[torch.Tensor, int]:
+    def _status(self, run: RunState) -> tuple[torch.Tensor, int]:
         """The group's status (each rank's load, or with `online` each response's progress),
         all-reduced over the current group, and the live requests it counts."""
         self.phase = "status"
+        group = run.groups[self.stage]
         if self.online is not None:
-            status = torch.as_tensor(self.online.status(self.engine, self._group(self.stage)))
+            status = torch.as_tensor(self.online.status(self.engine, group))
         else:
             status = torch.zeros(self.world, dtype=torch.long)
             status[self.rank] = self.engine.load()
-            status = self.engine.transport.all_reduce(status.to(self.engine.device),
-                                                      self._group(self.stage)).cpu()
+            status = self.engine.transport.all_reduce(status.to(self.engine.device), group).cpu()
         live = int(status.sum())
-        if self.progress is not None and self.rank == min(self.plan.stages[self.stage].members):
-            self.progress(self.tick, self.stage, len(self.plan.stages[self.stage].members), live)
+        members = self.plan.stages[self.stage].members
+        if self.hooks.progress is not None and self.rank == min(members):
+            self.hooks.progress(run.clock.tick, self.stage, len(members), live)
         return status, live
 
-    def _decide(self, status: torch.Tensor):
+    def _decide(self, run: RunState, status: torch.Tensor):
         """(the stage to be in, the online decision or None): the online rule's, checked to be
         every member's, or `Plan.advance` on the drained ranks."""
         if self.online is None:
             drained = {r for r in range(self.world) if status[r] == 0}
             return self.plan.advance(self.stage, drained), None
-        decision = self.online.decide(self.stage, self.tick)
+        decision = self.online.decide(self.stage, run.clock.tick)
         if (decision.stage != self.stage or decision.moves) and \
-                not self.online.agree(self.engine, self._group(self.stage), decision):
+                not self.online.agree(self.engine, run.groups[self.stage], decision):
             raise ElasticFault(self.rank, self.stage, "decide",
                                "the members reached different online decisions from the same status")
         return decision.stage, decision
 
-    def _shrink(self, nxt: int, decision) -> bool:
+    def _shrink(self, run: RunState, nxt: int, decision) -> bool:
         """Enter stage `nxt`: the decision's request moves, then the expert moves; a leaving rank
         drops every expert (and must hold no live request). Whether this rank left."""
-        plan, rank, moved = self.plan, self.rank, 0
+        plan, rank, moved, clock = self.plan, self.rank, 0, run.clock
         if self.online is not None:
             self.phase = "migrate"
             moved = self.online.migrate(self.engine, decision.moves)
@@ -304,61 +320,30 @@ class ElasticRuntime:
         if leaving and self.engine.load() != 0:
             raise ElasticFault(rank, self.stage, self.phase,
                                f"would leave with {self.engine.load()} live requests")
-        self.expert_bytes = self.engine.expert_bytes() if leaving else 0
+        run.expert_bytes = self.engine.expert_bytes() if leaving else 0
         for e in self.engine.held_experts():
             if leaving or rank not in plan.stages[nxt].owners[e]:
                 self.engine.drop_expert(e)
         if not leaving:
-            self._use_stage(nxt)
-        self.shrink_s[nxt] = self._book("transition")
+            self._use_stage(run.groups, nxt)
+        run.shrink_s[nxt] = clock.book("transition")
         if moved:
-            self.ledger.mark("migrate", f"{moved} moved")
-        self.ledger.mark("stage", f"stage {nxt}: {len(plan.stages[nxt].members)} ranks")
+            clock.ledger.mark("migrate", f"{moved} moved")
+        clock.ledger.mark("stage", f"stage {nxt}: {len(plan.stages[nxt].members)} ranks")
         self.stage = nxt
         if leaving:
-            self.detached_at = self.tick
+            run.detached_at = clock.tick
         return leaving
 
-    def _detached(self) -> tuple[int, dict, dict]:
-        """A rank that left: its memory freed, leased (none past the predicted restoration) until
-        the group's first member announces the end; (the rollout's ticks, bytes freed, pool report)."""
-        self.phase = "detached"
-        detached_at = self.detached_at
-        freed = {"experts": self.expert_bytes, "kv_cache": self.engine.release_memory()}
-
-        def restored() -> bool:
-            return self.store.check([self.restore_key])
-
-        leased_s, restore_by, pool_report = 0.0, None, {}
-        if self.predicted_ticks is not None and detached_at > 0:
-            # The predicted restoration in this rank's clock: the ticks the plan expects still
-            # to run, at the pace the rollout has kept so far.
-            per_tick = (self.t_prev - self.t0) / detached_at
-            restore_by = self.t_prev + max(0.0, self.predicted_ticks - detached_at) * per_tick
-        if self.pool is not None:
-            leased_s, pool_report = self.pool.serve(restored, restore_by)
-        while not restored():
-            time.sleep(0.005)
-        total_ticks, self.stage = map(int, self.store.get(self.restore_key).decode().split(","))
-        self.engine.reclaim_memory()
-        now = time.perf_counter()
-        idle_s = max(0.0, now - self.t_prev - leased_s)
-        missed = total_ticks - detached_at
-        leased_steps = round(missed * leased_s / (leased_s + idle_s)) if leased_s + idle_s > 0 else 0
-        self.ledger.add("leased", leased_s, leased_steps)
-        self.ledger.add("idle", idle_s, missed - leased_steps)
-        self.t_prev = now
-        return total_ticks, freed, pool_report
-
-    def _announce_end(self) -> int:
+    def _announce_end(self, clock: RankClock) -> RunEnd:
         """A rank still in the group at the end: its first member tells the detached ranks the
-        rollout's ticks and final stage. The rollout's ticks."""
+        rollout's ticks and final stage."""
         self.phase = "restore"
         if self.rank == min(self.plan.stages[self.stage].members):
-            self.store.set(self.restore_key, f"{self.tick},{self.stage}")
-        return self.tick
+            self.signal.post(clock.tick, self.stage)
+        return RunEnd(clock.tick, self.stage)
 
-    def _restore(self, before: dict[str, str]) -> float:
+    def _restore(self, run: RunState) -> float:
         """Back to the full world (the experts return to their first-stage owners), verified against
         the pre-rollout checksums on every rank; the seconds it took."""
         plan, rank = self.plan, self.rank
@@ -367,19 +352,9 @@ class ElasticRuntime:
         for e in self.engine.held_experts():
             if rank not in plan.stages[0].owners[e]:
                 self.engine.drop_expert(e)
-        self._use_stage(0)
+        self._use_stage(run.groups, 0)
         self.phase = "verify"
-        bad = sorted(k for k, v in self.engine.checksums().items() if before.get(k) != v)
-        bad += sorted(set(before) - set(self.engine.checksums()))
-        flag = self.engine.transport.all_reduce(torch.tensor([len(bad)], device=self.engine.device))
-        if bad:
-            raise ElasticFault(rank, self.stage, "verify",
-                               f"restored weights differ from the pre-rollout checksums: {bad[:5]}")
-        if int(flag) > 0:
-            raise ElasticFault(rank, self.stage, "verify", "another rank's restored weights failed the checksum")
-        now = time.perf_counter()
-        restore_s = now - self.t_prev
-        self.ledger.add("transition", restore_s)
-        self.ledger.mark("stage", f"stage 0: {self.world} ranks (restore)")
-        self.t_prev = now
+        verify_restored(self.engine, run.checksums, rank, self.stage)
+        restore_s = run.clock.settle("transition")
+        run.clock.ledger.mark("stage", f"stage 0: {self.world} ranks (restore)")
         return restore_s

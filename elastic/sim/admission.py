@@ -16,7 +16,7 @@ when its share fits (megatron_rl/rollout/kv_cache.py, paged_kv.py):
   ones, and the shared pages return to the budget when the last of those sharers ends (the
   engine's refcounted pages). A sample admitted at a later step than its group's first shares
   nothing: it prefills its own pages. The groups are `kv_unit.share_groups`.
-What a request holds is `KVUnit.held`, what it shares `KVUnit.shared` (elastic/planning/kv_unit.py),
+What a request holds is `KVUnit.held`, what it shares `KVUnit.shared` (elastic/planning/memory/kv_unit.py),
 the planner's rules as well.
 
 A rank of the engine also decodes at most `max_batch` requests at once (its KV slots,
@@ -39,7 +39,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from elastic.planning.kv_unit import KVUnit, slot_len
+from elastic.planning.memory.kv_unit import KVUnit, slot_len
 from elastic.planning.shape import ModelShape
 
 

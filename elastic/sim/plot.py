@@ -14,6 +14,7 @@ from elastic.timeline_plot import COLOURS, plot_timelines
 def write_plots(results: list[TraceResult], out_dir: str | Path) -> list[Path]:
     """Active ranks over time in the first rollout (one line per policy) and the summed ledger of
     every policy as stacked bars; returns the files written."""
+    # Deferred: matplotlib is optional and heavy, imported only when a plot is asked for.
     import matplotlib
 
     matplotlib.use("Agg")

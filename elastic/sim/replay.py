@@ -5,7 +5,7 @@ By default every epoch of the trace that has an earlier epoch is one rollout (it
 earlier epoch, `Trace.before`). `vanilla` is verl's placement with nobody leaving and needs no
 planner; every other policy is `elastic.planning.planner.make_plan` with the layout it names, and `oracle` is
 the planned layout given the true lengths (the bound a predictor could reach). A policy's
-`objective` is the planner's chain criterion (`elastic.planning.chain_search.objective_key`): `occupied`, the
+`objective` is the planner's chain criterion (`elastic.planning.chains.search.objective_key`): `occupied`, the
 capacity-oriented default (fewest occupied rank-seconds), or `rollout`, the latency-oriented one
 (shortest predicted rollout). It only matters where the group may shrink (natural, planned, oracle).
 A policy's `ownership` is the planner's (`elastic.planning.dims.OWNERSHIPS`): `blocks` simulates
@@ -16,14 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from elastic.ledger import STATES, Ledger, RankLedger
-from elastic.planning.chain_search import objective_key
-from elastic.planning.dims import OWNERSHIPS, ParallelDims
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.chains.search import objective_key
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import OWNERSHIPS, planned_dims
+from elastic.planning.lengths.remaining import OnlineOptions
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit
+from elastic.planning.online.rule import OnlineRule, RuleConfig
 from elastic.planning.plan import Plan
+from elastic.planning.platform import Platform
 from elastic.planning.policies import SIM_POLICIES as POLICIES
 from elastic.planning.policies import PolicyKind, policy_kind
-from elastic.planning.remaining import OnlineOptions
-from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.simulate import SimConfig, SimulatedRollout, simulate_rollout
@@ -48,6 +50,11 @@ class Policy:
         objective_key(self.objective)  # a ValueError (PlanError) naming the objectives
         if self.ownership not in OWNERSHIPS:
             raise ValueError(f"ownership: expected one of {', '.join(OWNERSHIPS)}, got {self.ownership!r}")
+
+    @property
+    def choices(self) -> PlanChoices:
+        """What it chooses for the planner beside its layout (`planner.make_plan`)."""
+        return PlanChoices(self.floor, self.tailguard, self.objective)
 
     @property
     def kind(self) -> PolicyKind:
@@ -88,11 +95,10 @@ def make_policy_plan(policy: Policy, batch: list[TraceRecord], history: Trace, *
     their `prompt_len` counts them), planned by what is left of them. `kv`: how the simulated KV
     cache holds a request (`SimConfig.unit`), what the planner prices its memory check in."""
     # A simulated world need not divide the experts: balanced ownership holds uneven blocks or replicas.
-    dims = ParallelDims(ranks, shape.num_experts, policy.ownership, even=False)
-    return policy.kind.plan(batch, history, dims=dims, floor=policy.floor, shape=shape, cost=cost,
-                            oracle=policy.oracle, ladder_always=True, tailguard=policy.tailguard,
-                            objective=policy.objective, known_prefix=known_prefix,
-                            budget=replace(shape.budget, kv=kv))
+    platform = Platform(planned_dims(ranks, shape.num_experts, policy.ownership), shape, cost,
+                        replace(shape.budget, kv=kv))
+    return policy.kind.plan(batch, history, platform=platform, choices=policy.choices, oracle=policy.oracle,
+                            ladder_always=True, known_prefix=known_prefix)
 
 
 def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], history: Trace, *,
@@ -102,9 +108,10 @@ def make_policy_rule(policy: Policy, plan: Plan, batch: list[TraceRecord], histo
     `Plan.advance`); `batch` in the order the simulator indexes responses. Its moves fit the
     receivers' KV and, as the engine's (`config.max_batch`, the runtime's `max_batch_per_rank`),
     their slots."""
-    rule = policy.kind.rule(plan, batch, history, cost=cost, shape=shape, options=policy.online,
-                            known_prefix=known_prefix, objective=policy.objective, check_every=config.check_every,
-                            kv=config.unit, max_batch=config.max_batch)
+    rule_config = RuleConfig(objective=policy.objective, check_every=config.check_every, max_batch=config.max_batch,
+                             kv=config.unit)
+    rule = policy.kind.rule(plan, batch, history, cost=cost, shape=shape, options=policy.online, config=rule_config,
+                            known_prefix=known_prefix)
     if rule is not None:
         plan.meta["online"]["options"] = policy.online.suffix.strip() or "all"
     return rule

@@ -34,9 +34,9 @@ import numpy as np
 
 from elastic.ledger import Ledger
 from elastic.planning.busiest import busiest_load
-from elastic.planning.kv_unit import KV_KINDS, KVUnit, share_groups, slot_len
+from elastic.planning.memory.kv_unit import KV_KINDS, KVUnit, share_groups, slot_len
+from elastic.planning.online.rule import OnlineRule
 from elastic.planning.plan import Plan
-from elastic.planning.replan import OnlineRule
 from elastic.planning.shape import ModelShape
 from elastic.sim.admission import peak_concurrent, start_steps
 from elastic.sim.books import RankBooks

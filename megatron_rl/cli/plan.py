@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-from elastic.planning.choices import LAYOUTS, OBJECTIVES
+from elastic.planning.choices import LAYOUTS, OBJECTIVES, PlanChoices
 from elastic.planning.shape import QWEN3_30B_A3B_H100
 from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.config import require, require_seed
@@ -97,6 +97,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from elastic.planning.plan import PlanError
     from elastic.planning.planner import plan_epoch
+    from elastic.planning.platform import Platform
     from elastic.planning.shape import SHAPES
     from elastic.trace import TraceError, read_trace
     from megatron_rl.cli.overrides import resolve
@@ -109,10 +110,9 @@ def run(args) -> int:
     try:
         trace = read_trace(c.trace)
         epoch = trace.epochs[-1] if c.epoch is None else c.epoch
-        plan = plan_epoch(trace, epoch, dims=c.dims, floor=c.ranks if c.floor is None else c.floor,
-                          shape=SHAPES[c.model], layout=c.layout, tailguard=c.tailguard,
-                          alpha=c.alpha, oracle=c.oracle, max_response_len=c.max_response_len,
-                          seed=c.seed, objective=c.objective)
+        choices = PlanChoices(c.ranks if c.floor is None else c.floor, c.tailguard, c.objective, c.alpha, c.seed)
+        plan = plan_epoch(trace, epoch, platform=Platform(c.dims, SHAPES[c.model]), layout=c.layout,
+                          choices=choices, oracle=c.oracle, max_response_len=c.max_response_len)
     except (TraceError, PlanError) as e:
         raise FlexFloorError(str(e)) from None
     if args.json:

@@ -29,9 +29,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from elastic.planning.guard import report
-    from elastic.planning.predict import infer_cap
-    from elastic.planning.remaining import SiblingFit
+    from elastic.planning.lengths.guard import report
+    from elastic.planning.lengths.predict import infer_cap
+    from elastic.planning.lengths.remaining import SiblingFit
     from elastic.trace import read_trace
 
     if not 0 < args.alpha < 1:

@@ -6,7 +6,7 @@ import json
 import sys
 
 from elastic.planning.choices import OBJECTIVES
-from elastic.planning.kv_unit import KV_KINDS
+from elastic.planning.memory.kv_unit import KV_KINDS
 from elastic.planning.policies import SIM_POLICIES
 from megatron_rl.backend_rules import BACKENDS
 from megatron_rl.errors import FlexFloorError

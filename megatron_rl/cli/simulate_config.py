@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from elastic.planning.choices import OBJECTIVES
-from elastic.planning.kv_unit import KV_KINDS
+from elastic.planning.memory.kv_unit import KV_KINDS
 from elastic.planning.policies import SIM_POLICIES
 from elastic.planning.shape import SHAPES, ModelShape
 from elastic.sim.costmodel import CostModel

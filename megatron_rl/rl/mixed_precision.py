@@ -122,7 +122,7 @@ def grad_params(model: nn.Module, optimizer) -> list[tuple[str, torch.Tensor]]:
 
 def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | None = None, world: int = 1) -> int:
     """Bytes of training state that stay on the device through the rollout beside the model's
-    weights (elastic/planning/train_memory.py has the table):
+    weights (elastic/planning/memory/train_memory.py has the table):
     - the replicated torch optimizer: fp32 masters and AdamW's two fp32 moments under mixed
       precision (12 bytes per parameter), else the two moments in the parameters' dtype;
     - ZeRO-1 / offload (rl/zero.py): what its shard keeps on the device (none under offload);
@@ -132,7 +132,7 @@ def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | Non
     plus the KL reference model's weights. (The torch backend frees its gradients before the
     rollout.) AdamW allocates its moments at the first step; they are counted from the start, as
     the planner must hold room for them."""
-    from elastic.planning.train_memory import optimizer_state_bytes
+    from elastic.planning.memory.train_memory import OptimizerSetup, optimizer_state_bytes
     from megatron_rl.models.params import is_expert_param
     from megatron_rl.rl.megatron_train import MegatronOptimizer
     # ZeRO-1 (rl/zero.py, which builds on this file) knows its own shard: asked, not imported.
@@ -142,7 +142,8 @@ def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | Non
         named = list(model.named_parameters())
         dense = sum(p.numel() for n, p in named if not is_expert_param(n))
         experts = sum(p.numel() for n, p in named if is_expert_param(n))
-        optim, grads, _ = optimizer_state_bytes(dense, experts, world, "megatron", "sharded", True, 2)
+        setup = OptimizerSetup("megatron", "sharded", True, 2)
+        optim, grads, _ = optimizer_state_bytes(dense, experts, world, setup)
         total = optim + grads
     else:
         tensors = 3 if isinstance(optimizer, MixedPrecisionOptimizer) else 2

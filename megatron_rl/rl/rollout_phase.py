@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic.planning.kv_unit import KVUnit
+from elastic.planning.memory.kv_unit import KVUnit
 from elastic.timeline import Timeline
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt

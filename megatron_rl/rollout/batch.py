@@ -48,7 +48,7 @@ def scaled_len(n: int, scale: float) -> int:
 
 
 def predicted_len(reserved: float, scale: float) -> int | None:
-    """A response's reserved length (trace tokens: `elastic.planning.guard.reserved_lengths`) in run
+    """A response's reserved length (trace tokens: `elastic.planning.lengths.guard.reserved_lengths`) in run
     tokens, what the paged KV cache admits it by (`Request.predicted_len`); None where nothing bounds
     it (its cap decides)."""
     return None if math.isinf(reserved) else scaled_len(math.ceil(reserved), scale)

@@ -1,6 +1,6 @@
 """The step cost `flexfloor rollout` and `train` plan with: calibrated on the engine they run on.
 
-The planner prices quorum chains with a `StepCost` (elastic/planning/chain_estimate.py). Its default,
+The planner prices quorum chains with a `StepCost` (elastic/planning/chains/estimate.py). Its default,
 `ShapeCost`, describes an H100: on the tiny CPU model it prices a decode step at microseconds and a
 shrink at 50 ms, so no chain ever pays and `--policy planned` never detaches a rank. The CPU engine
 measures otherwise (tools/bench_sim_vs_engine.py, docs/simulator.md; `flexfloor rollout` ledgers on

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit
 from elastic.planning.shape import MemoryBudget
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.routes import route_bytes_per_token

@@ -47,7 +47,7 @@ class RankRollout:
     # elastic engine runs (`Backend.elastic_engine`).
     backend: Any
     transport: str = "direct"  # `elastic.runtime.transport.TRANSPORTS`
-    rule: Any = None  # `adaptive`: the online rule (`elastic.planning.replan.OnlineRule`)
+    rule: Any = None  # `adaptive`: the online rule (`elastic.planning.online.rule.OnlineRule`)
     # Run tokens per trace token (a trace replayed at a length scale); the plan and rule reason in
     # trace tokens.
     token_scale: float = 1.0
@@ -147,14 +147,14 @@ def run_rank(spec: RankRollout, engine: RolloutEngine, *, pool: Callable[[bool],
     """Carry the plan out on this rank; returns its `RankOutcome`. `pool(fault_here)` builds the
     idle pool of a detached rank (None: it idles); `carried` maps a request's key to per-token
     values recorded beside the engine that move with it when it migrates."""
-    from elastic.runtime.runtime import ElasticRuntime
+    from elastic.runtime.runtime import DecodeHooks, ElasticRuntime
 
     elastic, online = elastic_engine(spec, engine, carried)
+    hooks = DecodeHooks(progress=spec.progress, after_step=None if stream is None else stream.flush,
+                        stop=None if spec.stop is None else spec.stop(engine))
     runtime = ElasticRuntime(elastic, spec.plan, spec.rank, spec.store, status_interval=spec.status_interval,
-                             pool=None if pool is None else pool(spec.fault_here), progress=spec.progress,
-                             after_step=None if stream is None else stream.flush,
-                             predicted_ticks=spec.predicted_ticks, online=online,
-                             stop=None if spec.stop is None else spec.stop(engine))
+                             pool=None if pool is None else pool(spec.fault_here),
+                             predicted_ticks=spec.predicted_ticks, online=online, hooks=hooks)
     try:
         outcome = runtime.run()
     except BaseException:

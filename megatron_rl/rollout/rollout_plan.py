@@ -11,9 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from elastic.planning.choices import PlanChoices
 from elastic.planning.dims import ParallelDims
-from elastic.planning.kv_unit import TOKENS, KVUnit
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit
+from elastic.planning.online.rule import RuleConfig
 from elastic.planning.plan import Plan
+from elastic.planning.platform import Platform
 from elastic.planning.policies import PolicyError, policy_kind
 from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.errors import FlexFloorError
@@ -110,8 +113,9 @@ def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int 
     try:
         # A plan that keeps every rank predicts no gain: `adaptive` then takes the vanilla path too (one
         # stage, no online rule: no per-response status collective, no re-planning, no ladder's groups).
-        plan = kind.plan(batch, history, dims=dims, floor=floor, shape=shape, cost=cost, tailguard=tailguard,
-                         max_response_len=max_response_len, budget=budget, known_prefix=known_prefix)
+        plan = kind.plan(batch, history, platform=Platform(dims, shape, cost, budget),
+                         choices=PlanChoices(floor, tailguard), max_response_len=max_response_len,
+                         known_prefix=known_prefix)
     except PolicyError as e:
         raise FlexFloorError(f"policy {policy}: {e}") from None
     except PlanError as e:
@@ -137,12 +141,13 @@ def online_rule(plan: Plan, batch, history, *, policy: str, shape: ModelShape, s
     lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
     when the objective's occupied rank-seconds say it pays. `kv`: how the run's KV cache holds a
     request (the memory budget's), what the rule checks its moves' receivers in."""
-    from elastic.planning.remaining import OnlineOptions
+    from elastic.planning.lengths.remaining import OnlineOptions
 
+    config = RuleConfig(check_every=max(1, round(status_interval / length_scale)), max_slowdown=None,
+                        max_batch=max_batch, kv=kv)
     rule = policy_kind(policy).rule(plan, batch, history, cost=engine_cost(length_scale), shape=shape,
-                                    options=OnlineOptions(migrate=migrate), max_response_len=max_response_len,
-                                    known_prefix=known_prefix, max_slowdown=None, max_batch=max_batch,
-                                    check_every=max(1, round(status_interval / length_scale)), kv=kv)
+                                    options=OnlineOptions(migrate=migrate), config=config,
+                                    max_response_len=max_response_len, known_prefix=known_prefix)
     if rule is not None:
         plan.meta["online"]["migrate"] = migrate
     return rule

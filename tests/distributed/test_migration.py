@@ -42,7 +42,7 @@ def test_adaptive_migrates_and_equals_vanilla(tmp_path):
 
 
 def _migrate_then_lose_receiver(ctx, out_dir: str):
-    from elastic.planning.replan_place import Decision
+    from elastic.planning.online.place import Decision
     from elastic.runtime.online import OnlineDriver
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
@@ -88,7 +88,7 @@ def test_receiver_lost_mid_migration_keeps_the_response_on_its_sender(tmp_path):
 
 
 def _agree(ctx, out_dir: str):
-    from elastic.planning.replan_place import Decision
+    from elastic.planning.online.place import Decision
     from elastic.runtime.online import OnlineDriver
     from elastic.runtime.transport import DirectTransport
 

@@ -33,7 +33,7 @@ class _Moving:
         self.rule, self.plan, self.moves = rule, rule.plan, 0
 
     def decide(self, stage, step, rank_of, tokens, done):
-        from elastic.planning.replan_place import Decision
+        from elastic.planning.online.place import Decision
 
         d = self.rule.decide(stage, step, rank_of, tokens, done)  # its clocks see every check
         if self.moves:

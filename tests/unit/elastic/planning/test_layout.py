@@ -12,15 +12,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.planning.kv_unit import KVUnit
+from elastic.planning.chains.schedule import contiguous_owners, held_counts
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import planned_dims
 from elastic.planning.layout import LAYOUTS, layout_kind, natural
+from elastic.planning.memory.kv_unit import KVUnit
 from elastic.planning.plan import PlanError
 from elastic.planning.planner import make_plan
-from elastic.planning.schedule import contiguous_owners, held_counts
+from elastic.planning.platform import Platform
 from elastic.planning.shape import ModelShape
 from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
-from tests.helpers.plans import planned_dims
 
 KV_BYTES = 64
 
@@ -94,8 +96,8 @@ def test_oracle_plans_are_safe_or_rejected_with_a_reason(problem):
     ranks, experts, floor, batch, shape, layout = problem
     lengths = {r.key: r.response_len for r in batch}
     try:
-        plan = make_plan(batch, Trace([]), dims=planned_dims(ranks, shape), floor=floor, shape=shape, layout=layout,
-                         tailguard=False, true_lengths=lengths)
+        plan = make_plan(batch, Trace([]), platform=Platform(planned_dims(ranks, shape.num_experts), shape),
+                         choices=PlanChoices(floor, False), layout=layout, true_lengths=lengths)
     except PlanError as e:
         msg = str(e)
         held_floor = math.ceil(experts / floor)
@@ -123,8 +125,8 @@ def test_predicted_plans_are_safe(ranks, experts, data):
     shape = tiny_shape(experts, experts, data.draw(st.integers(20000, 400000)))
     batch = trace.epoch(2)
     try:
-        plan = make_plan(batch, trace.before(2), dims=planned_dims(ranks, shape), floor=floor, shape=shape,
-                         layout=layout, tailguard=tailguard)
+        plan = make_plan(batch, trace.before(2), platform=Platform(planned_dims(ranks, shape.num_experts), shape),
+                         choices=PlanChoices(floor, tailguard), layout=layout)
     except PlanError as e:
         assert "KV cache" in str(e)
         return
@@ -135,10 +137,10 @@ def test_floor_that_cannot_hold_the_experts_is_rejected():
     batch = [TraceRecord("a", 0, 0, 10, 10)]
     shape = tiny_shape(16, 7, 0)  # a rank fits 7 experts and nothing else: floor 2 would need 8
     with pytest.raises(PlanError, match="floor 2 cannot hold the 16 experts"):
-        make_plan(batch, Trace([]), dims=planned_dims(4, shape), floor=2, shape=shape, layout="planned",
-                  tailguard=False, true_lengths={("a", 0): 10})
-    plan = make_plan(batch, Trace([]), dims=planned_dims(4, shape), floor=3, shape=shape, layout="planned",
-                     tailguard=False, true_lengths={("a", 0): 10})
+        make_plan(batch, Trace([]), platform=Platform(planned_dims(4, shape.num_experts), shape),
+                  choices=PlanChoices(2, False), layout="planned", true_lengths={("a", 0): 10})
+    plan = make_plan(batch, Trace([]), platform=Platform(planned_dims(4, shape.num_experts), shape),
+                     choices=PlanChoices(3, False), layout="planned", true_lengths={("a", 0): 10})
     assert len(plan.stages[-1].members) >= 3
 
 
@@ -148,10 +150,10 @@ def test_kv_that_cannot_fit_is_rejected():
     lengths = {r.key: 5000 for r in batch}
     for layout in ("natural", "lengthsort", "planned"):
         with pytest.raises(PlanError, match="KV cache"):
-            make_plan(batch, Trace([]), dims=planned_dims(1, shape), floor=1, shape=shape, layout=layout,
-                      tailguard=False, true_lengths=lengths)
-    plan = make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="planned",
-                     tailguard=False, true_lengths=lengths)
+            make_plan(batch, Trace([]), platform=Platform(planned_dims(1, shape.num_experts), shape),
+                      choices=PlanChoices(1, False), layout=layout, true_lengths=lengths)
+    plan = make_plan(batch, Trace([]), platform=Platform(planned_dims(2, shape.num_experts), shape),
+                     choices=PlanChoices(1, False), layout="planned", true_lengths=lengths)
     _check_safe(plan, batch, shape, 1, 2, lengths)
 
 
@@ -170,15 +172,17 @@ def test_kv_is_priced_in_the_positions_the_runs_cache_holds(kv, ranks):
     for fewer in range(1, ranks):
         if not kv.queues:
             with pytest.raises(PlanError, match="KV cache cannot fit"):
-                make_plan(batch, Trace([]), dims=planned_dims(fewer, shape), floor=1, shape=shape,
-                          layout="planned", tailguard=False, true_lengths=lengths, budget=budget)
+                make_plan(batch, Trace([]),
+                          platform=Platform(planned_dims(fewer, shape.num_experts), shape, budget=budget),
+                          choices=PlanChoices(1, False), layout="planned", true_lengths=lengths)
             continue
         # Slots and pages queue what does not fit: planned, every rank staying, and said.
-        plan = make_plan(batch, Trace([]), dims=planned_dims(fewer, shape), floor=1, shape=shape, layout="planned",
-                         tailguard=False, true_lengths=lengths, budget=budget)
+        plan = make_plan(batch, Trace([]),
+                         platform=Platform(planned_dims(fewer, shape.num_experts), shape, budget=budget),
+                         choices=PlanChoices(1, False), layout="planned", true_lengths=lengths)
         assert "queue what does not fit" in plan.meta["kv_queued"] and len(plan.stages) == 1
-    plan = make_plan(batch, Trace([]), dims=planned_dims(ranks, shape), floor=ranks, shape=shape, layout="planned",
-                     tailguard=False, true_lengths=lengths, budget=budget)
+    plan = make_plan(batch, Trace([]), platform=Platform(planned_dims(ranks, shape.num_experts), shape, budget=budget),
+                     choices=PlanChoices(ranks, False), layout="planned", true_lengths=lengths)
     assert len(plan.assignments) == 4 and "kv_queued" not in plan.meta
 
 
@@ -187,8 +191,9 @@ def test_a_response_no_rank_holds_alone_is_refused_even_by_a_queueing_cache(kv):
     batch = [TraceRecord("a", 0, 0, 13_000, 0)]  # 13,000 positions; a rank has 12,000
     shape = tiny_shape(8, 8, 12_000)
     with pytest.raises(PlanError, match="KV cache"):
-        make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="planned",
-                  tailguard=False, true_lengths={("a", 0): 0}, budget=replace(shape.budget, kv=kv))
+        make_plan(batch, Trace([]),
+                  platform=Platform(planned_dims(2, shape.num_experts), shape, budget=replace(shape.budget, kv=kv)),
+                  choices=PlanChoices(1, False), layout="planned", true_lengths={("a", 0): 0})
 
 
 def test_a_huge_prompt_with_short_responses_is_rejected():
@@ -200,12 +205,12 @@ def test_a_huge_prompt_with_short_responses_is_rejected():
     for kw in ({"true_lengths": {r.key: 10 for r in batch}}, {}):
         for layout in ("natural", "lengthsort", "planned"):
             with pytest.raises(PlanError, match="KV cache cannot fit"):
-                make_plan(batch, history, dims=planned_dims(2, shape), floor=1, shape=shape, layout=layout,
-                          tailguard=True, **kw)
+                make_plan(batch, history, platform=Platform(planned_dims(2, shape.num_experts), shape),
+                          choices=PlanChoices(1, True), layout=layout, **kw)
     with pytest.raises(PlanError, match=r"alone needs up to 100000\d\d KV tokens \(its prompt is "
                                         r"10000000\)"):
-        make_plan(batch, history, dims=planned_dims(2, shape), floor=1, shape=shape, layout="lengthsort",
-                  tailguard=False, true_lengths={r.key: 10 for r in batch})
+        make_plan(batch, history, platform=Platform(planned_dims(2, shape.num_experts), shape),
+                  choices=PlanChoices(1, False), layout="lengthsort", true_lengths={r.key: 10 for r in batch})
 
 
 @pytest.mark.parametrize("tailguard", [False, True])
@@ -219,10 +224,12 @@ def test_every_prompt_is_counted_not_its_expectation(layout, tailguard):
                      for e in range(2) for p in range(50) for s in range(4)])
     batch = [TraceRecord(f"q{p}", 2, s, 1000, 1) for p in range(50) for s in range(4)]
     with pytest.raises(PlanError, match="KV cache cannot fit"):
-        make_plan(batch, history, dims=planned_dims(1, tiny_shape(8, 8, 195_000)), floor=1,
-                  shape=tiny_shape(8, 8, 195_000), layout=layout, tailguard=tailguard)
-    make_plan(batch, history, dims=planned_dims(1, tiny_shape(8, 8, 205_000)), floor=1,
-              shape=tiny_shape(8, 8, 205_000), layout=layout, tailguard=tailguard)
+        make_plan(batch, history,
+                  platform=Platform(planned_dims(1, tiny_shape(8, 8, 195_000).num_experts), tiny_shape(8, 8, 195_000)),
+                  choices=PlanChoices(1, tailguard), layout=layout)
+    make_plan(batch, history,
+              platform=Platform(planned_dims(1, tiny_shape(8, 8, 205_000).num_experts), tiny_shape(8, 8, 205_000)),
+              choices=PlanChoices(1, tailguard), layout=layout)
 
 
 def test_empty_responses_hold_their_prompts():
@@ -230,10 +237,10 @@ def test_empty_responses_hold_their_prompts():
     shape = tiny_shape(8, 8, 12_000)  # two prompts fit a rank, not four
     lengths = {r.key: 0 for r in batch}
     with pytest.raises(PlanError, match="KV cache cannot fit"):
-        make_plan(batch, Trace([]), dims=planned_dims(1, shape), floor=1, shape=shape, layout="planned",
-                  tailguard=False, true_lengths=lengths)
-    plan = make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="planned",
-                     tailguard=False, true_lengths=lengths)
+        make_plan(batch, Trace([]), platform=Platform(planned_dims(1, shape.num_experts), shape),
+                  choices=PlanChoices(1, False), layout="planned", true_lengths=lengths)
+    plan = make_plan(batch, Trace([]), platform=Platform(planned_dims(2, shape.num_experts), shape),
+                     choices=PlanChoices(1, False), layout="planned", true_lengths=lengths)
     _check_safe(plan, batch, shape, 1, 2, lengths)
 
 
@@ -241,9 +248,10 @@ def test_empty_history_needs_the_cap():
     batch = [TraceRecord("a", 0, 0, 10, 10)]
     shape = tiny_shape(8, 8, 10_000)
     with pytest.raises(PlanError, match="max_response_len"):
-        make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="natural", tailguard=True)
-    plan = make_plan(batch, Trace([]), dims=planned_dims(2, shape), floor=1, shape=shape, layout="natural",
-                     tailguard=True, max_response_len=100)
+        make_plan(batch, Trace([]), platform=Platform(planned_dims(2, shape.num_experts), shape),
+                  choices=PlanChoices(1, True), layout="natural")
+    plan = make_plan(batch, Trace([]), platform=Platform(planned_dims(2, shape.num_experts), shape),
+                     choices=PlanChoices(1, True), layout="natural", max_response_len=100)
     assert [a.rank for a in plan.assignments] == [a.rank for a in natural([("a", 0)], 2)]
 
 
@@ -251,8 +259,8 @@ def test_empty_history_needs_the_cap():
 def test_extreme_rank_and_expert_counts(ranks, experts):
     trace = generate(preset("eurus", prompts=64, samples=8, epochs=2), seed=0)
     shape = tiny_shape(experts, experts, 10**7)
-    plan = make_plan(trace.epoch(1), trace.before(1), dims=planned_dims(ranks, shape), floor=1, shape=shape,
-                     layout="planned", tailguard=True)
+    plan = make_plan(trace.epoch(1), trace.before(1), platform=Platform(planned_dims(ranks, shape.num_experts), shape),
+                     choices=PlanChoices(1, True), layout="planned")
     _check_safe(plan, trace.epoch(1), shape, 1, ranks)
 
 

@@ -8,15 +8,16 @@ import json
 import pytest
 import torch
 
-from elastic.planning.dims import LayoutError, ParallelDims, block_owners
+from elastic.planning.chains.schedule import build_stages, candidate_sizes, chains
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import LayoutError, ParallelDims, block_owners, planned_dims
 from elastic.planning.plan import Plan, PlanError
 from elastic.planning.planner import make_plan
-from elastic.planning.schedule import build_stages, candidate_sizes, chains
+from elastic.planning.platform import Platform
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, simulate_trace
 from megatron_rl.errors import FlexFloorError
-from tests.helpers.plans import planned_dims
 from tests.helpers.traces import small_deepscaler
 
 QWEN = ModelShape()  # 128 experts
@@ -60,8 +61,9 @@ def test_block_stages_are_block_owners_of_their_members():
 @pytest.mark.parametrize("layout", ["natural", "planned"])
 def test_plan_with_blocks_passes_only_through_divisor_sizes(trace, layout):
     ep = trace.epochs[-1]
-    plan = make_plan(trace.epoch(ep), trace.before(ep), dims=planned_dims(16, QWEN, "blocks"), floor=3, shape=QWEN,
-                     layout=layout, tailguard=True)
+    plan = make_plan(trace.epoch(ep), trace.before(ep),
+                     platform=Platform(planned_dims(16, QWEN.num_experts, "blocks"), QWEN),
+                     choices=PlanChoices(3, True), layout=layout)
     _assert_blocks(plan)
     # The whole search ran over divisor sizes (8, 4): 2**2 chains priced, not 2**13.
     assert plan.meta["chains_priced"] == 4
@@ -72,8 +74,8 @@ def test_plan_with_blocks_passes_only_through_divisor_sizes(trace, layout):
 
 def test_plan_check_refuses_a_blocks_plan_off_the_blocks(trace):
     ep = trace.epochs[-1]
-    plan = make_plan(trace.epoch(ep), trace.before(ep), dims=planned_dims(8, QWEN), floor=4, shape=QWEN,
-                     layout="planned", tailguard=False)
+    plan = make_plan(trace.epoch(ep), trace.before(ep), platform=Platform(planned_dims(8, QWEN.num_experts), QWEN),
+                     choices=PlanChoices(4, False), layout="planned")
     plan.stages = build_stages([8, 4], 128)  # fewest-moves owners: the survivors keep their blocks
     plan.check()
     plan.ownership = "blocks"
@@ -88,11 +90,12 @@ def test_blocks_refused_where_ranks_do_not_divide_the_experts_and_a_layout_of_an
     # The layout refuses itself when it is built, once per command; the planner refuses a layout
     # built for another model's experts.
     with pytest.raises(LayoutError, match="128 experts do not divide over 12 ranks"):
-        planned_dims(12, QWEN, "blocks")
+        planned_dims(12, QWEN.num_experts, "blocks")
     ep = trace.epochs[-1]
     with pytest.raises(PlanError, match=f"dims: expected the 128 experts of {QWEN.name}, got 64"):
-        make_plan(trace.epoch(ep), trace.before(ep), dims=planned_dims(8, ModelShape(num_experts=64)), floor=4,
-                  shape=QWEN, layout="planned", tailguard=False)
+        make_plan(trace.epoch(ep), trace.before(ep),
+                  platform=Platform(planned_dims(8, ModelShape(num_experts=64).num_experts), QWEN),
+                  choices=PlanChoices(4, False), layout="planned")
 
 
 def test_simulator_plans_blocks_and_pays_their_moves(trace):

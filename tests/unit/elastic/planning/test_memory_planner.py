@@ -3,8 +3,11 @@ training state and KV, priced against a device's memory (Qwen3-30B-A3B on 80 GB,
 import pytest
 import torch
 
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import planned_dims
 from elastic.planning.plan import PlanError
 from elastic.planning.planner import make_plan
+from elastic.planning.platform import Platform
 from elastic.planning.shape import QWEN3_30B_A3B_H100, MemoryBudget
 from elastic.sim.costmodel import DEFAULT_COST, CostModel
 from elastic.sim.synth import generate, preset
@@ -13,7 +16,6 @@ from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.train_step import make_optimizer
 from megatron_rl.rollout.memory import kv_bytes_per_token, memory_budget, weight_bytes
-from tests.helpers.plans import planned_dims
 
 QWEN3_30B = MoEModelConfig(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
                            kv_channels=128, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
@@ -58,8 +60,9 @@ def test_the_planners_shape_is_the_model_configs_own():
 def _plan(cfg, budget, floor, ranks=16, prompts=24, cap=8192, layout="planned"):
     trace = generate(preset("deepscaler", prompts=prompts, samples=8, epochs=3, cap=cap), seed=1)
     shape = cfg.shape(2, budget, ranks_per_node=8)
-    return make_plan(trace.epoch(2), trace.before(2), dims=planned_dims(ranks, shape), floor=floor, shape=shape,
-                     layout=layout, tailguard=True, budget=budget)
+    return make_plan(trace.epoch(2), trace.before(2),
+                     platform=Platform(planned_dims(ranks, shape.num_experts), shape, budget=budget),
+                     choices=PlanChoices(floor, True), layout=layout)
 
 
 def _trainer_resident(cfg, ranks):

@@ -5,12 +5,14 @@ access; planning epoch E must still work, and give the same plan as with the rea
 """
 import pytest
 
-from elastic.planning.guard import TailGuard
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import planned_dims
+from elastic.planning.lengths.guard import TailGuard
+from elastic.planning.lengths.predict import Predictor
 from elastic.planning.planner import plan_epoch
-from elastic.planning.predict import Predictor
+from elastic.planning.platform import Platform
 from elastic.planning.shape import ModelShape
 from elastic.trace import Trace, TraceRecord
-from tests.helpers.plans import planned_dims
 from tests.helpers.traces import deepscaler
 
 
@@ -67,7 +69,8 @@ def test_predictor_and_guard_read_only_the_past(trace, epoch):
     ("natural", 16, False), ("lengthsort", 16, True), ("natural", 2, True),
     ("planned", 4, True), ("planned", 2, False)])
 def test_plan_for_epoch_reads_only_the_past(trace, layout, floor, tailguard):
-    kw = dict(dims=planned_dims(16, ModelShape()), floor=floor, shape=ModelShape(), layout=layout, tailguard=tailguard)
+    kw = dict(platform=Platform(planned_dims(16, ModelShape().num_experts), ModelShape()),
+              choices=PlanChoices(floor, tailguard), layout=layout)
     epoch = 4
     plan = plan_epoch(poison(trace, epoch), epoch, **kw)
     assert plan.to_dict() == plan_epoch(trace, epoch, **kw).to_dict()
@@ -80,5 +83,5 @@ def test_plan_for_epoch_reads_only_the_past(trace, layout, floor, tailguard):
 
 def test_oracle_is_the_only_reader_of_the_batch(trace):
     with pytest.raises(Leak):
-        plan_epoch(poison(trace, 4), 4, dims=planned_dims(8, ModelShape()), floor=2, shape=ModelShape(),
-                   layout="planned", tailguard=False, oracle=True)
+        plan_epoch(poison(trace, 4), 4, platform=Platform(planned_dims(8, ModelShape().num_experts), ModelShape()),
+                   choices=PlanChoices(2, False), layout="planned", oracle=True)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from elastic.planning.kv_unit import KVUnit, share_groups
+from elastic.planning.memory.kv_unit import KVUnit, share_groups
 from elastic.planning.shape import ModelShape
 from elastic.sim.admission import admit, start_steps
 from elastic.sim.costmodel import DEFAULT_COST
@@ -217,7 +217,7 @@ def test_the_simulator_decodes_at_most_max_batch_requests_at_once(kv):
                             kv=config.unit)
     rule = make_policy_rule(Policy("adaptive", 2), plan, batch, trace.before(1), shape=shape, cost=cost,
                             config=config)
-    assert rule.max_batch == 16
+    assert rule.config.max_batch == 16
     sim = _Rollout(plan, batch, cost, shape, config)
     res = sim.run(rule)
     assert res.migrated > 0 and max(peak_concurrent(sim.at.live)) <= 16

@@ -1,16 +1,18 @@
 """Partial rollouts in the planner and the simulator (elastic/sim/partial.py): a resumed response is
 planned by what is left of it, and over a trace nothing is dropped, carried responses resume, and
 adaptive + partial carries exactly what partial alone carries (the end rule counts steps)."""
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import planned_dims
+from elastic.planning.lengths.predict import Predictor
 from elastic.planning.partial import PartialRule
 from elastic.planning.planner import make_plan
-from elastic.planning.predict import Predictor
+from elastic.planning.platform import Platform
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.partial import simulate_partial
 from elastic.sim.replay import Policy, simulate_trace
 from elastic.sim.synth import generate, preset
 from elastic.trace import TraceRecord
-from tests.helpers.plans import planned_dims
 
 
 def test_a_resumed_response_is_planned_by_what_is_left_of_it():
@@ -22,8 +24,8 @@ def test_a_resumed_response_is_planned_by_what_is_left_of_it():
     known = {r.key: 16384 - 60 for r in longest}
     resumed = [TraceRecord(r.prompt_id, r.epoch, r.sample, r.prompt_len + known.get(r.key, 0), r.response_len)
                for r in batch]
-    kw = dict(dims=planned_dims(16, ModelShape()), floor=4, shape=ModelShape(), layout="planned", tailguard=True,
-              cost=CostModel(), objective="rollout")
+    kw = dict(platform=Platform(planned_dims(16, ModelShape().num_experts), ModelShape(), cost=CostModel()),
+              choices=PlanChoices(4, True, objective="rollout"), layout="planned")
     for prefix, on_residents in ((None, 8), (known, 0)):
         plan = make_plan(resumed, history, known_prefix=prefix, **kw)
         residents = set(plan.stages[-1].members)

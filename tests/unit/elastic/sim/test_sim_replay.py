@@ -1,7 +1,10 @@
 """Policies over whole traces: the planner's plans through the simulator."""
 import pytest
 
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import planned_dims
 from elastic.planning.planner import make_plan
+from elastic.planning.platform import Platform
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import DEFAULT_COST
 from elastic.sim.replay import POLICIES, Policy, compare_policies, simulate_trace
@@ -9,7 +12,6 @@ from elastic.sim.report import run_compare
 from elastic.sim.simulate import SimConfig
 from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceError, TraceRecord
-from tests.helpers.plans import planned_dims
 
 SHAPE = ModelShape()
 
@@ -71,8 +73,9 @@ def test_the_objective_reaches_the_planner_and_the_labels(small):
     capacity = simulate_trace(small, Policy("planned", 2, True), ranks=8, cost=DEFAULT_COST, shape=SHAPE,
                               epochs=[1])
     for res, objective in ((latency, "rollout"), (capacity, "occupied")):
-        direct = make_plan(small.epoch(1), small.before(1), dims=planned_dims(8, SHAPE), floor=2, shape=SHAPE,
-                           layout="planned", tailguard=True, cost=DEFAULT_COST, objective=objective)
+        direct = make_plan(small.epoch(1), small.before(1),
+                           platform=Platform(planned_dims(8, SHAPE.num_experts), SHAPE, cost=DEFAULT_COST),
+                           choices=PlanChoices(2, True, objective=objective), layout="planned")
         assert res.plans[0].meta["chain"] == direct.meta["chain"]
         assert res.summary()["objective"] == objective
     # On this trace the two objectives pick different chains; each wins on its own criterion.

@@ -1,5 +1,5 @@
-"""What a scenario of the online rule (`replan.OnlineRule`) costs: "stage j from now, with these
-requests moved", priced on the sampled future (`replan_grid.Grid`) at each sample's busiest member.
+"""What a scenario of the online rule (`online.rule.OnlineRule`) costs: "stage j from now, with these
+requests moved", priced on the sampled future (`online.grid.Grid`) at each sample's busiest member.
 
 Apart from the rule because these are the prices, fixed for one rollout (the ladder's shrink and
 restore seconds, memoised step seconds), while the rule decides which scenarios to compare and
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from elastic.planning.busiest import busiest_load
-from elastic.planning.chain_estimate import Estimate
+from elastic.planning.chains.estimate import Estimate
+from elastic.planning.online.grid import Grid, batch_context
 from elastic.planning.plan import Plan
-from elastic.planning.replan_grid import Grid, batch_context
 from elastic.planning.shape import ModelShape
 from elastic.planning.step_cost import StepCost, step_table
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic.planning.predict import LengthDist, Predictor, norm_ppf, score
+from elastic.planning.lengths.predict import LengthDist, Predictor, norm_ppf, score
 from elastic.trace import Trace, TraceRecord
 
 

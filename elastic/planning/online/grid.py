@@ -1,4 +1,4 @@
-"""The sampled future one online decision is priced on (`replan.OnlineRule`).
+"""The sampled future one online decision is priced on (`online.rule.OnlineRule`).
 
 The remaining lengths of the live requests are sampled jointly (`remaining.OnlineModel`); `Grid` cuts
 the remaining decode steps into segments (geometric from one step, so the early decisions are

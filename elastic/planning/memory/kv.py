@@ -37,10 +37,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from elastic.planning.kv_unit import TOKENS, KVUnit, slot_len
-from elastic.planning.predict import LengthDist, norm_ppf
+from elastic.planning.lengths.predict import LengthDist, norm_ppf
+from elastic.planning.memory.kv_unit import TOKENS, KVUnit, slot_len
 
-GRID = 40
+# Points of the step grid the demand curves are evaluated on (geometric, from one step to the longest).
+DEMAND_POINTS = 40
 
 
 class Demand:
@@ -54,7 +55,7 @@ class Demand:
         sd = np.array([d.sd for d in dists], float)
         cap = np.array([d.cap or math.inf for d in dists], float)
         top = float(np.max(np.where(np.isfinite(cap), cap, np.expm1(mu + 8 * sd)))) if len(mu) else 1.0
-        edges = np.concatenate([[0.0], np.geomspace(1.0, max(top, 2.0), GRID)])
+        edges = np.concatenate([[0.0], np.geomspace(1.0, max(top, 2.0), DEMAND_POINTS)])
         t, t_next = edges[:-1], edges[1:]
         with np.errstate(divide="ignore", invalid="ignore"):
             zs = (np.log1p(t)[None, :] - mu[:, None]) / sd[:, None]

@@ -3,21 +3,23 @@ chain of group sizes (W down to the floor) to run, and under which layout.
 
 Apart from planner.py because it is the planner's one combinatorial step: `make_plan` decides the
 inputs (predicted lengths, KV demand, the floor the memory allows), `ChainSearch` prices chains
-against them (`chain_estimate.ChainTimeline`) and keeps the best by an objective (`objective_key`),
-which the online rule (`replan.OnlineRule`) and the simulator's policies compare by as well.
+against them (`chains.estimate.ChainTimeline`) and keeps the best by an objective (`objective_key`),
+which the online rule (`online.rule.OnlineRule`) and the simulator's policies compare by as well.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from elastic.planning import layout as layouts
-from elastic.planning.chain_estimate import ChainTimeline, rank_drain_steps
+from elastic.planning.chains.estimate import ChainTimeline, rank_drain_steps
+from elastic.planning.chains.schedule import build_stages, candidate_sizes, chains, held_counts
 from elastic.planning.choices import OBJECTIVES
-from elastic.planning.kv import RankKV
+from elastic.planning.memory.kv import Demand, RankKV
 from elastic.planning.plan import Plan, PlanError
-from elastic.planning.schedule import build_stages, candidate_sizes, chains, held_counts
+from elastic.planning.platform import Platform
 
 # How chains are compared (smaller first), for each of `choices.OBJECTIVES`. `occupied`: fewest
 # occupied rank-seconds, the largest release area net of lengthening (capacity-oriented);
@@ -36,6 +38,20 @@ def objective_key(objective: str):
     return _OBJECTIVE_KEYS[objective]
 
 
+@dataclass(frozen=True)
+class BatchBeliefs:
+    """What `make_plan` believes about the batch, as chains are priced on it: the responses' keys
+    (batch order), the work each is placed by (its median length) and the tokens reserved for it,
+    the batch's KV demand, samples of the lengths (samples, responses), and the mean prompt length."""
+
+    keys: list[tuple[str, int]]
+    work: np.ndarray
+    reserve: np.ndarray
+    demand: Demand
+    samples: np.ndarray
+    prompt_mean: float
+
+
 class ChainSearch:
     """Prices quorum chains for one batch and finds the one with the fewest occupied rank-seconds:
     every chain when there are at most `EXHAUSTIVE`, else the one-stage chain against a hill climb
@@ -43,18 +59,18 @@ class ChainSearch:
 
     EXHAUSTIVE = 16
 
-    def __init__(self, keys, work, reserve, demand, samples, prompt_mean, dims, floor, shape,
-                 budget, layout, cost, objective, queued: bool = False):
+    def __init__(self, beliefs: BatchBeliefs, platform: Platform, floor: int, layout: str, objective: str,
+                 queued: bool = False):
         """`queued`: the batch is known not to fit the KV cache at once, and the run's cache admits
         what fits and queues the rest (`KVUnit.queues`): place it with no KV check."""
-        self.keys, self.work, self.demand, self.samples = keys, work, demand, samples
+        dims = platform.dims
+        self.keys, self.work, self.demand, self.samples = beliefs.keys, beliefs.work, beliefs.demand, beliefs.samples
         self.queued = queued
-        self.prompt_mean, self.ranks, self.floor, self.shape, self.cost = (
-            prompt_mean, dims.world, floor, shape, cost)
-        self.budget = budget
+        self.prompt_mean, self.ranks, self.floor, self.cost = beliefs.prompt_mean, dims.world, floor, platform.cost
+        self.budget = platform.budget
         self.dims, self.E = dims, dims.experts
         self.key = objective_key(objective)
-        self.order = layouts.placement_order(reserve, work)
+        self.order = layouts.placement_order(beliefs.reserve, beliefs.work)
         self.cands = candidate_sizes(dims, floor) if floor < dims.world else []
         self.cache: dict[tuple[int, ...], tuple | None] = {}
         self.stage_memo: dict = {}

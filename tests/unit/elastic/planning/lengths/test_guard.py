@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from elastic.planning.guard import TailGuard, miss_rate, report
-from elastic.planning.predict import Predictor
+from elastic.planning.lengths.guard import TailGuard, miss_rate, report
+from elastic.planning.lengths.predict import Predictor
 from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
 
@@ -84,7 +84,7 @@ def test_alpha_is_validated():
 def test_reserved_lengths_are_what_the_planner_reserves(tailguard):
     """The paged KV cache admits each response by `reserved_lengths`: the very lengths the
     planner reserves for it (placement order and KV), with and without TailGuard."""
-    from elastic.planning.guard import reserved_lengths
+    from elastic.planning.lengths.guard import reserved_lengths
     from elastic.planning.planner import _predicted_lengths
 
     trace = generate(preset("eurus", prompts=32), seed=0)

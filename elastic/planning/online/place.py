@@ -1,16 +1,29 @@
 """Where the online rule puts live requests: the leaving ranks' requests dealt over the members
 that stay (`deal`, the vectorised estimate `OnlineRule` prices options with), the exact
 placement under each member's KV budget and slot count (`place`, the moves a decision makes),
-and the decision itself with the invariants its moves keep (`Decision`, `check_decision`).
+and the decision itself with the invariants its moves keep (`Decision`, `check_decision`); what a
+decision reads of the rollout at one check is a `LiveState`.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from elastic.planning.plan import Plan
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """The rollout at one status check, as a decision reads it: the live responses (indices,
+    `live`), the rank holding each response (`rank_of`) and its tokens so far (`tokens`, every
+    response), and the live ones' sampled remaining lengths (`rem`: samples x live)."""
+
+    live: np.ndarray
+    rank_of: np.ndarray
+    tokens: np.ndarray
+    rem: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -42,14 +55,15 @@ def deal(plan: Plan, j: int, ranks: np.ndarray, rem: np.ndarray) -> np.ndarray:
     return out
 
 
-def place(plan: Plan, budget: dict[int, float], prompt: np.ndarray, max_batch: int | None, j: int, live, rank_of,
-          tokens, rem, held, rebalance: bool = False) -> list[tuple[int, int]] | None:
+def place(plan: Plan, j: int, now: LiveState, budget: dict[int, float], prompt: np.ndarray,
+          max_batch: int | None, held: Callable, rebalance: bool = False) -> list[tuple[int, int]] | None:
     """Destinations of the live requests on ranks leaving for stage j (with `rebalance`, of
     every live request): longest expected remainder first, each to the member with the least
     expected remaining work whose KV budget (and slot count, `max_batch`) holds it (a request
     is reserved its tokens so far plus its longest sampled remainder, in the KV positions
-    `held(positions, more)` gives under the run's cache, `OnlineRule.held`). Only
-    requests whose rank changes are listed."""
+    `held(positions, more)` gives under the run's cache, `KVUnit.held`). Only requests whose
+    rank changes are listed."""
+    live, rank_of, tokens, rem = now.live, now.rank_of, now.tokens, now.rem
     kept = list(plan.stages[j].members)
     mean, top = rem.mean(axis=0), rem.max(axis=0)
     work = dict.fromkeys(kept, 0.0)

@@ -5,15 +5,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from elastic.planning.kv_unit import KVUnit
-from elastic.planning.ladder import ladder_plan
+from elastic.planning.chains.schedule import FINE_SPAN, MAX_CANDIDATES, build_stages
 from elastic.planning.layout import natural
+from elastic.planning.lengths.predict import LengthDist
+from elastic.planning.lengths.remaining import OnlineModel, OnlineOptions, SiblingFit
+from elastic.planning.memory.kv_unit import KVUnit
+from elastic.planning.online.ladder import ladder_plan
+from elastic.planning.online.place import Decision, LiveState, check_decision, deal, place
+from elastic.planning.online.rule import OnlineRule, RuleConfig
 from elastic.planning.plan import Plan
-from elastic.planning.predict import LengthDist
-from elastic.planning.remaining import OnlineModel, OnlineOptions, SiblingFit
-from elastic.planning.replan import OnlineRule
-from elastic.planning.replan_place import Decision, check_decision, place
-from elastic.planning.schedule import FINE_SPAN, MAX_CANDIDATES, build_stages
 from elastic.planning.shape import ModelShape
 from elastic.sim.costmodel import CostModel
 from elastic.sim.replay import Policy, simulate_trace
@@ -43,7 +43,7 @@ def _rule(plan, prompts, samples, migrate=True, objective="occupied"):
     dists = [LengthDist(np.log1p(300.0 * (1 + p % 3)), 0.7, 4096, True) for p in range(prompts) for _ in range(samples)]
     model = OnlineModel(dists, [f"p{p}" for p in range(prompts) for _ in range(samples)],
                         SiblingFit(0.4, 0.0, 1.0, 50), OnlineOptions(migrate=migrate))
-    return OnlineRule(plan, [100] * n, model, COST, SHAPE, objective=objective, check_every=8)
+    return OnlineRule(plan, [100] * n, model, COST, SHAPE, RuleConfig(objective=objective, check_every=8))
 
 
 @st.composite
@@ -111,20 +111,20 @@ def test_adaptive_in_the_simulator():
 
 
 def test_time_gained_on_vanilla_is_spent_once():
-    # `_bound` lets an option run longer than the fastest by what the rollout has gained on
+    # `LatencyGuard.bound` lets an option run longer than the fastest by what the rollout has gained on
     # vanilla so far; after a shrink the fastest remainder is itself slower, and a bound taken
     # from it must not hand out the same gain again.
     keys = [(f"p{p}", s) for p in range(4) for s in range(4)]
     rule = _rule(_plan(8, 2, keys), 4, 4)
-    rule.clock = {"own": 50.0, "vanilla": 60.0}  # 10 s gained
-    first = rule._bound(100.0)
+    rule.guard.clock = {"own": 50.0, "vanilla": 60.0}  # 10 s gained
+    first = rule.guard.bound(100.0)
     assert first == pytest.approx(60.0 + 101.0 - 50.0)  # margin 1% plus the 10 s
     # A shrink spent it: the next fastest remainder is 10 s longer, the clocks have not moved yet.
-    assert rule._bound(110.0) == pytest.approx(111.1)  # only the margin on the new fastest
-    assert rule._bound(110.0) < 60.0 + 110.0 * 1.01 - 50.0
+    assert rule.guard.bound(110.0) == pytest.approx(111.1)  # only the margin on the new fastest
+    assert rule.guard.bound(110.0) < 60.0 + 110.0 * 1.01 - 50.0
     # Without a gain the bound is the margin alone.
     fresh = _rule(_plan(8, 2, keys), 4, 4)
-    assert fresh._bound(100.0) == pytest.approx(101.0)
+    assert fresh.guard.bound(100.0) == pytest.approx(101.0)
 
 
 def test_rebalance_evens_a_group_across_nodes():
@@ -145,17 +145,16 @@ def test_rebalance_evens_a_group_across_nodes():
 
 
 def test_shrinks_are_priced_with_the_leaving_requests_dealt_to_members():
-    # `_price` deals the leaving ranks' requests (longest expected remainder first, snake order
-    # over the members, least loaded first), so a large shrink is priced at its busiest member
-    # rather than at an even spread.
+    # `targets.shrink_targets` deals the leaving ranks' requests (`place.deal`: longest expected
+    # remainder first, snake order over the members, least loaded first), so a large shrink is
+    # priced at its busiest member rather than at an even spread.
     keys = [(f"p{p}", s) for p in range(4) for s in range(2)]
     plan = _plan(4, 2, keys)
-    rule = _rule(plan, 4, 2)
     j = len(plan.stages) - 1
     kept = list(plan.stages[j].members)
     ranks = np.array([0, 1, 2, 3, 0, 1, 2, 3])
     rem = np.array([[10.0, 20.0, 400.0, 300.0, 30.0, 40.0, 200.0, 100.0]])
-    out = rule._deal(j, ranks, rem)
+    out = deal(plan, j, ranks, rem)
     assert set(out) <= set(kept)
     assert (out[np.isin(ranks, kept)] == ranks[np.isin(ranks, kept)]).all()  # members keep theirs
     load = {r: rem[0][out == r].sum() for r in kept}
@@ -173,7 +172,7 @@ def test_a_move_is_checked_in_the_receivers_positions_slots_or_pages(kv, fits):
     stay = plan.stages[-1].members[0]
     rank_of = np.array([stay, 1 - stay])
     live, prompt, tokens, rem = np.arange(2), np.full(2, 100.0), np.full(2, 100.0), np.full((4, 2), 100.0)
-    moves = place(plan, {stay: 700}, prompt, None, len(plan.stages) - 1, live, rank_of, tokens, rem,
+    moves = place(plan, len(plan.stages) - 1, LiveState(live, rank_of, tokens, rem), {stay: 700}, prompt, None,
                   lambda positions, more: kv.held(positions, more, 4196))
     assert moves == ([(1, stay)] if fits else None)
 

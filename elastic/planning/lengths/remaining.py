@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic.planning.partial import conditioned
-from elastic.planning.predict import LengthDist, Predictor, log_norm_sf, norm_ppf_array
+from elastic.planning.lengths.predict import LengthDist, Predictor, log_norm_sf, norm_ppf, norm_ppf_array
 from elastic.trace import Trace
 
-GRID = np.linspace(-4.0, 4.0, 33)
+# Values of a GRPO group's shared effect (in standard deviations) its posterior is computed on.
+EFFECT_GRID = np.linspace(-4.0, 4.0, 33)
 # Residual scale of a response whose predictive distribution has no spread (an empty history puts
 # every response at the cap): small, so its prediction stands until its tokens say otherwise.
 _MIN_SD = 1e-3
@@ -127,8 +127,8 @@ class OnlineModel:
             self.group = np.arange(len(dists), dtype=np.int64)
             icc = 0.0
         self.groups = int(self.group.max()) + 1 if len(self.group) else 0
-        self.b = math.sqrt(icc) * fit.scale * GRID  # grid of the shared effect, in z units
-        log_prior = -0.5 * GRID**2
+        self.b = math.sqrt(icc) * fit.scale * EFFECT_GRID  # grid of the shared effect, in z units
+        log_prior = -0.5 * EFFECT_GRID**2
         self.log_prior = log_prior - log_prior.max()
         self.noise = math.sqrt(max(1.0 - icc, 1e-6)) * fit.scale
 
@@ -191,10 +191,33 @@ def online_model(batch: Sequence, history: Trace, cap: int | None,
 
     `known_prefix`: tokens so far of responses resumed from an earlier rollout (partial rollouts);
     their tokens in this rollout count from 0, so each is modelled by what is left of it
-    (`partial.conditioned`), and conditioning on this rollout's tokens then continues from there."""
+    (`conditioned`), and conditioning on this rollout's tokens then continues from there."""
     pred = Predictor(history, cap=cap)
     fit = SiblingFit.fit(history, cap=pred.cap) if not pred.empty else SiblingFit.neutral()
     dists = pred.predict_batch(batch)
     if known_prefix:
         dists = [conditioned(d, known_prefix.get((b.prompt_id, b.sample), 0)) for d, b in zip(dists, batch)]
     return OnlineModel(dists, [b.prompt_id for b in batch], fit, options)
+
+
+def conditioned(dist: LengthDist, tokens: int) -> LengthDist:
+    """The distribution of the remaining length R = L - tokens of a response with `tokens` so far,
+    given L > tokens (`OnlineModel.sample_remaining`'s conditioning),
+    summarised as a `LengthDist` with the same median and 90% quantile (so every planner check
+    that reads a `LengthDist` prices what is left). The cap becomes the tokens still allowed."""
+    if tokens <= 0:
+        return dist
+    cap = None if dist.cap is None else max(int(dist.cap) - tokens, 1)
+    if dist.sd <= 0:
+        return LengthDist(math.log1p(max(math.expm1(dist.mu) - tokens, 1.0)), 0.0, cap, dist.seen)
+    # Upper-tail levels of L | L > tokens: P(L > q_p | L > t) = 1 - p, i.e. Q(z_p) = S(t) (1 - p).
+    log_s = float(log_norm_sf(np.array([(math.log1p(tokens + 0.5) - dist.mu) / dist.sd]))[0])
+    levels = np.exp(log_s + np.log([0.5, 0.1]))
+    z = -norm_ppf_array(np.maximum(levels, 1e-300))
+    length = np.expm1(dist.mu + dist.sd * z)
+    if dist.cap is not None:
+        length = np.minimum(length, dist.cap)
+    rem = np.maximum(length - tokens, 1.0)
+    mu = math.log1p(rem[0])
+    sd = max((math.log1p(rem[1]) - mu) / norm_ppf(0.9), 0.0)
+    return LengthDist(mu, sd, cap, dist.seen)

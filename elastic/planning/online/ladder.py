@@ -1,4 +1,4 @@
-"""The ladder: the stages the online rule (`replan.OnlineRule`) may choose, fixed before the rollout.
+"""The ladder: the stages the online rule (`online.rule.OnlineRule`) may choose, fixed before the rollout.
 
 The offline plan (`make_plan`) is the starting point: its layout, and its order of leaving ranks.
 `ladder_plan` turns it into a plan whose stages are every candidate group size of that order
@@ -10,9 +10,9 @@ smaller ladder step, so every expert is owned in every stage whichever stage is 
 """
 from __future__ import annotations
 
-from elastic.planning.dims import ParallelDims
+from elastic.planning.chains.schedule import build_stages, candidate_sizes
+from elastic.planning.dims import planned_dims
 from elastic.planning.plan import Plan
-from elastic.planning.schedule import build_stages, candidate_sizes
 
 
 def leave_order(plan: Plan) -> list[int]:
@@ -27,7 +27,7 @@ def leave_order(plan: Plan) -> list[int]:
 
 def ladder_plan(plan: Plan, floor: int) -> Plan:
     """`plan` with a stage for every candidate group size down to `floor`, in its leaving order."""
-    dims = ParallelDims(plan.ranks, plan.num_experts, even=False)  # a ladder's stages are `balanced`
+    dims = planned_dims(plan.ranks, plan.num_experts)  # a ladder's stages are `balanced`
     sizes = [plan.ranks] + (candidate_sizes(dims, floor) if floor < plan.ranks else [])
     stages = build_stages(sizes, plan.num_experts, leave_order(plan))
     meta = dict(plan.meta, ladder=sizes, offline_chain=[len(s.members) for s in plan.stages])

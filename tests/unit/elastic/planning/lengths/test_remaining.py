@@ -1,9 +1,11 @@
 """Online re-prediction: tokens so far and finished siblings update a live response's remaining length."""
+import math
+
 import numpy as np
 import pytest
 
-from elastic.planning.predict import LengthDist, log_norm_sf, norm_ppf, norm_ppf_array
-from elastic.planning.remaining import OnlineModel, OnlineOptions, SiblingFit, online_model
+from elastic.planning.lengths.predict import LengthDist, log_norm_sf, norm_ppf, norm_ppf_array
+from elastic.planning.lengths.remaining import OnlineModel, OnlineOptions, SiblingFit, conditioned, online_model
 from elastic.sim.synth import generate, preset
 
 
@@ -78,3 +80,24 @@ def test_online_model_is_calibrated_mid_rollout():
     truth = lengths[live] - tokens[live]
     assert 0.8 < np.mean(truth <= np.quantile(rem, 0.9, axis=0)) < 0.97
     assert 0.4 < np.mean(truth <= np.median(rem, axis=0)) < 0.6
+
+
+@pytest.mark.parametrize("sd", [0.0, 0.4, 1.0])
+def test_conditioned_is_what_is_left(sd):
+    d = LengthDist(math.log1p(2000), sd, 16384, True)
+    assert conditioned(d, 0) == d
+    rng = np.random.default_rng(0)
+    full = np.minimum(np.expm1(d.mu + d.sd * rng.standard_normal(400_000)), d.cap)
+    for t in (100, 2000, 6000, 16000):
+        c = conditioned(d, t)
+        assert c.cap == d.cap - t
+        if sd == 0:
+            assert c.median == pytest.approx(max(2000 - t, 1))
+            continue
+        # Against Monte Carlo of L - t given L > t: the median and the 90% quantile match.
+        rest = full[full > t + 0.5] - t
+        if len(rest) < 2000:
+            continue
+        for p in (0.5, 0.9):
+            q = float(np.quantile(rest, p))
+            assert abs(c.quantile(p) - q) <= 0.03 * q + 2, (t, p, c.quantile(p), q)

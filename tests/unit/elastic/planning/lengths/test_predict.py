@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from elastic.planning.predict import Predictor, score, spearman
+from elastic.planning.lengths.predict import Predictor, score, spearman
 from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord
 

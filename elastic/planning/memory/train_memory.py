@@ -21,8 +21,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-Backend = Literal["torch", "megatron"]
+BackendName = Literal["torch", "megatron"]
 OptimizerState = Literal["replicated", "sharded", "offloaded"]
+
+
+@dataclass(frozen=True)
+class OptimizerSetup:
+    """How a rank trains, as its memory sees it: the backend (whose optimizer), where the torch
+    optimizer's state lives, whether fp32 master copies exist (a bf16/fp16 model, or offload), and
+    the bytes of the model's dtype."""
+
+    backend: BackendName
+    state: OptimizerState
+    masters: bool
+    dtype_bytes: int
 
 
 @dataclass(frozen=True)
@@ -55,19 +67,19 @@ class TrainingMemory:
         return {**asdict(self), "resident": self.resident, "update_peak": self.update_peak}
 
 
-def optimizer_state_bytes(dense_params: int, expert_params: int, world: int, backend: Backend,
-                          state: OptimizerState, masters: bool, dtype_bytes: int) -> tuple[int, int, int]:
+def optimizer_state_bytes(dense_params: int, expert_params: int, world: int,
+                          setup: OptimizerSetup) -> tuple[int, int, int]:
     """(optimizer bytes on the device, gradient bytes kept through the rollout, gradient bytes of
     the update only) for a rank holding `dense_params` replicated and `expert_params` own
-    parameters. `masters`: fp32 master copies exist (a bf16/fp16 model, or offload)."""
+    parameters, trained as `setup` says."""
     params = dense_params + expert_params
-    if backend == "megatron":  # DistributedOptimizer: 12 B/param sharded over data parallel, fp32 grads kept
+    if setup.backend == "megatron":  # DistributedOptimizer: 12 B/param sharded over data parallel, fp32 grads kept
         return 12 * dense_params // world + 12 * expert_params, 4 * params, 0
-    per_param = 12 if masters else 2 * dtype_bytes
-    grads = 4 * params if masters else dtype_bytes * params
-    if state == "offloaded":
+    per_param = 12 if setup.masters else 2 * setup.dtype_bytes
+    grads = 4 * params if setup.masters else setup.dtype_bytes * params
+    if setup.state == "offloaded":
         return 0, 0, grads
-    if state == "sharded":
+    if setup.state == "sharded":
         return per_param * dense_params // world + per_param * expert_params, 0, grads
     return per_param * params, 0, grads
 
@@ -87,11 +99,13 @@ def activation_bytes(tokens: int, num_layers: int, hidden: int, topk: int, exper
 
 
 def training_memory(*, dense_params: int, expert_params_per_expert: int, experts_held: int, world: int,
-                    backend: Backend, state: OptimizerState, dtype_bytes: int, masters: bool,
-                    activations: int, reference: bool = False) -> TrainingMemory:
+                    setup: OptimizerSetup, activations: int, reference: bool = False) -> TrainingMemory:
+    """One rank's bytes by part, holding `experts_held` experts of `expert_params_per_expert`
+    parameters each beside `dense_params` replicated ones, trained as `setup` says; `activations`:
+    the update's micro-batch (`activation_bytes`); `reference`: a KL reference model's weights too."""
     experts = experts_held * expert_params_per_expert
-    optim, resident_grads, update_grads = optimizer_state_bytes(dense_params, experts, world, backend,
-                                                                state, masters, dtype_bytes)
+    optim, resident_grads, update_grads = optimizer_state_bytes(dense_params, experts, world, setup)
+    dtype_bytes = setup.dtype_bytes
     weights = (dense_params + experts) * dtype_bytes
     return TrainingMemory(dense_weights=dense_params * dtype_bytes, expert_weights=experts * dtype_bytes,
                           optimizer=optim, resident_grads=resident_grads, update_grads=update_grads,

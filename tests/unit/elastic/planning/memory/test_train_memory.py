@@ -1,10 +1,10 @@
-"""True memory per training rank (elastic/planning/train_memory.py, rl/mixed_precision.py's
+"""True memory per training rank (elastic/planning/memory/train_memory.py, rl/mixed_precision.py's
 training_state_bytes): the DistributedOptimizer's ~16 B/param, ZeRO-1's shard, offload's zero, and
 Qwen3-30B-A3B on 80 GB planning more KV under sharding."""
 import torch
 
+from elastic.planning.memory.train_memory import OptimizerSetup, optimizer_state_bytes
 from elastic.planning.shape import MemoryBudget
-from elastic.planning.train_memory import optimizer_state_bytes
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.rl.megatron_train import MegatronOptimizer
@@ -48,7 +48,8 @@ def test_sharded_and_offloaded_device_state():
     assert training_state_bytes(model, off) == 0 and all(m.device.type == "cpu" for _, m in off.pairs)
     off.close()
     dense, experts = _counts(model)
-    assert optimizer_state_bytes(dense, experts, 4, "torch", "sharded", True, 2)[0] == 12 * dense // 4 + 12 * experts
+    sharded = OptimizerSetup("torch", "sharded", True, 2)
+    assert optimizer_state_bytes(dense, experts, 4, sharded)[0] == 12 * dense // 4 + 12 * experts
 
 
 def test_30b_on_80gb_plans_a_larger_kv_budget_under_sharding():

@@ -1,6 +1,6 @@
 """The online rule's latency guard: two priced clocks and the time an option may take.
 
-With `max_slowdown`, a decision of `replan.OnlineRule` may spend on releasing ranks only what the
+With `max_slowdown`, a decision of `online.rule.OnlineRule` may spend on releasing ranks only what the
 rollout has gained on vanilla so far: both are priced at every check (this rollout's busiest member
 in its group, vanilla's on verl's contiguous chunks of all W ranks), and `bound` turns that into
 the longest remainder an option may be priced at.
@@ -39,6 +39,10 @@ class LatencyGuard:
             kv = np.bincount(ranks, held, minlength=self.ranks)
             b = max(int(count.max()), 1)
             self.clock[name] += steps * float(step_table(self.cost, np.array([b]), np.array([kv.max() / b]), g)[0])
+
+    def spend(self, seconds: float) -> None:
+        """Charge this rollout's clock what a decision's shrink and KV moves cost."""
+        self.clock["own"] += seconds
 
     def bound(self, fastest_s: float) -> float:
         """The longest remainder an option may be priced at, given the fastest option's: within

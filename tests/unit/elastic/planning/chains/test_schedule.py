@@ -5,11 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from elastic.planning.chain_estimate import replay
-from elastic.planning.dims import ParallelDims, block_owners
-from elastic.planning.plan import Assignment, Plan, PlanError
-from elastic.planning.planner import FixedCost, ShapeCost, make_plan, plan_epoch
-from elastic.planning.schedule import (
+from elastic.planning.chains.estimate import replay
+from elastic.planning.chains.schedule import (
     build_stages,
     candidate_sizes,
     chains,
@@ -17,9 +14,13 @@ from elastic.planning.schedule import (
     held_counts,
     shrink_owners,
 )
+from elastic.planning.choices import PlanChoices
+from elastic.planning.dims import ParallelDims, block_owners, planned_dims
+from elastic.planning.plan import Assignment, Plan, PlanError
+from elastic.planning.planner import FixedCost, ShapeCost, make_plan, plan_epoch
+from elastic.planning.platform import Platform
 from elastic.planning.shape import ModelShape
 from elastic.sim.synth import generate, preset
-from tests.helpers.plans import planned_dims
 
 QWEN = ModelShape()
 
@@ -81,9 +82,11 @@ def test_stages_and_the_shrink_trigger():
 def test_floor_equal_to_ranks_is_one_stage():
     trace = generate(preset("eurus", prompts=16), seed=0)
     for layout in ("natural", "lengthsort", "planned"):
-        plan = plan_epoch(trace, 2, dims=planned_dims(4, QWEN), floor=4, shape=QWEN, layout=layout, tailguard=False)
+        plan = plan_epoch(trace, 2, platform=Platform(planned_dims(4, QWEN.num_experts), QWEN),
+                          choices=PlanChoices(4, False), layout=layout)
         assert len(plan.stages) == 1 and plan.predicted_release_rank_s == 0
-    vanilla = plan_epoch(trace, 2, dims=planned_dims(4, QWEN), floor=4, shape=QWEN, layout="natural", tailguard=False)
+    vanilla = plan_epoch(trace, 2, platform=Platform(planned_dims(4, QWEN.num_experts), QWEN),
+                         choices=PlanChoices(4, False), layout="natural")
     batch = trace.epoch(2)
     assert [a.rank for a in vanilla.assignments] == [i * 4 // len(batch) for i in range(len(batch))]
 
@@ -103,23 +106,24 @@ class _Cost:
 
 def test_chain_follows_the_callers_cost_model():
     trace = generate(preset("deepscaler"), seed=0)
-    kw = dict(dims=planned_dims(16, QWEN), floor=2, shape=QWEN, layout="planned", tailguard=True)
-    costly = plan_epoch(trace, 3, cost=_Cost(shrink_s=1e4, small_group_speedup=1.0), **kw)
+    dims, kw = planned_dims(16, QWEN.num_experts), dict(choices=PlanChoices(2, True), layout="planned")
+    costly = plan_epoch(trace, 3, platform=Platform(dims, QWEN, _Cost(shrink_s=1e4, small_group_speedup=1.0)), **kw)
     assert len(costly.stages) == 1
-    fast_small = plan_epoch(trace, 3, cost=_Cost(shrink_s=0.0, small_group_speedup=1.5), **kw)
+    fast_small = plan_epoch(trace, 3, platform=Platform(dims, QWEN, _Cost(shrink_s=0.0, small_group_speedup=1.5)),
+                            **kw)
     assert len(fast_small.stages) >= 3
     assert fast_small.meta["predicted_rollout_s"] < fast_small.meta["predicted_static_rollout_s"]
 
 
 def test_objective_trades_release_for_rollout_time():
     trace = generate(preset("deepscaler"), seed=0)
-    kw = dict(dims=planned_dims(16, QWEN), floor=4, shape=QWEN, layout="planned", tailguard=True)
-    capacity = plan_epoch(trace, 3, **kw)
-    latency = plan_epoch(trace, 3, objective="rollout", **kw)
+    kw = dict(platform=Platform(planned_dims(16, QWEN.num_experts), QWEN), layout="planned")
+    capacity = plan_epoch(trace, 3, choices=PlanChoices(4, True), **kw)
+    latency = plan_epoch(trace, 3, choices=PlanChoices(4, True, objective="rollout"), **kw)
     assert latency.meta["predicted_rollout_s"] <= capacity.meta["predicted_rollout_s"]
     assert capacity.meta["predicted_occupied_rank_s"] <= latency.meta["predicted_occupied_rank_s"]
     with pytest.raises(PlanError, match="objective: expected one of"):
-        plan_epoch(trace, 3, objective="fast", **kw)
+        plan_epoch(trace, 3, choices=PlanChoices(4, True, objective="fast"), **kw)
 
 
 def test_tiny_cpu_model_shrinks_under_a_fixed_cost():
@@ -129,9 +133,9 @@ def test_tiny_cpu_model_shrinks_under_a_fixed_cost():
                       expert_ffn=32, bytes_per_param=4, kv_bytes_per_token=512, dense_bytes=0,
                       memory_per_rank_bytes=2**30)
     trace = generate(preset("deepscaler", prompts=8, samples=2, epochs=3, cap=64, median=12), seed=0)
-    kw = dict(dims=planned_dims(4, tiny), floor=1, shape=tiny, layout="planned", tailguard=True)
-    assert len(plan_epoch(trace, 2, **kw).stages) == 1
-    plan = plan_epoch(trace, 2, cost=FixedCost(step_s=0.01, shrink_fixed_s=0.02), **kw)
+    dims, kw = planned_dims(4, tiny.num_experts), dict(choices=PlanChoices(1, True), layout="planned")
+    assert len(plan_epoch(trace, 2, platform=Platform(dims, tiny), **kw).stages) == 1
+    plan = plan_epoch(trace, 2, platform=Platform(dims, tiny, FixedCost(step_s=0.01, shrink_fixed_s=0.02)), **kw)
     assert len(plan.stages) >= 2 and plan.predicted_release_rank_s > 0
     plan.check([r.key for r in trace.epoch(2)])
 
@@ -159,10 +163,10 @@ def _replay(plan, batch):
 def test_planned_beats_vanilla_and_oracle_beats_planned_on_a_persistent_trace():
     trace = generate(preset("deepscaler"), seed=1)
     batch = trace.epoch(4)
-    kw = dict(dims=planned_dims(16, QWEN), shape=QWEN)
-    vanilla = _replay(plan_epoch(trace, 4, floor=16, layout="natural", tailguard=False, **kw), batch)
-    planned = _replay(plan_epoch(trace, 4, floor=4, layout="planned", tailguard=True, **kw), batch)
-    oracle = _replay(plan_epoch(trace, 4, floor=4, layout="planned", tailguard=False, oracle=True,
+    kw = dict(platform=Platform(planned_dims(16, QWEN.num_experts), QWEN))
+    vanilla = _replay(plan_epoch(trace, 4, choices=PlanChoices(16, False), layout="natural", **kw), batch)
+    planned = _replay(plan_epoch(trace, 4, choices=PlanChoices(4, True), layout="planned", **kw), batch)
+    oracle = _replay(plan_epoch(trace, 4, choices=PlanChoices(4, False), layout="planned", oracle=True,
                                 **kw), batch)
     assert planned.occupied_rank_s < 0.85 * vanilla.occupied_rank_s
     assert planned.detached_rank_s > 0
@@ -171,20 +175,21 @@ def test_planned_beats_vanilla_and_oracle_beats_planned_on_a_persistent_trace():
 
 def test_no_signal_degrades_to_no_worse_than_lengthsort():
     trace = generate(preset("nosignal"), seed=0)
-    kw = dict(dims=planned_dims(16, QWEN), shape=QWEN, tailguard=True)
+    kw = dict(platform=Platform(planned_dims(16, QWEN.num_experts), QWEN))
     for e in (2, 5):
         batch = trace.epoch(e)
-        planned_plan = plan_epoch(trace, e, floor=4, layout="planned", **kw)
+        planned_plan = plan_epoch(trace, e, choices=PlanChoices(4, True), layout="planned", **kw)
         assert planned_plan.meta["predictor"]["weak"] and "fallback" in planned_plan.meta
         planned = _replay(planned_plan, batch)
-        ls = _replay(plan_epoch(trace, e, floor=16, layout="lengthsort", **kw), batch)
+        ls = _replay(plan_epoch(trace, e, choices=PlanChoices(16, True), layout="lengthsort", **kw), batch)
         assert planned.rollout_s <= 1.02 * ls.rollout_s
         assert planned.occupied_rank_s <= 1.02 * ls.occupied_rank_s
 
 
 def test_plan_round_trips_through_json():
     trace = generate(preset("eurus", prompts=24), seed=3)
-    plan = plan_epoch(trace, 3, dims=planned_dims(8, QWEN), floor=2, shape=QWEN, layout="planned", tailguard=True)
+    plan = plan_epoch(trace, 3, platform=Platform(planned_dims(8, QWEN.num_experts), QWEN),
+                      choices=PlanChoices(2, True), layout="planned")
     back = Plan.from_dict(json.loads(plan.to_json()))
     assert back.assignments == plan.assignments and back.stages == plan.stages
     assert back.meta["chain"] == [len(s.members) for s in plan.stages]
@@ -198,6 +203,6 @@ def test_make_plan_reads_only_keys_and_prompt_lengths():
     trace = generate(preset("eurus", prompts=8), seed=0)
     batch = [Item(f"eurus-{i}", s) for i in range(8) for s in range(8)]
     shape = ModelShape(num_experts=8, topk=2)
-    plan = make_plan(batch, trace, dims=planned_dims(4, shape), floor=1, shape=shape,
-                     layout="planned", tailguard=True)
+    plan = make_plan(batch, trace, platform=Platform(planned_dims(4, shape.num_experts), shape),
+                     choices=PlanChoices(1, True), layout="planned")
     assert len(plan.assignments) == 64
