@@ -10,7 +10,7 @@ import sys
 from megatron_rl.data.prompts import PromptDataset, load_prompts
 from megatron_rl.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_rl.errors import FlexFloorError
-from megatron_rl.rewards import Scorer
+from megatron_rl.rewards import check_reward_file
 from megatron_rl.rl.validation import load_heldout
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -31,7 +31,7 @@ def checked_inputs(cfg: TrainerConfig) -> tuple[PromptDataset, Tokenizer]:
         check_prompts(cfg, heldout, where, tok)
     if cfg.warmstart.sft_steps:
         check_warmstart(cfg, data, tok)
-    Scorer(cfg.reward)  # a custom reward file that does not load stops here, before the ranks
+    check_reward_file(cfg.reward)  # a custom reward file that does not load stops here, before the ranks
     return data, tok
 
 
