@@ -62,3 +62,59 @@ def test_a_pipe_read_past_its_deadline_is_late_and_a_closed_one_closed():
     with pytest.raises(frames.Closed):
         frames.receive(r, time.monotonic() + 1)
     os.close(r)
+
+
+RANK = '''
+import sys, threading, time
+from megatron_rl.user_code import REWARD, UserFile
+from megatron_rl.user_code.pool import WorkerPool
+
+file = UserFile(REWARD, sys.argv[1], "compute_score")
+quick, slow = WorkerPool(file, 1.0), WorkerPool(file, 600.0)
+# a call that times out in a short-lived thread (a lease's): its worker's replacement outlives it
+# (the thread waits for the replacement's import, so its PR_SET_PDEATHSIG is set when the thread ends)
+t = threading.Thread(target=lambda: (quick.call("s", "hang", "1", {}), quick.check_import()))
+t.start()
+t.join()
+time.sleep(0.5)  # join returns before the thread's exit in the kernel, which sends the signal
+pids = [int(pool.call("s", "pid", "1", {}).value["extra"]["pid"]) for pool in (quick, slow)]
+threading.Thread(target=slow.call, args=("s", "hang", "1", {}), daemon=True).start()
+print(*pids, flush=True)
+time.sleep(600)
+'''
+
+
+def test_workers_die_with_their_process_even_in_a_call_that_never_returns(tmp_path):
+    """The SIGKILLed process here stands for a rank the launcher killed: its idle worker and its
+    worker stuck in a call end with it (PR_SET_PDEATHSIG, tied to the spawner thread, not to the
+    thread whose call started a replacement)."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "r.py").write_text("import os, time\ndef compute_score(d, s, g, e=None):\n"
+                                   "    if s == 'hang':\n        time.sleep(3600)\n"
+                                   "    return {'score': 1.0, 'pid': os.getpid()}\n")
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "r.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in rank.stdout.readline().split()]
+        assert len(pids) == 2, "the replacement did not answer"
+        time.sleep(0.5)  # the slow pool's worker is in its call
+        assert all(os.path.exists(f"/proc/{p}") for p in pids)
+        rank.send_signal(signal.SIGKILL)
+        rank.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent that is gone."""
+    try:
+        return " Z " not in open(f"/proc/{pid}/stat").read().split(")", 1)[1][:4]
+    except OSError:
+        return False
