@@ -7,7 +7,6 @@ process, so this module imports nothing heavy, and no failure of a call ends the
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pickle
@@ -15,13 +14,13 @@ import signal
 import sys
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.parallel.signals import die_with_parent
 from megatron_rl.user_code import frames
 from megatron_rl.user_code.kinds import BadReturn
 from megatron_rl.user_code.loader import UserFile, failure, load_user_function
 from megatron_rl.user_code.reward_kind import REWARD
 
 KINDS = {kind.section: kind for kind in (REWARD,)}  # the contained kinds, by the name the pool sends
-_PR_SET_PDEATHSIG = 1
 
 
 def main() -> None:
@@ -31,7 +30,10 @@ def main() -> None:
     # A Ctrl+C reaches the whole process group; the launcher turns it into a stop of the ranks,
     # which then end this worker. It is not a failure of the call in flight.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with(parent)
+    # End with the run, even in a call that never returns to Python: the kernel kills this process
+    # when the pool's spawner thread, which lives as long as the run's process, ends.
+    if not die_with_parent(parent):
+        os._exit(1)
     start = pickle.loads(frames.receive(requests))
     kind = KINDS[start["kind"]]
     try:
@@ -63,15 +65,3 @@ def _call(kind, fn, args) -> dict:
 
 def _reply(fd: int, message: dict) -> None:
     frames.send(fd, json.dumps(message).encode())
-
-
-def _die_with(parent: int) -> None:
-    """End with the run, even in the middle of a call that never returns to Python: the kernel
-    kills this process when the thread that started it ends (the pool's spawner thread, which
-    lives as long as the run's process)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the run still closes its pipes, ending the loop
-        pass
-    if os.getppid() != parent:  # the run ended before the prctl took effect
-        os._exit(1)
