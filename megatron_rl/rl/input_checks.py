@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from megatron_rl.data.chat_template import check_chat_template
 from megatron_rl.data.prompts import PromptDataset, load_prompts
 from megatron_rl.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_rl.errors import FlexFloorError
@@ -60,6 +61,7 @@ def check_prompts(cfg: TrainerConfig, prompts: list, path: str, tok) -> None:
         raise FlexFloorError(f"{path}: no row has a reference answer (data.answer_field "
                              f"{cfg.data.answer_field or 'answer'!r}), which reward kind {cfg.reward.kind!r} compares "
                              "responses with; set data.answer_field to the field that holds it")
+    check_chat_template(tok, prompts, cfg.model.max_position_embeddings)  # the first rows, bounded
     room = cfg.model.max_position_embeddings - cfg.generation.max_response_len
     for p in prompts:
         try:
