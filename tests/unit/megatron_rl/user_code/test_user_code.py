@@ -88,6 +88,7 @@ def test_workers_die_with_their_process_even_in_a_call_that_never_returns(tmp_pa
     """The SIGKILLed process here stands for a rank the launcher killed: its idle worker and its
     worker stuck in a call end with it (PR_SET_PDEATHSIG, tied to the spawner thread, not to the
     thread whose call started a replacement)."""
+    import contextlib
     import signal
     import subprocess
     import sys
@@ -96,6 +97,7 @@ def test_workers_die_with_their_process_even_in_a_call_that_never_returns(tmp_pa
                                    "    if s == 'hang':\n        time.sleep(3600)\n"
                                    "    return {'score': 1.0, 'pid': os.getpid()}\n")
     rank = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "r.py")], stdout=subprocess.PIPE, text=True)
+    pids = []
     try:
         pids = [int(p) for p in rank.stdout.readline().split()]
         assert len(pids) == 2, "the replacement did not answer"
@@ -110,6 +112,9 @@ def test_workers_die_with_their_process_even_in_a_call_that_never_returns(tmp_pa
     finally:
         rank.kill()
         rank.wait()
+        for p in pids:  # a worker that outlived its process (the failure this test is for) is ended here
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
