@@ -5,10 +5,10 @@ and the replicated dense weights; its experts are gone. With that it can do one 
 step's post-rollout work: **reward scoring** (decode + the task's verifier, `reward.kind`; with
 `math` that is math-verify, the slowest part of the reward phase; with `custom`, the user's
 function, in the same reward workers and under the same timeout and error counting as in the
-reward phase). Its outcomes are all-gathered
-with the responses, and the reward phase scores only what no lease did. The other post-rollout
-work cannot move here: micro-batch packing mixes rows generated on other ranks (rows are owned in
-canonical order, not by the rank that made them), and log-prob recomputation needs every expert.
+reward phase). Its outcomes are all-gathered with the responses, and the reward phase scores only
+what no lease did. The other post-rollout work cannot move here: micro-batch packing mixes rows
+generated on other ranks (rows are owned in canonical order, not by the rank that made them), and
+log-prob recomputation needs every expert.
 After the training work comes the sidecar (`leases.jobs: [rewards, sidecar]`), whose job lives
 as long as the run, so its model loads once.
 
