@@ -23,6 +23,7 @@ KEYS: dict[str, str] = {
     "reward_std": "reward/std",
     "reward_outcomes": "reward/outcomes",
     "reward_extra": "reward/extra",  # a custom reward's dict keys (rewards/custom.py)
+    "reward_all_error": "reward/all_error",  # only on a step whose every response scored error
     # verl's own figures (verl_metrics.py)
     "global_step": "training/global_step",
     "advantages": "critic/advantages",

@@ -30,7 +30,7 @@ from megatron_rl.data.tokenizer import build_tokenizer
 from megatron_rl.metrics import gpu_memory, length_stats
 from megatron_rl.parallel.signals import StopOnSignal
 from megatron_rl.provenance import provenance
-from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, mean_extras
+from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, check_error_share, mean_extras
 from megatron_rl.rl.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state
 from megatron_rl.rl.deadline import run_deadline, stopped_summary
@@ -118,6 +118,7 @@ class Trainer:
         t = self._lap(times, "rollout", t)
 
         rewards, counts, extras = self.score(prompts, rollout.responses, rollout.scored)
+        all_error = check_error_share(step, counts, cfg.reward.max_error_share, self.rank)  # before the update
         advantages = group_advantages(rewards, G, cfg.grpo.std_normalize)
         t = self._lap(times, "reward", t)
 
@@ -142,6 +143,7 @@ class Trainer:
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
             "reward_outcomes": counts,
+            **all_error,
             **({"reward_extra": extras} if extras else {}),
             **verl_figures(step, advantages.cpu(), prompt_lens, lengths, times, step_s, self.world,
                            cfg.model, self.peak_flops),

@@ -8,10 +8,12 @@ an error naming it, not a silent <unk>.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 from megatron_rl.config import require
 from megatron_rl.errors import FlexFloorError
+from megatron_rl.user_code.loader import failure
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 DEFAULT_ALPHABET = "0123456789+-*=() "
@@ -87,12 +89,17 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """A local `transformers` tokenizer (e.g. Qwen3's), optionally applying its chat template."""
+    """A local `transformers` tokenizer (e.g. Qwen3's), optionally applying its chat template.
+
+    The chat template is the user's data, rendered in transformers' jinja sandbox: whatever a
+    render raises (a jinja syntax error, `raise_exception`, an undefined name, the sandbox's
+    refusal, a TypeError in an expression) and a render to no tokens are one line naming the
+    template's file and the cause (the caller adds the row). `data/chat_template.py` renders the
+    first rows on the driver under a time and memory bound.
+    """
 
     def __init__(self, path: str, chat_template: bool = True):
-        from pathlib import Path
-
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy optional: only a run with an HF tokenizer
 
         if not Path(path).is_dir():  # else transformers reads it as a hub repo id and says so
             raise FlexFloorError(f"tokenizer.path {path}: no such folder (a local tokenizer directory, "
@@ -102,6 +109,10 @@ class HFTokenizer:
         except (OSError, ValueError) as e:
             raise FlexFloorError(f"tokenizer.path {path}: cannot load a tokenizer ({e})") from None
         self.chat_template = chat_template
+        self.template_file = template_file(path)
+        if chat_template and not self._tok.chat_template:
+            raise FlexFloorError(f"tokenizer.path {path}: has no chat template (none in {self.template_file}); "
+                                 "set tokenizer.chat_template: false to encode prompts as plain text")
         self.vocab_size = len(self._tok)
         self.eos_id = self._tok.eos_token_id
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
@@ -114,20 +125,46 @@ class HFTokenizer:
 
     def encode_prompt(self, prompt) -> list[int]:
         """A verl row's messages (system turns included) through the chat template, as verl does."""
-        if self.chat_template and prompt.messages is not None:
-            return self._chat(list(prompt.messages))
+        if self.chat_template:
+            return self._chat(chat_of(prompt))
         return self.encode(prompt.text)
 
+    def render_prompt(self, prompt) -> str:
+        """The chat template's text of a prompt, untokenized (what the driver's check measures)."""
+        return self._template(chat_of(prompt), tokenize=False)
+
     def _chat(self, messages: list[dict]) -> list[int]:
-        # transformers 5 returns a BatchEncoding unless asked for the bare ids.
-        return list(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        ids = list(self._template(messages, tokenize=True))
+        if not ids:
+            raise FlexFloorError(f"{self.template_file}: the chat template rendered an empty prompt")
+        return ids
+
+    def _template(self, messages: list[dict], tokenize: bool):
+        try:
+            # transformers 5 returns a BatchEncoding unless asked for the bare ids.
+            return self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
+                                                 return_dict=False)
+        except Exception as e:  # the template's own failure, whatever it raised  # noqa: BLE001
+            raise FlexFloorError(f"{self.template_file}: chat template: {failure(e)}") from None
 
     def encode_response(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False) + [self.eos_id]
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def chat_of(prompt) -> list[dict]:
+    """The messages a chat template renders for a dataset `Prompt`: a verl row's own, else its text
+    as one user turn."""
+    return list(prompt.messages) if prompt.messages is not None else [{"role": "user", "content": prompt.text}]
+
+
+def template_file(path: str) -> Path:
+    """The file of a tokenizer folder that holds its chat template (what messages name)."""
+    folder = Path(path)
+    return next((folder / n for n in ("chat_template.jinja", "chat_template.json") if (folder / n).is_file()),
+                folder / "tokenizer_config.json")
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:

@@ -46,14 +46,21 @@ def rank_signals(launcher_pid: int | None = None) -> None:
     if launcher_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         # The parent is the launcher's fork server (parallel/rank_start.py), which ends with the
-        # launcher, or the launcher itself (spawned ranks).
-        parent = os.getppid()
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # not Linux: the Supervisor still ends the ranks it can see
-            pass
-        if os.getppid() != parent or not _alive(launcher_pid):  # it died before the prctl took effect
+        # launcher, or the launcher itself (spawned ranks). Not Linux: the Supervisor still ends the
+        # ranks it can see.
+        if not die_with_parent(os.getppid()) or not _alive(launcher_pid):
             os._exit(1)
+
+
+def die_with_parent(parent: int) -> bool:
+    """Ask the kernel to SIGKILL this process when the thread that started it ends
+    (PR_SET_PDEATHSIG; Linux only); False when `parent`, the process expected to have started it,
+    is already gone: it died before the prctl took effect, so no signal will come."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    return os.getppid() == parent
 
 
 def _alive(pid: int) -> bool:

@@ -7,6 +7,11 @@ is counted, so the metrics show how much of a batch was scored blind instead of 
 Which verifier judges a response: `reward.kind: custom` calls the user's function (verl's
 `compute_score` signature, `rewards/custom.py`) for every prompt; otherwise `reward.sources` maps a
 prompt's `data_source` to a built-in one (`exact`, `math`), and `reward.kind` judges the rest.
+
+Where each runs: the built-in verifiers are ours, never raise on what a model wrote, and are
+bounded where they could be slow (the math fallback parses only short filtered arithmetic;
+math-verify has its own alarm), so they run in the rank, with no process in between. A custom
+function is user code: it runs in the rank's reward workers (`megatron_rl/user_code/`).
 """
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config import require, require_seconds
-from megatron_rl.rewards.custom import ERROR, SCORED, CustomReward, Verdict, load_reward_function
+from megatron_rl.rewards.custom import ERROR, SCORED, CustomReward, Verdict
+from megatron_rl.rewards.error_share import RewardErrors, check_error_share
 from megatron_rl.rewards.math_answer import (
     CORRECT,
     NO_REFERENCE,
@@ -23,6 +29,8 @@ from megatron_rl.rewards.math_answer import (
     WRONG,
     verify_math,
 )
+from megatron_rl.user_code import REWARD, UserFile
+from megatron_rl.user_code.pool import WorkerPool
 
 OUTCOMES = (CORRECT, WRONG, UNPARSABLE, NO_REFERENCE, SCORED, ERROR)
 BUILT_IN = ("exact", "math")
@@ -42,6 +50,9 @@ class RewardConfig:
     name: str = "compute_score"
     # data_source -> built-in verifier for those prompts (e.g. {"openai/gsm8k": math}); not with custom.
     sources: dict[str, str] = field(default_factory=dict)
+    # A step whose share of `error` outcomes (a custom function that raised, hung, returned no
+    # score) is above this stops the run before the step's update (rewards/error_share.py); 1: never.
+    max_error_share: float = 0.5
 
     def __post_init__(self) -> None:
         require_seconds(self.timeout_s, "reward.timeout_s")
@@ -55,6 +66,8 @@ class RewardConfig:
                          "expected exact or math")
         require(not (self.sources and self.kind == "custom"),
                 "reward.sources: a custom reward function judges every source itself (route in it)")
+        require(0 <= self.max_error_share <= 1,
+                f"reward.max_error_share: expected a share in [0, 1], got {self.max_error_share:g}")
 
 
 def exact_match(response: str, reference: str | None) -> str:
@@ -73,10 +86,7 @@ class Scorer:
         self.cfg = cfg
         self.counts: Counter[str] = Counter()
         self.extras: dict[str, list[float]] = {}
-        self.custom = None
-        if cfg.kind == "custom":
-            self.custom = CustomReward(load_reward_function(cfg.path, cfg.name), cfg.timeout_s,
-                                       f"{cfg.path}:{cfg.name}")
+        self.custom = CustomReward(cfg.path, cfg.name, cfg.timeout_s) if cfg.kind == "custom" else None
 
     def verdict(self, response: str, reference: str | None, data_source: str = "",
                 extra_info: dict | None = None) -> Verdict:
@@ -112,14 +122,30 @@ class Scorer:
         return self.cfg.unparsable_reward
 
     def take_counts(self) -> dict[str, int]:
+        """This step's outcome counts; the next step starts afresh (its counts, and `new_step`)."""
         counts = {k: self.counts[k] for k in OUTCOMES}
         self.counts.clear()
+        self.new_step()
         return counts
+
+    def new_step(self) -> None:
+        """A custom function's allowance of timeouts starts afresh (`take_counts` does this for the
+        reward phase; a lease's scorer, which counts nothing, at each rollout)."""
+        if self.custom is not None:
+            self.custom.new_step()
 
     def take_extras(self) -> dict[str, tuple[float, int]]:
         extras = {k: (s, int(n)) for k, (s, n) in self.extras.items()}
         self.extras.clear()
         return extras
+
+
+def check_reward_file(cfg: RewardConfig) -> None:
+    """A custom reward file imports, in a worker as the ranks will import it (a `sys.exit`, a hang
+    or a crash at import is one line naming reward.path), before any rank starts."""
+    if cfg.kind == "custom":
+        with WorkerPool(UserFile(REWARD, cfg.path, cfg.name), cfg.timeout_s) as workers:
+            workers.check_import()
 
 
 def mean_extras(local: dict[str, tuple[float, int]], world: int) -> dict[str, float]:
@@ -140,4 +166,5 @@ def mean_extras(local: dict[str, tuple[float, int]], world: int) -> dict[str, fl
     return {k: s / n for k, (s, n) in sorted(sums.items()) if n}
 
 
-__all__ = ["OUTCOMES", "RewardConfig", "Scorer", "Verdict", "mean_extras", "exact_match", "verify_math"]
+__all__ = ["OUTCOMES", "RewardConfig", "RewardErrors", "Scorer", "Verdict", "check_error_share", "check_reward_file",
+           "mean_extras", "exact_match", "verify_math"]

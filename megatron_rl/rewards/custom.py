@@ -1,31 +1,38 @@
-"""A user's own reward function, called with verl's signature.
+"""A user's own reward function, called with verl's signature, in the run's reward workers.
 
     # my_reward.py  (reward.kind: custom, reward.path: my_reward.py, reward.name: compute_score)
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return 1.0 if solution_str.strip() == ground_truth else 0.0   # or {"score": ..., "acc": ...}
 
-This file is user code that runs by design, in every rank (and in scoring leases): it is imported
-from the path the config names and from nowhere else (never from a checkpoint or a run folder).
+The file is user code that runs by design, under the trust rule of `megatron_rl/user_code/`: it is
+imported from the path the config names and from nowhere else, and it runs in worker processes
+this rank owns (`user_code/pool.py`; one per rank, shared by the reward phase, the scoring leases
+and validation). A chdir, an environment change, a leaked thread or a hang stays in the worker.
 
-One call is one outcome. A float (or a dict whose `score` is one) is `scored`; the dict's other
-numeric keys are logged as `reward/extra/<key>` (their mean over the responses that returned them).
-A call that raises, returns something else or a non-finite score, or runs past `reward.timeout_s`
-is `error` and scores `unparsable_reward`: the run goes on, counts it (`reward/outcomes/error`) and
-prints the first error once. The bound is a watcher thread (a lease scores off the main thread,
-where `signal.alarm` cannot reach): a call past it is abandoned, left to finish in the background.
+One call is one outcome. A real number (Python, numpy, a 0-d tensor), or a dict whose `score` is
+one, is `scored`; the dict's other real values are logged as `reward/extra/<key>` (their mean over
+the responses that returned them; `user_code/reward_kind.py` has the whole contract). A call that
+raises (`SystemExit` and `KeyboardInterrupt` too), returns anything else, a non-finite or
+overflowing score or a non-string key, ends its worker, or runs past `reward.timeout_s` is `error`
+and scores `unparsable_reward`: the run goes on, counts it (`reward/outcomes/error`) and prints
+the first error once. A call past the bound ends its worker, which is replaced; after
+`STEP_TIMEOUTS` of those in one step the step's other responses score `error` without a call, said
+in one line, instead of each waiting out the bound in turn. Whether a step with that many errors
+may update the model is `reward.max_error_share`'s (`rewards/error_share.py`).
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
-import threading
-from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
-from megatron_rl.errors import ConfigError
+from megatron_rl.user_code import REWARD, UserFile
+from megatron_rl.user_code.pool import CallResult, shared_pool
 
 SCORED, ERROR = "scored", "error"
+# Timeouts in one step after which its other calls are not made: a function that hangs on every
+# response would otherwise hold each rank for timeout_s x its share of the responses.
+STEP_TIMEOUTS = 3
 
 
 class Verdict(NamedTuple):
@@ -37,61 +44,47 @@ class Verdict(NamedTuple):
     extra: dict[str, float] | None = None
 
 
-def load_reward_function(path: str, name: str) -> Callable[..., Any]:
-    """`name` from the Python file `path`; one line naming both if either is not there."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"reward.path {path}: no such file (a Python file defining {name})")
-    spec = importlib.util.spec_from_file_location(f"flexfloor_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # the user's module failed at import  # noqa: BLE001
-        raise ConfigError(f"reward.path {path}: importing it failed ({type(e).__name__}: {e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"reward.name {name}: {path} defines no function of that name")
-    return fn
-
-
 class CustomReward:
     """Calls `fn(data_source, solution_str, ground_truth, extra_info)` under the rules above."""
 
-    def __init__(self, fn: Callable[..., Any], timeout_s: float, label: str):
-        self.fn, self.timeout_s, self.label = fn, timeout_s, label
+    def __init__(self, path: str, name: str, timeout_s: float):
+        self.file = UserFile(REWARD, path, name)
+        self.workers = shared_pool(self.file, timeout_s)
         self.reported = False
+        self.timeouts = 0  # this step's calls past the bound (`new_step` resets)
 
     def __call__(self, data_source: str, solution: str, ground_truth: str | None, extra_info: dict) -> Verdict:
-        box: dict[str, Any] = {}
+        if self.timeouts >= STEP_TIMEOUTS:
+            return Verdict(ERROR)
+        result = self.workers.call(data_source, solution, ground_truth, extra_info)
+        if result.timed_out:
+            self.timeouts += 1
+            if self.timeouts == STEP_TIMEOUTS:
+                print(f"[reward] {self.file.label}: {STEP_TIMEOUTS} calls ran past reward.timeout_s "
+                      f"{self.workers.timeout_s:g}s in this step; its other responses here score error "
+                      "without a call", file=sys.stderr, flush=True)
+        return self._verdict(result)
 
-        def call():
-            try:
-                box["value"] = self.fn(data_source, solution, ground_truth, extra_info)
-            except BaseException as e:  # the user's code: any failure is an outcome  # noqa: BLE001
-                box["error"] = f"{type(e).__name__}: {e}"
+    def new_step(self) -> None:
+        """A new step (or rollout) gets the whole timeout allowance again."""
+        self.timeouts = 0
 
-        worker = threading.Thread(target=call, name="custom-reward", daemon=True)
-        worker.start()
-        worker.join(self.timeout_s)
-        if worker.is_alive():
-            return self._error(f"no result within reward.timeout_s {self.timeout_s:g}s")
-        if "error" in box:
-            return self._error(box["error"])
-        return self._verdict(box["value"])
-
-    def _verdict(self, value: Any) -> Verdict:
-        extra = None
-        if isinstance(value, dict):
-            extra = {k: float(v) for k, v in value.items()
-                     if k != "score" and isinstance(v, (int, float)) and math.isfinite(v)}
-            value = value.get("score")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return self._error(f"returned {value!r:.60}, expected a finite float or a dict with 'score'")
-        return Verdict(SCORED, float(value), extra or None)
+    def _verdict(self, result: CallResult) -> Verdict:
+        if result.error is not None:
+            return self._error(result.error)
+        value = result.value if isinstance(result.value, dict) else {}
+        score, extra = value.get("score"), value.get("extra")
+        if not (_finite(score) and isinstance(extra, dict) and all(map(_finite, extra.values()))):
+            return self._error("its worker sent an answer that is not a score")
+        return Verdict(SCORED, float(score), {str(k): float(v) for k, v in extra.items()} or None)
 
     def _error(self, what: str) -> Verdict:
         if not self.reported:  # once per process: the count says how often
             self.reported = True
-            print(f"[reward] {self.label}: {what} (counted as reward/outcomes/error; further errors "
+            print(f"[reward] {self.file.label}: {what} (counted as reward/outcomes/error; further errors "
                   "are only counted)", file=sys.stderr, flush=True)
         return Verdict(ERROR)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

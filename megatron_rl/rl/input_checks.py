@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import sys
 
+from megatron_rl.data.chat_template import check_chat_template
 from megatron_rl.data.prompts import PromptDataset, load_prompts
 from megatron_rl.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_rl.errors import FlexFloorError
-from megatron_rl.rewards import Scorer
+from megatron_rl.rewards import check_reward_file
 from megatron_rl.rl.validation import load_heldout
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -31,7 +32,7 @@ def checked_inputs(cfg: TrainerConfig) -> tuple[PromptDataset, Tokenizer]:
         check_prompts(cfg, heldout, where, tok)
     if cfg.warmstart.sft_steps:
         check_warmstart(cfg, data, tok)
-    Scorer(cfg.reward)  # a custom reward file that does not load stops here, before the ranks
+    check_reward_file(cfg.reward)  # a custom reward file that does not load stops here, before the ranks
     return data, tok
 
 
@@ -60,6 +61,7 @@ def check_prompts(cfg: TrainerConfig, prompts: list, path: str, tok) -> None:
         raise FlexFloorError(f"{path}: no row has a reference answer (data.answer_field "
                              f"{cfg.data.answer_field or 'answer'!r}), which reward kind {cfg.reward.kind!r} compares "
                              "responses with; set data.answer_field to the field that holds it")
+    check_chat_template(tok, prompts, cfg.model.max_position_embeddings)  # the first rows, bounded
     room = cfg.model.max_position_embeddings - cfg.generation.max_response_len
     for p in prompts:
         try:

@@ -4,10 +4,11 @@ A detached rank holds its own finished responses, the tokenizer, the prompts' re
 and the replicated dense weights; its experts are gone. With that it can do one piece of the
 step's post-rollout work: **reward scoring** (decode + the task's verifier, `reward.kind`; with
 `math` that is math-verify, the slowest part of the reward phase; with `custom`, the user's
-function, under the same timeout and error counting as in the reward phase). Its outcomes are all-gathered
-with the responses, and the reward phase scores only what no lease did. The other post-rollout
-work cannot move here: micro-batch packing mixes rows generated on other ranks (rows are owned in
-canonical order, not by the rank that made them), and log-prob recomputation needs every expert.
+function, in the same reward workers and under the same timeout and error counting as in the
+reward phase). Its outcomes are all-gathered with the responses, and the reward phase scores only
+what no lease did. The other post-rollout work cannot move here: micro-batch packing mixes rows
+generated on other ranks (rows are owned in canonical order, not by the rank that made them), and
+log-prob recomputation needs every expert.
 After the training work comes the sidecar (`leases.jobs: [rewards, sidecar]`), whose job lives
 as long as the run, so its model loads once.
 
@@ -35,13 +36,15 @@ class TrainingLeases:
 
     def __init__(self, cfg: TrainerConfig, tok: Tokenizer, rank: int, world: int):
         self.cfg, self.tok = cfg.leases, tok
-        self.scorer = Scorer(cfg.reward)  # outcomes only; the reward phase's scorer counts them
+        # Outcomes only (the reward phase's scorer counts them), from the same reward workers.
+        self.scorer = Scorer(cfg.reward)
         self.sidecar = sidecar_job(self.cfg.jobs, self.cfg.sidecar, rank, world)
         self.rewards: RewardScoringJob | None = None
         self._sidecar_before: dict = {}
 
     def pool(self, finished: list[Request], prompts: list[Prompt], fault_here: bool) -> IdlePool:
         by_id = {p.prompt_id: p for p in prompts}
+        self.scorer.new_step()  # this rollout's leases get the whole allowance of reward timeouts
 
         def outcome(r: Request) -> Verdict:
             return self.scorer.judge(self.tok.decode(r.tokens), by_id[r.prompt_id])

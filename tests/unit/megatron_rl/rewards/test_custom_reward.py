@@ -1,18 +1,21 @@
 """A custom reward file with verl's compute_score signature: called with the right arguments, dict
 returns logged as extras, raising / hanging / non-finite calls counted as errors (first printed
 once), and the same rewards through a scoring lease as in the reward phase."""
+import json
+
 import pytest
 
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.errors import ConfigError
-from megatron_rl.rewards import RewardConfig, Scorer, Verdict
+from megatron_rl.rewards import RewardConfig, Scorer, Verdict, check_reward_file
 
 REWARD_FILE = '''
-import math, time
-CALLS = []
+import json, math, os, time
+CALLS = os.path.join(os.path.dirname(__file__), "calls.jsonl")  # it runs in a worker process
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    CALLS.append((data_source, solution_str, ground_truth, extra_info))
+    with open(CALLS, "a") as f:
+        f.write(json.dumps([data_source, solution_str, ground_truth, extra_info]) + "\\n")
     if solution_str == "raise":
         raise ValueError("bad response")
     if solution_str == "hang":
@@ -32,12 +35,12 @@ def reward_cfg(tmp_path):
     return RewardConfig(kind="custom", path=str(path), timeout_s=1, unparsable_reward=-1.0)
 
 
-def test_called_with_verls_arguments_and_dict_extras(reward_cfg):
+def test_called_with_verls_arguments_and_dict_extras(reward_cfg, tmp_path):
     s = Scorer(reward_cfg)
     p = Prompt("q1", "1+1=", "2", extra={"extra_info": {"index": 3}}, data_source="openai/gsm8k")
     assert s.credit(s.judge(" 2", p)) == 1.0 and s.credit(s.judge("3", p)) == 0.0
     assert s.credit(s.judge("dict", p)) == 0.5
-    calls = s.custom.fn.__globals__["CALLS"]
+    calls = [tuple(json.loads(line)) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert calls[0] == ("openai/gsm8k", " 2", "2", {"index": 3})
     assert s.take_counts()["scored"] == 3 and s.take_extras() == {"acc": (1.0, 1)}
 
@@ -74,11 +77,12 @@ def test_same_rewards_through_a_scoring_lease(reward_cfg):
 
 
 def test_a_reward_file_that_cannot_load_is_one_line(tmp_path):
+    """(The driver's check, `check_reward_file`: the ranks' Scorers import the file in their workers.)"""
     with pytest.raises(ConfigError, match="reward.path .*nope.py: no such file"):
-        Scorer(RewardConfig(kind="custom", path=str(tmp_path / "nope.py")))
+        check_reward_file(RewardConfig(kind="custom", path=str(tmp_path / "nope.py")))
     (tmp_path / "r.py").write_text("def other(): pass\n")
     with pytest.raises(ConfigError, match="reward.name compute_score: .* defines no function"):
-        Scorer(RewardConfig(kind="custom", path=str(tmp_path / "r.py")))
+        check_reward_file(RewardConfig(kind="custom", path=str(tmp_path / "r.py")))
     with pytest.raises(ConfigError, match="reward.path: needed by reward.kind custom"):
         RewardConfig(kind="custom")
 
