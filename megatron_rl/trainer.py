@@ -121,11 +121,10 @@ class Trainer:
         advantages = group_advantages(rewards, G, cfg.grpo.std_normalize)
         t = self._lap(times, "reward", t)
 
-        batches = self.update.minibatches(rollout.responses, advantages)
-        self.update.recompute_logprobs(batches)
+        recomputed = self.update.recompute_logprobs(self.update.minibatches(rollout.responses, advantages))
         t = self._lap(times, "logprob", t)
 
-        stats = self.update.update(batches)
+        stats = self.update.update(recomputed)
         self.optimizer.zero_grad(set_to_none=True)  # the rollout's KV gets the gradients' memory
         t = self._lap(times, "update", t)
 
