@@ -65,11 +65,11 @@ def _compare_rank(ctx, cfg16, cfg32, steps: int, out_dir: str) -> dict:
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.rl.grpo import group_advantages
     from megatron_rl.rl.train_step import sequence_logprobs
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
 
     data = load_prompts(cfg16.data)
-    t16 = Trainer(cfg16, data, ctx, out_dir + "/bf16", None)
-    t32 = Trainer(cfg32, data, ctx, out_dir + "/fp32", None)
+    t16 = build_trainer(cfg16, data, ctx, out_dir + "/bf16", None)
+    t32 = build_trainer(cfg32, data, ctx, out_dir + "/fp32", None)
     with torch.no_grad():
         for p32, p16 in zip(t32.model.parameters(), t16.model.parameters()):
             p32.copy_(p16.float())

@@ -86,9 +86,9 @@ def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.rl.grpo import LossBatch, group_advantages, policy_loss
     from megatron_rl.rl.train_step import sequence_logprobs
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
 
-    trainer = Trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
+    trainer = build_trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
     g, T = cfg.grpo, cfg.generation.temperature
     before, after, reward, signal = [], [], [], []
     for step in range(1, steps + 1):
