@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from megatron_rl.errors import FlexFloorError
 from megatron_rl.metric_keys import grouped, numeric
+from megatron_rl.owned_paths import write_file_atomically
 from megatron_rl.wandb_run import LoggingConfig, finish, resolve_mode, start_run
 
 STEP_METRIC = "trainer/step"
@@ -34,8 +36,6 @@ def require_matplotlib(what: str) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from megatron_rl.errors import FlexFloorError
-
         raise FlexFloorError(f"{what}: drawing figures needs matplotlib, which is not installed "
                              "(pip install matplotlib)") from None
 
@@ -78,16 +78,12 @@ def _drop_steps_after(path: Path, step: int) -> None:
             continue  # a line cut by a crash mid-write: the step is recomputed anyway
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
             kept.append(line)
-    from megatron_rl.owned_paths import write_file_atomically
-
     # Rewritten beside itself and renamed: a crash now leaves the old file or the new one whole.
     write_file_atomically(path, "".join(f"{line}\n" for line in kept))
 
 
 def read_run_state(path: Path) -> dict:
     """`wandb_run.json` ({"id": str, "last_step": int}); {} when absent; one line naming it when bad."""
-    from megatron_rl.errors import FlexFloorError
-
     if not path.exists():
         return {}
     try:
@@ -120,26 +116,29 @@ class MetricsLogger:
         self._fh = self.path.open("a", encoding="utf-8")
         self.mode = resolve_mode(cfg)
         self._run = None
+        self._last_wandb_step = -1  # W&B refuses a row whose step is not above the last one sent
         self._state_file = self.out_dir / "wandb_run.json"
         if self.mode != "disabled":
-            self._start_wandb(cfg, run_config or {}, resume_step is not None, list(tags))
+            self._run, self._last_wandb_step = self._start_wandb(cfg, run_config or {}, resume_step is not None,
+                                                                 list(tags))
+            self._save_state()
 
-    def _start_wandb(self, cfg: LoggingConfig, run_config: dict, resuming: bool, tags: list[str]) -> None:
-        # The run id lives beside the metrics, so a resumed run continues the same W&B run, and
-        # with it the last W&B step sent, so the next one is above it.
+    def _start_wandb(self, cfg: LoggingConfig, run_config: dict, resuming: bool, tags: list[str]):
+        """The W&B run and the last W&B step it was sent. The run id lives beside the metrics, so a
+        resumed run continues the same W&B run, and with it the last W&B step sent, so the next one
+        is above it."""
         state = read_run_state(self._state_file) if resuming else {}
-        self._run = start_run(self.out_dir, cfg, self.mode, config=run_config, tags=tags,
-                              run_id=state.get("id") or os.urandom(4).hex())
-        self._run_id = self._run.id
+        run = start_run(self.out_dir, cfg, self.mode, config=run_config, tags=tags,
+                        run_id=state.get("id") or os.urandom(4).hex())
         # Online, W&B knows the resumed run's next step; offline it starts at 0.
-        self._last_wandb_step = max(state.get("last_step", -1), self._run.step - 1)
-        self._run.define_metric(STEP_METRIC)
-        self._run.define_metric("*", step_metric=STEP_METRIC)
-        self._save_state()
+        last_step = max(state.get("last_step", -1), run.step - 1)
+        run.define_metric(STEP_METRIC)
+        run.define_metric("*", step_metric=STEP_METRIC)
+        return run, last_step
 
     def _save_state(self) -> None:
         tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"id": self._run_id, "last_step": self._last_wandb_step}), encoding="utf-8")
+        tmp.write_text(json.dumps({"id": self._run.id, "last_step": self._last_wandb_step}), encoding="utf-8")
         tmp.replace(self._state_file)
 
     @property

@@ -20,7 +20,7 @@ from megatron_rl.rl.checkpoint_retention import check_room
 from megatron_rl.rl.input_checks import checked_inputs
 from megatron_rl.rl.model_setup import check_init
 from megatron_rl.rl.resume_fit import check_resume_fit
-from megatron_rl.trainer import Trainer
+from megatron_rl.trainer import build_trainer
 from megatron_rl.trainer_config import TrainerConfig
 
 
@@ -74,4 +74,4 @@ def _nothing_left(cfg: TrainerConfig, out_dir: str | Path, resume: Path, step: i
 
 
 def _rank_main(ctx, cfg: TrainerConfig, data: PromptDataset, out_dir: str, resume: Path | None):
-    return Trainer(cfg, data, ctx, out_dir, resume).run()
+    return build_trainer(cfg, data, ctx, out_dir, resume).run()

@@ -31,24 +31,23 @@ from tests.gpu.checks import gpu_checks  # noqa: E402
 def _measure(trainer, responses, advantages, replay: bool) -> dict:
     t = trainer
     t.cfg.grpo.routing_replay = replay  # read per call by PolicyUpdate
-    batches = t.update.minibatches(responses, advantages)
-    t.update.recompute_logprobs(batches)
-    mism = t.update.mismatch.finish(t.world)
+    recomputed = t.update.recompute_logprobs(t.update.minibatches(responses, advantages))
+    mism = recomputed.mismatch.finish(t.world)
     gap = mx = n = 0.0
-    for micro, _ in batches:
-        for mb in micro:
+    for batch in recomputed.batches:
+        for mb in batch.micro:
             d = (mb.old_logp.double() - mb.rollout_logp).abs() * mb.packed.loss_mask.double()
             gap, mx, n = gap + float(d.sum()), max(mx, float(d.max())), n + float(mb.packed.loss_mask.sum())
     return {"agreement": mism["router_agreement"], "any_flip": mism["tokens_any_flip"],
-            "gap": gap / max(n, 1.0), "gap_max": mx, "batches": batches}
+            "gap": gap / max(n, 1.0), "gap_max": mx, "recomputed": recomputed}
 
 
 def _bench_rank(ctx, cfg, steps: int, train_replay: bool, out_dir: str) -> dict:
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.rl.grpo import group_advantages
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
 
-    t = Trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
+    t = build_trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
     rows = []
     for step in range(1, steps + 1):
         batch = t.iterator.next_batch()
@@ -58,10 +57,10 @@ def _bench_rank(ctx, cfg, steps: int, train_replay: bool, out_dir: str) -> dict:
         off = _measure(t, rollout.responses, advantages, False)
         on = _measure(t, rollout.responses, advantages, True)
         t.cfg.grpo.routing_replay = train_replay
-        t.update.update(on["batches"] if train_replay else off["batches"])
+        t.update.update(on["recomputed"] if train_replay else off["recomputed"])
         t.optimizer.zero_grad(set_to_none=True)
-        rows.append({"step": step, "off": {k: v for k, v in off.items() if k != "batches"},
-                     "on": {k: v for k, v in on.items() if k != "batches"}})
+        rows.append({"step": step, "off": {k: v for k, v in off.items() if k != "recomputed"},
+                     "on": {k: v for k, v in on.items() if k != "recomputed"}})
     return {"rows": rows}
 
 

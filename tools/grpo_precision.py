@@ -31,19 +31,21 @@ COLUMNS = ("before", "after", "update_rel", "update_changed", "clip_frac", "kl_a
            "grad_norm")
 
 
-def _surrogate(model, batches, g, T, old_key="old_logp") -> tuple[float, float]:
-    """(clipped surrogate, k3 KL to the old policy per token) of `model` on `batches`."""
-    from megatron_rl.rl.grpo import kl_k3, policy_loss
+def _surrogate(model, batches, g, T, old32=None) -> tuple[float, float]:
+    """(clipped surrogate, k3 KL to the old policy per token) of `model` on `batches` (`Minibatch`es
+    with their old log-probs; `old32`: other old log-probs, one per micro-batch in order)."""
+    from megatron_rl.rl.grpo import LossBatch, kl_k3, policy_loss
     from megatron_rl.rl.train_step import sequence_logprobs
 
     loss = kl = tokens = 0.0
+    olds = iter(old32 or [])
     with torch.no_grad():
-        for micro, n in batches:
-            for mb in micro:
+        for batch in batches:
+            for mb in batch.micro:
                 logp = sequence_logprobs(model, mb.packed, T)
-                old = getattr(mb, old_key)
-                loss += float(policy_loss(logp, old, mb.advantages, mb.packed.loss_mask, clip_low=g.clip_low,
-                                          clip_high=g.clip_high, normalizer=max(n, 1))[0])
+                old = next(olds) if old32 is not None else mb.old_logp
+                loss += float(policy_loss(logp, LossBatch(old, mb.advantages, mb.packed.loss_mask), g,
+                                          normalizer=max(batch.tokens, 1))[0])
                 kl += float((kl_k3(logp.double(), old.double()) * mb.packed.loss_mask).sum())
                 tokens += float(mb.packed.loss_mask.sum())
     return loss / len(batches), kl / max(tokens, 1.0)
@@ -63,11 +65,11 @@ def _compare_rank(ctx, cfg16, cfg32, steps: int, out_dir: str) -> dict:
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.rl.grpo import group_advantages
     from megatron_rl.rl.train_step import sequence_logprobs
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
 
     data = load_prompts(cfg16.data)
-    t16 = Trainer(cfg16, data, ctx, out_dir + "/bf16", None)
-    t32 = Trainer(cfg32, data, ctx, out_dir + "/fp32", None)
+    t16 = build_trainer(cfg16, data, ctx, out_dir + "/bf16", None)
+    t32 = build_trainer(cfg32, data, ctx, out_dir + "/fp32", None)
     with torch.no_grad():
         for p32, p16 in zip(t32.model.parameters(), t16.model.parameters()):
             p32.copy_(p16.float())
@@ -83,21 +85,19 @@ def _compare_rank(ctx, cfg16, cfg32, steps: int, out_dir: str) -> dict:
                "signal": bool(torch.as_tensor(advantages).abs().max() > 0)}
         judge = _fp32_copy(t16.model)  # the bf16 weights before the update, judged in fp32
         for name, t in (("bf16", t16), ("fp32", t32)):
-            batches = t.update.minibatches(rollout.responses, advantages)
-            t.update.recompute_logprobs(batches)
+            recomputed = t.update.recompute_logprobs(t.update.minibatches(rollout.responses, advantages))
+            batches = recomputed.batches
             if name == "bf16":
-                for micro, _ in batches:
-                    for mb in micro:
-                        mb.old32 = sequence_logprobs(judge, mb.packed, T)
-            stats = t.update.update(batches)
+                old32 = [sequence_logprobs(judge, mb.packed, T) for batch in batches for mb in batch.micro]
+            stats = t.update.update(recomputed)
             t.optimizer.zero_grad(set_to_none=True)
             after, kl = _surrogate(t.model, batches, g, T)
             row[name] = {"before": stats["loss"], "after": after, "update_rel": stats["update_rel"],
                          "update_changed": stats["update_changed"], "clip_frac": stats["clip_frac"],
                          "kl_after": kl, "rollout_gap": stats["rollout_gap"], "grad_norm": stats["grad_norm"]}
             if name == "bf16":
-                before32, _ = _surrogate(judge, batches, g, T, "old32")
-                after32, _ = _surrogate(_fp32_copy(t16.model), batches, g, T, "old32")
+                before32, _ = _surrogate(judge, batches, g, T, old32)
+                after32, _ = _surrogate(_fp32_copy(t16.model), batches, g, T, old32)
                 row["bf16_judged_fp32"] = {"before": before32, "after": after32}
         rows.append(row)
     return {"rows": rows}

@@ -5,6 +5,7 @@ checkpoints, the SFT warm start, model setup and megatron-core training; beside 
 driver checks of the inputs, the one-line step faults, and rank 0's log of the run."""
 from megatron_rl.rl.grpo import (
     STAT_KEYS,
+    LossBatch,
     finalize_stats,
     group_advantages,
     kl_k3,
@@ -12,4 +13,4 @@ from megatron_rl.rl.grpo import (
     token_logprobs,
 )
 
-__all__ = ["STAT_KEYS", "finalize_stats", "group_advantages", "kl_k3", "policy_loss", "token_logprobs"]
+__all__ = ["STAT_KEYS", "LossBatch", "finalize_stats", "group_advantages", "kl_k3", "policy_loss", "token_logprobs"]

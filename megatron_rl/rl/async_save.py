@@ -17,14 +17,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils._pytree import tree_map
 
 from megatron_rl.errors import CheckpointError
+from megatron_rl.owned_paths import refuse_symlinks_out
 from megatron_rl.rl import checkpoint as ckpt
 from megatron_rl.rl import checkpoint_checksums as checksums
 from megatron_rl.rl.checkpoint_failures import save_failure
 from megatron_rl.rl.checkpoint_state import dcp_state, is_megatron
+from megatron_rl.rl.megatron_train import OPTIM_FILE
 
 
 def host_copy(state):
@@ -33,28 +36,28 @@ def host_copy(state):
 
 
 class CheckpointWriter:
-    """`save` as rl/checkpoint.py `save_checkpoint`, in the background when `background`.
+    """This rank's saves of one run into `out_dir`: `save` as rl/checkpoint.py `save_checkpoint`, in
+    the background when `background`; `keep`: the retention (keep_last, keep_every), None for none.
     `on_saved(seconds)`: a save's full duration, reported once it is written (rl/deadline.py)."""
 
-    def __init__(self, background: bool, on_saved=None):
+    def __init__(self, background: bool, out_dir, rank: int, keep: tuple[int, int] | None, on_saved=None):
         self.group = dist.new_group(backend="gloo") if background else None
+        self.out_dir, self.rank, self.keep = out_dir, rank, keep
         self.on_saved = on_saved
         self._thread = None
         self._outcome = None  # (error message or None, exception or None, seconds) of the last write
 
-    def save(self, out_dir, step: int, model, optimizer, ref_model, trainer_state: dict, history,
-             rank: int, keep: tuple[int, int] | None, last: bool = False) -> None:
+    def save(self, step: int, model, optimizer, ref_model, trainer_state: dict, history, last: bool = False) -> None:
         """`last`: the run's final save (the last step, a stop): waited for before returning."""
         self.wait()
         t0 = time.perf_counter()
+        rank, keep = self.rank, self.keep
         if self.group is None:
-            ckpt.save_checkpoint(out_dir, step, model, optimizer, ref_model, trainer_state, history, rank, keep)
+            ckpt.save_checkpoint(self.out_dir, step, model, optimizer, ref_model, trainer_state, history, rank, keep)
             if self.on_saved is not None:
                 self.on_saved(time.perf_counter() - t0)
             return
-        from megatron_rl.owned_paths import refuse_symlinks_out
-
-        path = ckpt.step_dir(out_dir, step)
+        path = ckpt.step_dir(self.out_dir, step)
         root = path.parent
         refuse_symlinks_out(root, path, root / "latest")
         state = host_copy(dcp_state(model, optimizer, ref_model))
@@ -89,10 +92,6 @@ class CheckpointWriter:
             self._thread = None
 
     def _write(self, path: Path, state, optim, sidecars, rank, keep, staged_s) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        from megatron_rl.rl.megatron_train import OPTIM_FILE
-
         t0 = time.perf_counter()
         try:
             message = None

@@ -18,9 +18,12 @@ gradient (a per-rank mean would weight ranks with short responses more).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from megatron_rl.trainer_config import GRPOConfig
 
 STAT_KEYS = ("tokens", "clipped", "ratio", "kl", "tis_weight")
 
@@ -90,53 +93,54 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1
 
 
-def policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    ref_logp: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    rollout_logp: torch.Tensor | None = None,
-    tis_cap: float | None = None,
-    normalizer: float | None = None,
-    keep: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped policy-gradient loss (+ kl_coef x k3 KL), summed over tokens / `normalizer`;
-    `keep` (`mis_keep`) zeroes the tokens masked importance sampling drops.
+@dataclass
+class LossBatch:
+    """What the loss reads of one micro-batch besides the trained policy's log-probs: rows `[B, S]`
+    (`advantages` `[B]`); `ref_logp` only with a KL reference, `rollout_logp` only under
+    `grpo.tis_cap`, `keep` (`mis_keep`) only under `grpo.mis_bounds`."""
+
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ref_logp: torch.Tensor | None = None
+    rollout_logp: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
+
+
+def policy_loss(logp: torch.Tensor, batch: LossBatch, g: GRPOConfig,
+                normalizer: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss (`g.clip_low`/`clip_high`, + `g.kl_coef` x k3 KL), summed over
+    tokens / `normalizer`; `batch.keep` zeroes the tokens masked importance sampling drops.
 
     Returns the loss and detached token *sums* of the statistics in STAT_KEYS (all-reduce them
     across ranks, then divide by the summed `tokens`).
     """
-    mask = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype).unsqueeze(-1)
-    ratio = torch.exp(logp - old_logp)
+    mask = batch.mask.to(logp.dtype)
+    adv = batch.advantages.to(logp.dtype).unsqueeze(-1)
+    ratio = torch.exp(logp - batch.old_logp)
     unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    clipped = ratio.clamp(1.0 - g.clip_low, 1.0 + g.clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
     stats = {
         "tokens": mask.sum().detach(),
         "clipped": ((clipped < unclipped).to(mask.dtype) * mask).sum().detach(),
         "ratio": (ratio.detach() * mask).sum(),
     }
-    if rollout_logp is not None and tis_cap is not None:
-        weight = torch.exp(old_logp - rollout_logp).clamp(max=tis_cap).detach()
+    if batch.rollout_logp is not None and g.tis_cap is not None:
+        weight = torch.exp(batch.old_logp - batch.rollout_logp).clamp(max=g.tis_cap).detach()
         per_token = per_token * weight
         stats["tis_weight"] = (weight * mask).sum()
     else:
         stats["tis_weight"] = stats["tokens"].clone()
-    if ref_logp is not None:
-        kl = kl_k3(logp, ref_logp)
+    if batch.ref_logp is not None:
+        kl = kl_k3(logp, batch.ref_logp)
         stats["kl"] = (kl.detach() * mask).sum()
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
+        if g.kl_coef:
+            per_token = per_token + g.kl_coef * kl
     else:
         stats["kl"] = torch.zeros((), dtype=logp.dtype)
-    if keep is not None:
-        per_token = per_token * keep
+    if batch.keep is not None:
+        per_token = per_token * batch.keep
     denom = normalizer if normalizer is not None else stats["tokens"].clamp(min=1.0)
     return (per_token * mask).sum() / denom, stats
 

@@ -18,40 +18,44 @@ ranks once per step:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.rl.grpo import kl_k3
+from megatron_rl.rl.update_stats import sum_over_ranks
 
-# device sums: pairs, agreeing pairs, flipped positions, positions with routes, rows without
-# routes, response tokens, k3, tis-clipped tokens, mis-masked tokens
-_FIELDS = ("pairs", "agree", "flipped", "routed", "missing", "tokens", "k3", "tis_clipped", "mis_masked")
+# The tally's device sums, in the order they are all-reduced: pairs, agreeing pairs, flipped
+# positions, positions with routes, rows without routes, response tokens, k3, tis-clipped tokens,
+# mis-masked tokens.
+_DEVICE_SUMS = ("pairs", "agree", "flipped", "routed", "missing", "tokens", "k3", "tis_clipped", "mis_masked")
 
 
 class MismatchTally:
     def __init__(self, device):
-        self.sums = torch.zeros(len(_FIELDS), dtype=torch.float64, device=device)
+        self.sums = {name: torch.zeros((), dtype=torch.float64, device=device) for name in _DEVICE_SUMS}
 
     def add_routes(self, replay, missing_rows: int) -> None:
         """A micro-batch's `RouteReplay` after its observing forward."""
-        flipped = replay.flip_T.sum().double()
-        self.sums[:4] += torch.stack([replay.pairs[0], replay.pairs[1], flipped, replay.has_T.sum().double()])
-        self.sums[4] += missing_rows
+        s = self.sums
+        s["pairs"] += replay.pairs[0]
+        s["agree"] += replay.pairs[1]
+        s["flipped"] += replay.flip_T.sum().double()
+        s["routed"] += replay.has_T.sum().double()
+        s["missing"] += missing_rows
 
     def add_logprobs(self, old_logp, rollout_logp, mask, tis_cap: float | None, keep=None) -> None:
         mask = mask.double()
         old, roll = old_logp.double(), rollout_logp.double()
-        k3 = (kl_k3(roll, old) * mask).sum()
-        # A zero, not k3 * 0: a non-finite step's k3 is NaN, and the counts must stay counts.
-        zero = mask.new_zeros(())
-        clipped = ((torch.exp(old - roll) > tis_cap).double() * mask).sum() if tis_cap is not None else zero
-        masked = ((1 - keep.double()) * mask).sum() if keep is not None else zero
-        self.sums[5:] += torch.stack([mask.sum(), k3, clipped, masked])
+        s = self.sums
+        s["tokens"] += mask.sum()
+        s["k3"] += (kl_k3(roll, old) * mask).sum()
+        # Left alone, not += 0 * k3: a non-finite step's k3 is NaN, and the counts must stay counts.
+        if tis_cap is not None:
+            s["tis_clipped"] += ((torch.exp(old - roll) > tis_cap).double() * mask).sum()
+        if keep is not None:
+            s["mis_masked"] += ((1 - keep.double()) * mask).sum()
 
     def finish(self, world: int) -> dict[str, float]:
-        s = self.sums.clone()
-        if world > 1:
-            dist.all_reduce(s)
-        v = dict(zip(_FIELDS, s.tolist()))
+        """The step's measures (module docstring), the sums added over the ranks."""
+        v = sum_over_ranks(self.sums, world)
         tokens = max(v["tokens"], 1.0)
         return {"router_agreement": v["agree"] / v["pairs"] if v["pairs"] else None,
                 "tokens_any_flip": v["flipped"] / v["routed"] if v["routed"] else None,

@@ -8,8 +8,10 @@ data order. A stop signal during it saves a checkpoint that the requeued run con
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,34 +19,43 @@ import torch.distributed as dist
 
 from elastic.trace import Trace
 from megatron_rl.data.iterator import PromptIterator
-from megatron_rl.data.prompts import PromptDataset
-from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.data.prompts import PromptDataset, load_prompts
+from megatron_rl.data.tokenizer import Tokenizer, build_tokenizer
+from megatron_rl.out_lock import hold_out_dir
+from megatron_rl.owned_paths import check_export_target
+from megatron_rl.parallel.device import resolve_device
+from megatron_rl.parallel.launch import run_ranks
+from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
+from megatron_rl.rl.model_setup import check_init, export_hf
 from megatron_rl.rl.train_step import chunks, optimizer_step, pack, sequence_logprobs, training_optimizer
 from megatron_rl.trainer_config import TrainerConfig
 
 
+@dataclass
+class WarmStart:
+    """What a warm start did: the loss of each step it ran, and the step a stop signal saved and
+    ended it at (None: it ran to the end)."""
+
+    losses: list[float]
+    stopped_at: int | None = None
+
+
 def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset, rank: int,
                   world: int, stop=None, out_dir: str | Path | None = None,
-                  resume: Path | None = None) -> list[float]:
-    """Run `cfg.warmstart.sft_steps` steps in place on `model`; returns the loss per step.
+                  resume: Path | None = None) -> WarmStart:
+    """Run `cfg.warmstart.sft_steps` steps in place on `model`.
 
     Resumable: with `stop` (a `StopOnSignal`, polled after every step, a collective) and
     `out_dir`, a stop signal saves the warm start's weights, optimizer and data position as
     `out_dir`'s checkpoint of step 0 (`trainer_state.json` has `sft_step`), and the function
-    returns at once (`sft_stopped(losses)` is then the step); `resume` continues such a
-    checkpoint from the step after it, bit-identically (its data order is keyed by seed + 1)."""
-    from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state
-
+    returns at once (`stopped_at` is then the step); `resume` continues such a checkpoint from the
+    step after it, bit-identically (its data order is keyed by seed + 1)."""
     ws = cfg.warmstart
     if ws.path is not None:
-        from dataclasses import replace
-
-        from megatron_rl.data.prompts import load_prompts
-
         data = load_prompts(replace(cfg.data, path=ws.path))
     usable = [p for p in data.prompts if p.answer is not None]
     if not usable:
-        return []
+        return WarmStart([])
     optimizer = training_optimizer(model, cfg.optim, rank, world, lr=ws.lr)
     it = PromptIterator(len(usable), min(ws.prompts_per_step, len(usable) - len(usable) % world),
                         seed=cfg.seed + 1)
@@ -54,21 +65,21 @@ def sft_warmstart(cfg: TrainerConfig, model, tok: Tokenizer, data: PromptDataset
         load_checkpoint(resume, model, optimizer, None)
         it.load_state_dict(state["sft_data"], source=str(resume / "trainer_state.json"))
         first = state["sft_step"] + 1
-    losses, t0 = _Losses(), time.perf_counter()
+    done, t0 = WarmStart([]), time.perf_counter()
     for step in range(first, ws.sft_steps + 1):
         rows = [(tok.encode_prompt(usable[i]), tok.encode_response(usable[i].answer))
                 for i in it.next_batch().indices]
-        losses.append(_sft_step(cfg, model, optimizer, rows, tok.pad_id, rank, world))
+        done.losses.append(_sft_step(cfg, model, optimizer, rows, tok.pad_id, rank, world))
         if rank == 0 and (step % 20 == 0 or step == ws.sft_steps):
-            print(f"[warmstart] step {step}/{ws.sft_steps} loss {losses[-1]:.4f} "
+            print(f"[warmstart] step {step}/{ws.sft_steps} loss {done.losses[-1]:.4f} "
                   f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
         if stop is not None and stop.requested():  # polled on the last step too: no signal is lost
             _save_stopped(cfg, model, optimizer, it, step, out_dir, rank, world)
-            losses.stopped_at = step
+            done.stopped_at = step
             break
     if hasattr(optimizer, "close"):
         optimizer.close()  # else its hooks would take the gradients of the next optimizer's steps
-    return losses
+    return done
 
 
 def _sft_step(cfg: TrainerConfig, model, optimizer, rows: list, pad_id: int, rank: int, world: int) -> float:
@@ -94,8 +105,6 @@ def _save_stopped(cfg: TrainerConfig, model, optimizer, it: PromptIterator, step
                   world: int) -> None:
     """The warm start stopped after `step`: its weights, optimizer and data position as `out_dir`'s
     checkpoint of step 0 (`trainer_state.json` has `sft_step`)."""
-    from megatron_rl.rl.checkpoint import save_checkpoint
-
     state = {"sft_step": step, "sft_data": it.state_dict(), "seed": cfg.seed, "model": cfg.model.to_dict(),
              "ranks": world}
     save_checkpoint(out_dir, 0, model, optimizer, None, state, Trace([], "length history"), rank)
@@ -104,43 +113,22 @@ def _save_stopped(cfg: TrainerConfig, model, optimizer, it: PromptIterator, step
               file=sys.stderr, flush=True)
 
 
-class _Losses(list):
-    stopped_at: int | None = None
-
-
-def sft_stopped(losses: list[float]) -> int | None:
-    """The warm-start step a stop signal saved and ended at, else None."""
-    return getattr(losses, "stopped_at", None)
-
-
 def sft_pending(state: dict) -> bool:
     """A checkpoint's trainer state is a stopped warm start's (continue it before step 1)."""
     return "sft_step" in state
 
 
 def _sft_rank(ctx, cfg: TrainerConfig, backend, data: PromptDataset, out_dir: str):
-    from megatron_rl.data.tokenizer import build_tokenizer
-    from megatron_rl.rl.model_setup import export_hf
-
     model = backend.training_model(cfg, ctx.rank, ctx.world, ctx.device)
-    losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), data, ctx.rank, ctx.world)
+    warm = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), data, ctx.rank, ctx.world)
     export_hf(model, cfg.model, out_dir, ctx.rank, ctx.world)
-    return losses
+    return warm.losses
 
 
 def run_warmstart(cfg: TrainerConfig, backend, out_dir: str) -> list[float]:
     """SFT-only run on `cfg.ranks` ranks with the run's `backend` (`megatron_rl.backends.backend`);
     writes a HuggingFace checkpoint usable as `init:`. The export replaces `out_dir` only where
     `flexfloor export --to` may (owned_paths.check_export_target)."""
-    import contextlib
-
-    from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.out_lock import hold_out_dir
-    from megatron_rl.owned_paths import check_export_target
-    from megatron_rl.parallel.device import resolve_device
-    from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.rl.model_setup import check_init
-
     other_run = check_export_target(out_dir, None, "--out")
     device = resolve_device(cfg.device)
     check_init(cfg)

@@ -8,11 +8,14 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from elastic.runtime.runtime import ElasticFault, fault_cause
 from megatron_rl.errors import FlexFloorError
+from megatron_rl.parallel.launch import user_error
 from megatron_rl.rl.checkpoint import latest_checkpoint
 
 # What a collective that failed says (gloo, NCCL, the c10d store): a peer froze, died or timed out.
@@ -31,19 +34,35 @@ class StepFault(RuntimeError):
     one_line = True
 
 
-@contextlib.contextmanager
-def step_faults(trainer, step: int, phase: str | None = None):
-    """Turn a failed collective inside the block into a `StepFault`; bugs keep their traceback.
-    `trainer`: the `Trainer` whose step runs (its rank, phase in flight and `timeout_s`)."""
-    from elastic.runtime.runtime import ElasticFault, fault_cause
+class StepPhases:
+    """A training step's phases as they pass: the one in flight (what a fault's message names) and
+    the seconds each finished one took."""
 
-    if phase is not None:
-        trainer.phase = phase
+    def __init__(self, first: str):
+        self.current = first
+        self.seconds: dict[str, float] = {}
+        self._since = time.perf_counter()
+
+    def start(self, phase: str) -> None:
+        """The phase in flight ends; `phase` starts."""
+        self.end()
+        self.current = phase
+
+    def end(self) -> None:
+        """The phase in flight ends: its seconds are recorded."""
+        now = time.perf_counter()
+        self.seconds[self.current] = now - self._since
+        self._since = now
+
+
+@contextlib.contextmanager
+def step_faults(rank: int, step: int, timeout_s: float, phases: StepPhases):
+    """Turn a failed collective inside the block into a `StepFault` naming this `rank`, `step` and
+    the phase in flight (`phases.current` when it failed; `timeout_s`: the run's, for the message);
+    bugs keep their traceback."""
     try:
         yield
     except ElasticFault as e:  # the rollout's own (rank, stage, phase); the step is what it lacks
-        from megatron_rl.parallel.launch import user_error
-
         if user_error(e) is not None:  # a user's mistake travels as itself
             raise
         cause = str(e).split(": ", 1)[-1]
@@ -51,8 +70,8 @@ def step_faults(trainer, step: int, phase: str | None = None):
     except RuntimeError as e:
         if isinstance(e, StepFault) or not (isinstance(e, dist.DistError) or _COLLECTIVE.search(str(e))):
             raise
-        raise StepFault(f"rank {trainer.rank}, step {step}, phase {trainer.phase}: {fault_cause(e)} "
-                        f"(timeout_s {trainer.cfg.timeout_s:g}; a peer rank froze, died or is slower)") from None
+        raise StepFault(f"rank {rank}, step {step}, phase {phases.current}: {fault_cause(e)} "
+                        f"(timeout_s {timeout_s:g}; a peer rank froze, died or is slower)") from None
 
 
 def check_finite(step: int, metrics: dict, out_dir: Path) -> None:

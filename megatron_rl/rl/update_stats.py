@@ -9,8 +9,10 @@
 - `rollout_gap`, `rollout_gap_max`: |old log-prob - rollout log-prob| per response token, mean
   and max: the training-inference mismatch (what `grpo.tis_cap` corrects).
 
-`WeightDelta` keeps a copy of this rank's weights across one optimizer step (the weights' size in
-memory, during the update only, when the rollout's KV cache is freed).
+`sum_over_ranks` adds a step's named device sums over the ranks in one all-reduce (these figures,
+the loss's, rl/mismatch.py's). `WeightDelta` keeps a copy of this rank's weights across one
+optimizer step (the weights' size in memory, during the update only, when the rollout's KV cache is
+freed).
 """
 from __future__ import annotations
 
@@ -18,6 +20,17 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.models.params import is_expert_param
+
+
+def sum_over_ranks(sums: dict[str, torch.Tensor], world: int) -> dict[str, float]:
+    """`sums` (float64 scalars on one device) added over the ranks, by name: one all-reduce of them
+    stacked in their order, so a rank reads every figure back in one host transfer."""
+    flat = torch.stack(list(sums.values()))
+    if world > 1:
+        dist.all_reduce(flat)
+    return dict(zip(sums, flat.tolist()))
 
 
 class WeightDelta:
@@ -27,8 +40,6 @@ class WeightDelta:
     @torch.no_grad()
     def measure(self, model, world: int) -> tuple[float, float]:
         """(update_rel, update_changed) of the step taken since construction."""
-        from megatron_rl.models.params import is_expert_param
-
         params = dict(model.named_parameters())
         dev = next(iter(params.values())).device
         dense = torch.zeros(4, dtype=torch.float64, device=dev)  # delta^2, weight^2, changed, count

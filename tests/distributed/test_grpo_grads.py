@@ -46,15 +46,14 @@ def _grads(ctx, ranks):
             p.add_(0.01)
     update = PolicyUpdate(cfg, model, make_optimizer(model, 1e-12), ref, 0, ctx.rank, ctx.world)
     responses, advantages = _batch()
-    batches = update.minibatches(responses, advantages)
-    update.recompute_logprobs(batches)
+    recomputed = update.recompute_logprobs(update.minibatches(responses, advantages))
     # Perturb the old log-probs so some ratios leave the clip range; the perturbation depends on
     # the row (through its advantage) and the position only, not on how rows are packed.
-    for micro, _ in batches:
-        for mb in micro:
+    for batch in recomputed.batches:
+        for mb in batch.micro:
             S = mb.old_logp.shape[1]
             mb.old_logp = mb.old_logp + 0.3 * torch.sin(7 * mb.advantages[:, None] + torch.arange(S)[None])
-    stats = update.update(batches)
+    stats = update.update(recomputed)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     every = [None] * ctx.world
     dist.all_gather_object(every, grads)

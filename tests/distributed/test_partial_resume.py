@@ -8,6 +8,7 @@ import os
 import pytest
 
 from megatron_rl.parallel.launch import run_ranks
+from tests.helpers.train import trainer_step
 
 CONFIG = {
     "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
@@ -29,16 +30,16 @@ def _resume_across_update(ctx, data_path: str, out_dir: str):
     from megatron_rl.config import load_dataclass
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.rl.train_step import pack, sequence_logprobs
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
     from megatron_rl.trainer_config import TrainerConfig
 
     cfg = load_dataclass(TrainerConfig, None, {**CONFIG, "data": {"path": data_path}})
-    trainer = Trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
-    trainer.step(1)  # rollout of policy 1, then the weight update
+    trainer = build_trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
+    trainer_step(trainer, 1)  # rollout of policy 1, then the weight update
     carried = {s.rid: (list(s.tokens), list(s.logprobs)) for g in trainer.partial.pool.pending
                for s in g.samples if not s.done and s.n}
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.step(2)  # resumed under policy 2
+    trainer_step(trainer, 2)  # resumed under policy 2
     assert any((a != p).any() for a, p in zip(before, trainer.model.parameters())), "no weight update"
     # Step 2 trained the oldest complete groups and kept the others: find every carried response.
     where = {s.rid: (g, s) for g in [*trainer.partial.pool.pending, *trainer.partial.last_trained]

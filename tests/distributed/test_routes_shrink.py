@@ -6,7 +6,7 @@ response, and the same step (the natural run's plan is forced to shrink: `_shrin
 import pytest
 import torch
 
-from tests.helpers.train import each_policy, rank_results
+from tests.helpers.train import each_policy, rank_results, trainer_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -35,7 +35,7 @@ def _measure(policy, trainer):
     if policy == "natural":
         trainer.rollout.plan = _shrinking(trainer.rollout.plan)
     rollouts = _capture(trainer.rollout)
-    m = trainer.step(1)
+    m = trainer_step(trainer, 1)
     return {"routes": [r.routes.tolist() for r in rollouts[0].responses], "final_stage": m["final_stage"],
             "loss": m["loss"], "agreement": m["mismatch"]["router_agreement"]}
 

@@ -31,10 +31,10 @@ def _warmstart(ctx, cfg, out: str, stop_at: int | None, resume: str | None):
     from megatron_rl.backends import backend
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.data.tokenizer import build_tokenizer
-    from megatron_rl.rl.sft import sft_stopped, sft_warmstart
+    from megatron_rl.rl.sft import sft_warmstart
 
     model = backend(cfg.backend).training_model(cfg, ctx.rank, ctx.world)
-    losses = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), load_prompts(cfg.data), ctx.rank,
+    warm = sft_warmstart(cfg, model, build_tokenizer(cfg.tokenizer), load_prompts(cfg.data), ctx.rank,
                            ctx.world, _StopAt(stop_at) if stop_at else None, out,
                            resume=Path(resume) if resume else None)
     import torch.distributed as dist
@@ -42,7 +42,7 @@ def _warmstart(ctx, cfg, out: str, stop_at: int | None, resume: str | None):
     mine = {n: p.detach().clone().numpy() for n, p in model.named_parameters()}
     every = [None] * ctx.world
     dist.all_gather_object(every, mine)
-    return {"losses": list(losses), "stopped": sft_stopped(losses),
+    return {"losses": warm.losses, "stopped": warm.stopped_at,
             "weights": {n: t for part in every for n, t in part.items()}}
 
 
@@ -68,7 +68,7 @@ def test_a_stopped_warm_start_saves_and_resumes_to_the_same_weights(tmp_path):
 
 
 def _trainer_requeue(ctx, cfg, tmp: str):
-    """Through `Trainer` as `flexfloor train` runs it: a straight run; a run whose rank 0 gets
+    """Through `build_trainer` as `flexfloor train` runs it: a straight run; a run whose rank 0 gets
     SIGTERM during warm-start step 2 (saved, stopped); its requeue (resumed from that checkpoint)."""
     import os
     import signal
@@ -78,7 +78,7 @@ def _trainer_requeue(ctx, cfg, tmp: str):
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.rl import sft
     from megatron_rl.rl.checkpoint import latest_checkpoint
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
 
     data = load_prompts(cfg.data)
 
@@ -88,7 +88,7 @@ def _trainer_requeue(ctx, cfg, tmp: str):
         dist.all_gather_object(every, mine)
         return {n: t for part in every for n, t in part.items()}
 
-    straight = Trainer(cfg, data, ctx, f"{tmp}/a", None)
+    straight = build_trainer(cfg, data, ctx, f"{tmp}/a", None)
     out = {"straight": straight.run(), "straight_w": weights(straight)}
     real_step, calls = sft.optimizer_step, []
 
@@ -100,10 +100,10 @@ def _trainer_requeue(ctx, cfg, tmp: str):
 
     sft.optimizer_step = signalled_step
     try:
-        out["stopped"] = Trainer(cfg, data, ctx, f"{tmp}/b", None).run()
+        out["stopped"] = build_trainer(cfg, data, ctx, f"{tmp}/b", None).run()
     finally:
         sft.optimizer_step = real_step
-    resumed = Trainer(cfg, data, ctx, f"{tmp}/b", latest_checkpoint(f"{tmp}/b"))
+    resumed = build_trainer(cfg, data, ctx, f"{tmp}/b", latest_checkpoint(f"{tmp}/b"))
     out["resumed"], out["resumed_w"] = resumed.run(), weights(resumed)
     return out
 

@@ -4,7 +4,7 @@ its routes (which routing replay reads) travel with it, so the routes and the st
 import pytest
 from tiny_train import laddered
 
-from tests.helpers.train import each_policy, rank_results, trainer_config, weights
+from tests.helpers.train import each_policy, rank_results, trainer_config, trainer_step, weights
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,7 +67,7 @@ def _measure(policy, trainer):
     if policy == "adaptive":
         trainer.rollout.plan = laddered(trainer.rollout.plan)
         trainer.rollout._online_rule = _moving(trainer.rollout._online_rule, rules)
-    m = trainer.step(1)
+    m = trainer_step(trainer, 1)
     return {"steps": [{k: m[k] for k in ("reward_mean", "loss", "grad_norm", "response_len_mean")}],
             "weights": weights(trainer), "moves": sum(r.moves for r in rules),
             "routes": [r.routes.tolist() for r in routes[0].responses],

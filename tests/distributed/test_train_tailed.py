@@ -4,7 +4,7 @@ all of its rank-time: W x ticks rank-steps, W x T rank-seconds (to the ledger's 
 import pytest
 from tiny_train import TINY_TRAIN, laddered, tiny_train_config
 
-from tests.helpers.train import each_policy, rank_results, weights
+from tests.helpers.train import each_policy, rank_results, trainer_step, weights
 
 pytestmark = pytest.mark.timeout(300)
 POLICIES = ("vanilla", "planned", "adaptive")
@@ -19,7 +19,7 @@ def _measure(policy, trainer):
         trainer.rollout.plan = laddered(trainer.rollout.plan)  # offline plan would keep every rank
     steps = []
     for step in range(1, STEPS + 1):
-        m = trainer.step(step)
+        m = trainer_step(trainer, step)
         secs, ticks = m["rank_seconds"], m["rank_steps"]
         steps.append({"learning": {k: m[k] for k in LEARNING}, "final_stage": m["final_stage"],
                       "placement": m["placement"],

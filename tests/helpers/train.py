@@ -33,15 +33,23 @@ def trainer_config(vocab_size: int = 24, **fields):
 
 def each_policy(ctx, out: str, configs: dict, measure) -> None:
     """On this rank (`run_ranks`): a Trainer per policy's config, in out/<policy>, handed to
-    `measure(policy, trainer) -> dict` (which steps it); the dicts go to out/rank<r>.json."""
+    `measure(policy, trainer) -> dict` (which steps it, `trainer_step`); the dicts go to out/rank<r>.json."""
     from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
 
     results = {}
     for policy, cfg in configs.items():
-        results[policy] = measure(policy, Trainer(cfg, load_prompts(cfg.data), ctx, os.path.join(out, policy), None))
+        results[policy] = measure(policy, build_trainer(cfg, load_prompts(cfg.data), ctx, os.path.join(out, policy),
+                                                        None))
     with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as f:
         json.dump(results, f)
+
+
+def trainer_step(trainer, n: int) -> dict:
+    """Trainer step `n`'s metrics, as the run loop steps it."""
+    from megatron_rl.rl.step_faults import StepPhases
+
+    return trainer.step(n, StepPhases("rollout")).metrics
 
 
 def rank_results(out, world: int) -> list[dict]:

@@ -84,11 +84,11 @@ def _shaped_rewards(responses) -> torch.Tensor:
 
 def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
     from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.rl.grpo import group_advantages, policy_loss
+    from megatron_rl.rl.grpo import LossBatch, group_advantages, policy_loss
     from megatron_rl.rl.train_step import sequence_logprobs
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
 
-    trainer = Trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
+    trainer = build_trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
     g, T = cfg.grpo, cfg.generation.temperature
     before, after, reward, signal = [], [], [], []
     for step in range(1, steps + 1):
@@ -98,14 +98,13 @@ def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
         advantages = group_advantages(rewards, g.group_size)
         # A step whose groups all scored alike has zero advantages: nothing to lower, not judged.
         signal.append(bool(torch.as_tensor(advantages).abs().max() > 0))
-        batches = trainer.update.minibatches(rollout.responses, advantages)
-        trainer.update.recompute_logprobs(batches)
-        before.append(trainer.update.update(batches)["loss"])
+        recomputed = trainer.update.recompute_logprobs(trainer.update.minibatches(rollout.responses, advantages))
+        before.append(trainer.update.update(recomputed)["loss"])
         with torch.no_grad():  # the same surrogate, on the same batch, with the updated weights
-            after.append(sum(float(policy_loss(sequence_logprobs(trainer.model, mb.packed, T), mb.old_logp,
-                                               mb.advantages, mb.packed.loss_mask, clip_low=g.clip_low,
-                                               clip_high=g.clip_high, normalizer=max(tokens, 1))[0])
-                             for micro, tokens in batches for mb in micro) / len(batches))
+            after.append(sum(float(policy_loss(sequence_logprobs(trainer.model, mb.packed, T),
+                                               LossBatch(mb.old_logp, mb.advantages, mb.packed.loss_mask), g,
+                                               normalizer=max(batch.tokens, 1))[0])
+                             for batch in recomputed.batches for mb in batch.micro) / len(recomputed.batches))
         reward.append(float(rewards.mean()))
     judged = [(b, a) for b, a, s in zip(before, after, signal) if s]
     return {"loss_before": before, "loss_after": after, "reward": reward, "signal": signal,

@@ -18,8 +18,9 @@ import torch
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.megatron_weights import canonical_parameters
-from megatron_rl.rl.grpo import policy_loss
+from megatron_rl.rl.grpo import LossBatch, policy_loss
 from megatron_rl.rl.train_step import Packed, pack, sequence_logprobs
+from megatron_rl.trainer_config import GRPOConfig
 from tests.gpu.checks.gpu_checks import SMALL_QWEN3_MOE
 
 # The GPU checks' model (tests/gpu/checks/gpu_checks.py's): small enough for minutes on one GPU, with
@@ -78,7 +79,7 @@ def grpo_batch(cfg: MoEModelConfig, rows: int, prompt_len: int, response_len: in
 def grpo_loss(model, packed: Packed, advantages: torch.Tensor, old_logp: torch.Tensor | None = None):
     logp = sequence_logprobs(model, packed)
     old = logp.detach() if old_logp is None else old_logp
-    loss, _ = policy_loss(logp, old, advantages, packed.loss_mask, clip_low=0.2, clip_high=0.2,
+    loss, _ = policy_loss(logp, LossBatch(old, advantages, packed.loss_mask), GRPOConfig(clip_low=0.2, clip_high=0.2),
                           normalizer=max(packed.tokens, 1))
     return loss
 

@@ -16,16 +16,17 @@ from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, load_c
 from .test_checkpoint_faults import _model_and_optimizer, _step_without_expert_3, fill_the_disk
 
 
-def _save(writer, out, step, model, opt):
-    writer.save(out, step, model, opt, None, {"data": {}}, Trace([], "h"), 0, (1, 0))
+def _save(writer, step, model, opt):
+    writer.save(step, model, opt, None, {"data": {}}, Trace([], "h"))
 
 
 @pytest.fixture
 def saved_once(one_rank_group, tmp_path):
-    """A model, its optimizer and a background writer that has saved them as step 1 in tmp_path."""
+    """A model, its optimizer and a background writer into tmp_path (rank 0, keep_last 1) that
+    has saved them as step 1."""
     model, opt = _model_and_optimizer()
-    writer = CheckpointWriter(True)
-    _save(writer, tmp_path, 1, model, opt)
+    writer = CheckpointWriter(True, tmp_path, 0, (1, 0))
+    _save(writer, 1, model, opt)
     writer.wait()
     return model, opt, writer
 
@@ -49,7 +50,7 @@ def test_latest_moves_only_after_the_checksums_and_the_saved_state_is_the_one_at
 
     monkeypatch.setattr(torch.distributed.checkpoint, "save", held("write", torch.distributed.checkpoint.save))
     monkeypatch.setattr(checksums, "write_checksums", held("hash", checksums.write_checksums))
-    _save(writer, tmp_path, 2, model, opt)
+    _save(writer, 2, model, opt)
     second = tmp_path / "checkpoints" / "step_000002"
     assert gates["write"][0].wait(60), "the writer never started"
     with torch.no_grad():  # the next step runs while the shards are written
@@ -71,7 +72,7 @@ def test_a_failed_background_write_is_the_synchronous_one_line_and_latest_stays(
         saved_once, tmp_path, monkeypatch):
     model, opt, writer = saved_once
     fill_the_disk(monkeypatch)
-    _save(writer, tmp_path, 2, model, opt)
+    _save(writer, 2, model, opt)
     with pytest.raises(CheckpointError, match="No space left on device") as e:
         writer.wait()
     target = tmp_path / "checkpoints" / "step_000002"

@@ -4,14 +4,17 @@ import pytest
 import torch
 
 from megatron_rl.rl import (
+    LossBatch,
     finalize_stats,
     group_advantages,
     kl_k3,
     policy_loss,
     token_logprobs,
 )
+from megatron_rl.trainer_config import GRPOConfig
 
 L = math.log
+G = GRPOConfig()  # clip_low = clip_high = 0.2, no KL term, no truncated importance sampling
 
 
 def test_group_advantages_by_hand():
@@ -36,7 +39,7 @@ def test_clipped_loss_and_gradient_by_hand():
     logp = torch.tensor([[L(0.5), L(0.25), L(0.9)]], requires_grad=True)
     old = torch.tensor([[L(0.4), L(0.25), L(0.1)]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, sums = policy_loss(logp, old, torch.tensor([2.0]), mask)
+    loss, sums = policy_loss(logp, LossBatch(old, torch.tensor([2.0]), mask), G)
     assert loss.item() == pytest.approx(-(2.4 + 2.0) / 2)
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[0.0, -1.0, 0.0]]))
@@ -46,7 +49,7 @@ def test_clipped_loss_and_gradient_by_hand():
 
 def test_negative_advantage_clips_below():
     logp = torch.tensor([[L(0.2)]], requires_grad=True)
-    loss, sums = policy_loss(logp, torch.tensor([[L(0.4)]]), torch.tensor([-1.0]), torch.ones(1, 1))
+    loss, sums = policy_loss(logp, LossBatch(torch.tensor([[L(0.4)]]), torch.tensor([-1.0]), torch.ones(1, 1)), G)
     assert loss.item() == pytest.approx(0.8)  # -min(0.5 * -1, 0.8 * -1)
     loss.backward()
     assert logp.grad.item() == 0.0 and sums["clipped"].item() == 1.0
@@ -57,10 +60,10 @@ def test_k3_kl_and_its_term_in_the_loss():
         0.5 + math.log(2) - 1
     )
     logp = torch.tensor([[L(0.5)]])
-    base, _ = policy_loss(logp, logp, torch.tensor([1.0]), torch.ones(1, 1))
+    base, _ = policy_loss(logp, LossBatch(logp, torch.tensor([1.0]), torch.ones(1, 1)), G)
     with_kl, sums = policy_loss(
-        logp, logp, torch.tensor([1.0]), torch.ones(1, 1), ref_logp=torch.tensor([[L(0.25)]]), kl_coef=0.1
-    )
+        logp, LossBatch(logp, torch.tensor([1.0]), torch.ones(1, 1), ref_logp=torch.tensor([[L(0.25)]])),
+        GRPOConfig(kl_coef=0.1))
     assert (with_kl - base).item() == pytest.approx(0.1 * (0.5 + math.log(2) - 1))
     assert finalize_stats(sums)["kl"] == pytest.approx(0.5 + math.log(2) - 1)
 
@@ -70,7 +73,8 @@ def test_truncated_importance_sampling_weight():
     logp = torch.tensor([[L(0.4), L(0.4)]])
     old = logp.clone()
     rollout = torch.tensor([[L(0.2), L(0.8)]])
-    loss, sums = policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2), rollout_logp=rollout, tis_cap=1.5)
+    loss, sums = policy_loss(logp, LossBatch(old, torch.tensor([1.0]), torch.ones(1, 2), rollout_logp=rollout),
+                             GRPOConfig(tis_cap=1.5))
     assert loss.item() == pytest.approx(-(1.5 + 0.5) / 2)
     assert finalize_stats(sums)["tis_weight_mean"] == pytest.approx(1.0)
 
@@ -80,8 +84,8 @@ def test_global_normalizer_makes_shards_sum_to_the_whole():
     logp = torch.randn(4, 5, requires_grad=True)
     old, adv = logp.detach() + 0.1 * torch.randn(4, 5), torch.randn(4)
     mask = (torch.rand(4, 5) > 0.3).float()
-    whole, _ = policy_loss(logp, old, adv, mask)
-    parts = [policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2],
+    whole, _ = policy_loss(logp, LossBatch(old, adv, mask), G)
+    parts = [policy_loss(logp[i : i + 2], LossBatch(old[i : i + 2], adv[i : i + 2], mask[i : i + 2]), G,
                          normalizer=mask.sum())[0] for i in (0, 2)]
     assert torch.allclose(whole, parts[0] + parts[1])
 

@@ -10,9 +10,9 @@ TINY = gpu_checks.TINY_QWEN3_MOE
 
 def _two_steps(ctx, cfg, out_dir):
     from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.trainer import build_trainer
 
-    trainer = Trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
+    trainer = build_trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)
     reports, engines = [], []
     for step in (1, 2):
         batch = trainer.iterator.next_batch()
