@@ -54,6 +54,14 @@ class MoEModelConfig:
         require(self.kv_channels % 2 == 0,
                 f"kv_channels: expected an even number (RoPE rotates pairs), got {self.kv_channels}")
 
+    def require_page_fits(self, page_size: int, field: str) -> None:
+        """A KV page holds positions of one sequence: one longer than the model's positions sizes every
+        request's cache past any sequence (kv_page_size 16777216 on a 4096-position model passed the
+        config, then failed allocating in the ranks)."""
+        require(page_size <= self.max_position_embeddings,
+                f"{field}: expected at most model.max_position_embeddings ({self.max_position_embeddings}: "
+                f"a page holds positions of one sequence), got {page_size}")
+
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups

@@ -47,6 +47,8 @@ BAD_VALUES = [
     ("batch.prompts=100000000", "batch.prompts x samples x epochs: expected an integer in [1, 2^24]"),
     ("sampling.seed=-1", "sampling.seed: expected an integer in [0, 2^32)"),
     ("fault=bogus", "expected one of 'kill-leased-rank', 'fail-transfer', 'stuck-lease' or null"),
+    # passed the config on a 4096-position model, then failed allocating in the ranks
+    ("kv_page_size=16777216", "kv_page_size: expected at most model.max_position_embeddings (4096"),
 ]
 
 
@@ -119,6 +121,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
         "checkpoint_other_model": (cfg("c5.yaml", f"checkpoint: {tmp / 'ckpt'}\nmodel:\n  num_layers: 3\n"),
                                    [f"{tmp / 'ckpt'}: checkpoint is for another model shape",
                                     "num_layers: checkpoint 2, model: 3"]),
+        # the checkpoint's positions decide (its config.json says 4096)
+        "checkpoint_page_past_positions": (cfg("c6.yaml", f"checkpoint: {tmp / 'ckpt'}\nkv_page_size: 8192\n"),
+                                           ["kv_page_size: expected at most model.max_position_embeddings (4096"]),
         "trace_bad_json": (trace("t1.jsonl", good + "{oops\n"), ["t1.jsonl:2:", "not valid JSON"]),
         "trace_missing_field": (trace("t2.jsonl", good + '{"prompt_id": "b", "epoch": 0, "sample": 0}\n'),
                                 ["t2.jsonl:2:", "missing field 'prompt_len'"]),
@@ -129,7 +134,8 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
 
 CASES = ["unknown_key", "wrong_type", "experts_not_divisible", "more_ranks_than_experts",
          "checkpoint_empty_dir", "checkpoint_is_a_file", "checkpoint_torn_safetensors",
-         "checkpoint_missing_tensor", "checkpoint_other_model", "trace_bad_json", "trace_missing_field",
+         "checkpoint_missing_tensor", "checkpoint_other_model", "checkpoint_page_past_positions",
+         "trace_bad_json", "trace_missing_field",
          "trace_negative_length"]
 
 

@@ -94,6 +94,7 @@ BAD_VALUES = [
     ("partial.over_sample=-1", "partial.over_sample: expected a number >= 0"),  # also when off
     ("partial.token_budget=-1", "partial.token_budget: only read with end 'budget'"),
     ("model.vocab_size=1000000000000", "vocab_size: expected an integer in [1, 2^24]"),
+    ("generation.kv_page_size=16777216", "generation.kv_page_size: expected at most model.max_position_embeddings"),
 ]
 
 
