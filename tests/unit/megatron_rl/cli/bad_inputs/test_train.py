@@ -291,11 +291,17 @@ def test_carried_routes_are_checked_on_the_driver_too(tmp_path):
     """The carried routes (routing replay) are refused before any rank starts, as the rest of the section."""
     from megatron_rl.models.routes import encode
 
-    ok = torch.zeros(5 + 2 - 1, 2, 2, dtype=torch.uint8)  # prompt 5 + 2 tokens - 1 positions, L 2, top-2
+    # prompt 5 + 2 tokens - 1 positions, L 2, top-2 (experts 0 and 1)
+    ok = torch.tensor([0, 1], dtype=torch.uint8).expand(5 + 2 - 1, 2, 2).clone()
     _partial_resume(tmp_path, {**_section(), "routes": [["arith-00003", 3, encode(ok)]]})
     bad = ok.clone()
     bad[0, 0, 0] = 8  # the tiny model has 8 experts
     with pytest.raises(CheckpointError, match=r"trainer_state.json: field partial.routes\[0\]: expert id 8 outside"):
+        _partial_resume(tmp_path, {**_section(), "routes": [["arith-00003", 3, encode(bad)]]})
+    bad = ok.clone()
+    bad[3, 1] = 6  # top-2 ids [6, 6]: accepted and replayed as one expert weighted twice
+    with pytest.raises(CheckpointError, match=r"partial.routes\[0\]: position 3, layer 1: top-k expert ids \[6, 6\] "
+                                              r"repeat"):
         _partial_resume(tmp_path, {**_section(), "routes": [["arith-00003", 3, encode(bad)]]})
     with pytest.raises(CheckpointError, match=r"partial.routes\[0\]: response \('arith-00009', 0\) is not pending"):
         _partial_resume(tmp_path, {**_section(), "routes": [["arith-00009", 0, encode(ok)]]})
