@@ -42,7 +42,7 @@ def step_faults(trainer, step: int, phase: str | None = None):
     try:
         yield
     except ElasticFault as e:  # the rollout's own (rank, stage, phase); the step is what it lacks
-        from megatron_rl.parallel.launch import user_error
+        from megatron_rl.parallel.rank_failures import user_error
 
         if user_error(e) is not None:  # a user's mistake travels as itself
             raise
