@@ -13,7 +13,7 @@ from tests.helpers.traces import write_tailed_trace
 torch.set_num_threads(1)
 
 # A loaded machine (CI's 2 cores shared with other jobs) runs every test slower, those that spawn
-# ranks most (a DeepSpeed JIT build took 555 s at load 13, about 120 s quiet): each test's time bound
+# ranks most (a DeepSpeed JIT build took 555 s at load 13 for 149 s of CPU): each test's time bound
 # (its `timeout` marker, else pytest.ini's) grows with the load average per core, at most 3x, so a
 # hang still ends.
 MAX_LOAD_SCALE = 3.0

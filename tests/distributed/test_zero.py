@@ -183,8 +183,8 @@ def _offload_vs_adamw(ctx):
     return out
 
 
-# The first use JIT-builds DeepSpeed's CPU Adam into ~/.cache/torch_extensions: about 120 s on a quiet
-# 2-core machine, 555 s at load 13 (tests/conftest.py scales the bound with the load). Each test pays
+# The first use JIT-builds DeepSpeed's CPU Adam into ~/.cache/torch_extensions: 149 s of CPU, which took
+# 555 s at load 13 on 2 cores (tests/conftest.py scales the bound with the load). Each test pays
 # it when it runs first, so the build and the two checks are separate tests, each well inside 240 s.
 @pytest.mark.slow
 def test_deepspeed_cpu_adam_builds():
