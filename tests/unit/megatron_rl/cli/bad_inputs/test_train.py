@@ -388,3 +388,27 @@ def test_a_refused_train_leaves_nothing_in_a_folder_it_created(cfg, tmp_path, ca
     (mine / "notes.txt").write_text("keep")
     _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", mine, f"data.path={data}"], refused)
     assert _listing(mine) == ["notes.txt"]
+
+
+def test_a_full_disk_is_one_line_exit_1_wherever_it_is_met(cfg, tmp_path, capsys, monkeypatch):
+    """On the driver (its config.yaml) or on a rank (the launcher's DiskFull): one line naming the
+    path, exit 1 (the inputs were fine), never a traceback."""
+    import errno
+
+    from megatron_rl.disk_full import DiskFull
+
+    out = tmp_path / "out"
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "config.yaml"))
+
+    def rank_full(*a, **k):
+        raise DiskFull(errno.ENOSPC, "No space left on device", str(out))
+
+    for patched, path in ((("megatron_rl.train_driver.write_config", full), out / "config.yaml"),
+                          (("megatron_rl.train_driver.run_ranks", rank_full), out)):
+        with monkeypatch.context() as m:
+            m.setattr(*patched)
+            rc = main(["train", "--config", str(cfg), "--out", str(out)])
+        lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")]
+        assert rc == 1 and lines == [f"flexfloor train: error: no space left on device: {path}"], (rc, lines)
