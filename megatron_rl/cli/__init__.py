@@ -3,8 +3,8 @@
 Each subcommand lives in its own module with `register(subparsers)`; the module must import torch
 and other heavy packages inside its run function, so `flexfloor plan --help` stays instant.
 An `InputError` (elastic/errors.py: a bad config, trace, checkpoint, flag) is caught here, once: it
-prints one line and exits with status 2. A full disk (an OSError of megatron_rl/disk_full.py's
-`FULL`, here or on a rank, which the launcher raises as `DiskFull`) is one line too, exit status 1.
+prints one line and exits with status 2. A full disk (an OSError of parallel/disk_full.py's `FULL`,
+met here or on a rank, which the launcher raises as `DiskFull`) is one line too, exit status 1.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import importlib
 import sys
 
 from elastic.errors import InputError, shorten
-from megatron_rl.disk_full import FULL, disk_full
 from megatron_rl.errors import Interrupted
+from megatron_rl.parallel.disk_full import FULL, disk_full
 
 # Order here is the order in `flexfloor --help`.
 COMMANDS = [

@@ -6,7 +6,7 @@ is one rank of that world and non-zero ranks return None. Otherwise W processes 
 from a fork server that imported torch once, parallel/rank_start.py); a rank
 that raises or dies ends the whole job with one line naming the rank whose failure is the cause
 (parallel/rank_failures.py), after at most `timeout_s`; a full disk ends it as `DiskFull`
-(megatron_rl/disk_full.py: the CLI's "no space left on device: PATH", exit 1).
+(megatron_rl/parallel/disk_full.py: the CLI's "no space left on device: PATH", exit 1).
 `device` ('cpu' or 'cuda', see parallel/device.py) picks the world's backend: gloo or NCCL.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A rank that raises reports a `RankFailure`: its exception's type and message (one line for an
 expected failure, the traceback for a bug), whether it is a collective's reaction to a peer's death
-rather than a cause of its own, and the full disk behind it, if any (megatron_rl/disk_full.py). When
+rather than a cause of its own, and the full disk behind it, if any (parallel/disk_full.py). When
 one rank fails, the collectives of the others fail too: gloo's "Connection closed by peer ... This
 is typically caused by a remote worker crashing ... GLHF!", a timeout, NCCL's aborted communicator;
 on a loaded machine those reports may arrive first. `describe` names the cause, in this order: a
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from elastic.errors import InputError, shorten
 from elastic.runtime.runtime import ElasticFault
-from megatron_rl.disk_full import DiskFull, disk_full
 from megatron_rl.errors import Interrupted
+from megatron_rl.parallel.disk_full import DiskFull, disk_full
 
 # What a collective raises on a rank whose peer died, froze or left: gloo's lost connection and its
 # advice, a socket or store timeout, NCCL's communicator aborted by its watchdog or a remote error.

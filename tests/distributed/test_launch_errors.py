@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.disk_full import DiskFull
 from megatron_rl.errors import ConfigError
+from megatron_rl.parallel.disk_full import DiskFull
 from megatron_rl.parallel.launch import RankFailed, run_ranks
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,5 @@
 """The one line a failed job reports: the cause named first, a long traceback cut in its middle."""
+from elastic.runtime.runtime import ElasticFault
 from megatron_rl.parallel.rank_failures import CAUSE_CHARS, RankFailure, clipped, describe, failure_of, peer_reaction
 
 GLHF = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -24,8 +25,6 @@ def _deep_bug(depth: int):
 
 
 def test_a_collectives_reaction_to_a_dead_peer_is_not_a_cause():
-    from elastic.runtime.runtime import ElasticFault
-
     gloo = _raised(RuntimeError(GLHF))
     assert peer_reaction(gloo) and peer_reaction(_raised(ElasticFault(0, 1, "decode", gloo), gloo))
     assert not peer_reaction(_raised(KeyError("a bug")))

@@ -1,5 +1,6 @@
 """`flexfloor train`: bad configs, data, flags, output folders and run-folder files (what a resume
 reads) are one line naming the file, field or flag, exit 2, before any rank starts."""
+import errno
 import json
 import sys
 
@@ -9,6 +10,7 @@ import yaml
 
 from megatron_rl.cli import main
 from megatron_rl.errors import FlexFloorError
+from megatron_rl.parallel.disk_full import DiskFull
 from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, read_state_json
 from tests.helpers.cli import listing as _listing
 from tests.process_tree import live_children
@@ -393,10 +395,6 @@ def test_a_refused_train_leaves_nothing_in_a_folder_it_created(cfg, tmp_path, ca
 def test_a_full_disk_is_one_line_exit_1_wherever_it_is_met(cfg, tmp_path, capsys, monkeypatch):
     """On the driver (its config.yaml) or on a rank (the launcher's DiskFull): one line naming the
     path, exit 1 (the inputs were fine), never a traceback."""
-    import errno
-
-    from megatron_rl.disk_full import DiskFull
-
     out = tmp_path / "out"
 
     def full(*a, **k):

@@ -1,9 +1,9 @@
-"""A full disk is found however a writer reports it (megatron_rl/disk_full.py)."""
+"""A full disk is found however a writer reports it (megatron_rl/parallel/disk_full.py)."""
 import errno
 import os
 from types import SimpleNamespace
 
-from megatron_rl.disk_full import DiskFull, disk_full
+from megatron_rl.parallel.disk_full import DiskFull, disk_full
 
 
 def _raised(e, cause=None):
