@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,6 +81,9 @@ MAX_LINE_BYTES = 2**26
 # Python's own default bound on converting an integer's digits (quadratic time beyond it), stated
 # here because an interpreter may run with it lifted (PYTHONINTMAXSTRDIGITS=0).
 MAX_INT_DIGITS = 4300
+# A line that may hold such an integer (or only a long digit run in a string) is decoded with the
+# bound; the others, nearly all, by the decoder's fast path.
+_LONG_DIGITS = re.compile(r"\d{%d}" % (MAX_INT_DIGITS + 1))
 
 
 def parse_record(obj: object, where: str) -> TraceRecord:
@@ -187,7 +191,7 @@ def iter_jsonl(path: Path, error: type[Exception], what: str, max_bytes: int | N
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line, parse_int=_bounded_int)
+                obj = json.loads(line, **({"parse_int": _bounded_int} if _LONG_DIGITS.search(line) else {}))
             except json.JSONDecodeError as e:
                 obj = error(f"{where}: not valid JSON ({e.msg})")
             except _LongInteger as e:
