@@ -212,7 +212,8 @@ def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = 
     (_, device, group), = worlds
     jobs = [prepare(c, o, d) for c, o, d in zip(cfgs, out_dirs, devices)]
     return run_ranks(rank_jobs, cfgs[0].ranks, jobs, quiet, timeout_s=max(c.timeout_s for c in cfgs),
-                     device=device, transport="direct" if group == "nccl" else "host")
+                     device=device, transport="direct" if group == "nccl" else "host",
+                     writes_to=next((o for o in out_dirs if o), None))
 
 
 def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):

@@ -57,7 +57,7 @@ def run_training(cfg: TrainerConfig, out_dir: str | Path, *, preflight_done: boo
         check_room(cfg, out_dir)  # a save that cannot fit is refused now, not half-way
         write_config(cfg, out_dir)
     return run_ranks(_rank_main, cfg.ranks, cfg, data, str(out_dir), resume, timeout_s=cfg.timeout_s,
-                     stop_grace_s=cfg.checkpoint.stop_grace_s, device=device)
+                     stop_grace_s=cfg.checkpoint.stop_grace_s, device=device, writes_to=out_dir)
 
 
 def _nothing_left(cfg: TrainerConfig, out_dir: str | Path, resume: Path, step: int) -> None:

@@ -277,6 +277,7 @@ class TrainerConfig:
                 f"generation.max_response_len: expected below model.max_position_embeddings "
                 f"({self.model.max_position_embeddings}: a response follows a prompt of at least one "
                 f"token), got {self.generation.max_response_len}")
+        self.model.require_page_fits(self.generation.kv_page_size, "generation.kv_page_size")
         if self.end_by is not None:
             parse_time(self.end_by, "end_by")
         require(self.logprob_chunk_tokens >= 0,

@@ -1,4 +1,5 @@
 import json
+import os
 import struct
 from contextlib import contextmanager
 
@@ -10,6 +11,33 @@ from tests.helpers.traces import write_tailed_trace
 # The tiny models gain nothing from intra-op threads, and OpenMP threads spinning against the gloo
 # ranks that distributed tests spawn on the same 2 cores make everything many times slower.
 torch.set_num_threads(1)
+
+# A loaded machine (CI's 2 cores shared with other jobs) runs every test slower, those that spawn
+# ranks most (a DeepSpeed JIT build took 555 s at load 13 for 149 s of CPU): each test's time bound
+# (its `timeout` marker, else pytest.ini's) grows with the load average per core, at most 3x, so a
+# hang still ends.
+MAX_LOAD_SCALE = 3.0
+
+
+def load_scale() -> float:
+    return min(MAX_LOAD_SCALE, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
+def pytest_report_header(config):
+    return f"time bounds x{load_scale():.2f} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+
+
+def pytest_collection_modifyitems(config, items):
+    scale = load_scale()
+    if scale == 1.0:
+        return
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        args, kwargs = (list(marker.args), dict(marker.kwargs)) if marker else ([], {})
+        base = args[0] if args else kwargs.pop("timeout", default)
+        if base:  # 0 or None: no bound to scale
+            item.add_marker(pytest.mark.timeout(float(base) * scale, *args[1:], **kwargs), append=False)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@
 # existing process group instead of spawning its own.
 #
 # Environment the user may set (sbatch passes the submitting shell's environment on):
-#   FLEXFLOOR          command that runs flexfloor (default `flexfloor`; e.g. `python -m megatron_rl.cli`)
+#   FLEXFLOOR          command that runs flexfloor (default `flexfloor`; e.g. `python -m megatron_rl.cli`,
+#                      or the path of an executable, taken whole even with spaces: see ff_command)
 #   FLEXFLOOR_HOME     checkout holding examples/ (default: the folder sbatch was called from)
 #   FF_RUN_DIR         run folder for reports, metrics and checkpoints (default runs/JOBNAME: the
 #                      job name, not its id, so a requeue, a resubmit after a TIMEOUT or a failed
@@ -20,7 +21,7 @@
 #                      run each node's torchrun in a container (pyxis, apptainer or docker; container.sh)
 #   FLEXFLOOR_DRY_RUN  1: print the launch command instead of running it
 #   FF_TORCHRUN        command that runs torchrun (default `torchrun`; e.g. `python -m torch.distributed.run`
-#                      when the Python environment is not activated on the compute nodes)
+#                      when the Python environment is not activated on the compute nodes; read as FLEXFLOOR)
 #   FF_SIGNAL_LEAD_S   seconds before the time limit that `#SBATCH --signal=B:USR1@N` signals (each
 #                      sbatch file sets it next to that line). The trainer plans its last step to be
 #                      saved before then (megatron_rl/rl/deadline.py), from SLURM_JOB_END_TIME.
@@ -40,10 +41,23 @@ ff_die() {
     exit 2
 }
 
+# ff_command ARRAY VALUE: the command VALUE names, as the words of array ARRAY. The path of an
+# executable file is one word, spaces and all (FLEXFLOOR="/opt/my tools/flexfloor"); anything else
+# is split into words (FLEXFLOOR="python -m megatron_rl.cli").
+# shellcheck disable=SC2034  # ff_words is a nameref: what it sets is the caller's array
+ff_command() {
+    local -n ff_words=$1
+    if [[ $2 == */* && -f $2 && -x $2 ]]; then
+        ff_words=("$2")
+    else
+        read -r -a ff_words <<< "$2"
+    fi
+}
+
 # Sets FF_CMD, FF_RUN_DIR, MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE, FF_DEVICE.
 ff_init() {
     : "${SLURM_JOB_ID:?submit this script with sbatch (SLURM_JOB_ID is not set)}"
-    read -r -a FF_CMD <<< "${FLEXFLOOR:-flexfloor}"
+    ff_command FF_CMD "${FLEXFLOOR:-flexfloor}"
     # The job name, not its id: a resubmitted job (new id) finds its run folder, and resumes, again.
     FF_RUN_DIR=${FF_RUN_DIR:-runs/${SLURM_JOB_NAME:-flexfloor}}
     mkdir -p "$FF_RUN_DIR"
@@ -91,7 +105,7 @@ ff_launch() {
     # Every rank's stdout and stderr in its own file, FF_RUN_DIR/logs/JOBID_*/attempt_0/LOCAL_RANK/,
     # and on the job's output too, each line prefixed with its rank (torchrun's --log-dir and --tee).
     local torchrun
-    read -r -a torchrun <<< "${FF_TORCHRUN:-torchrun}"
+    ff_command torchrun "${FF_TORCHRUN:-torchrun}"
     local cmd=(srun "${srun_opts[@]}" "${FF_SRUN_CONTAINER[@]}" "${FF_IN_CONTAINER[@]}"
                "${torchrun[@]}" --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$NPROC_PER_NODE"
                --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"

@@ -3,7 +3,8 @@
 Each subcommand lives in its own module with `register(subparsers)`; the module must import torch
 and other heavy packages inside its run function, so `flexfloor plan --help` stays instant.
 An `InputError` (elastic/errors.py: a bad config, trace, checkpoint, flag) is caught here, once: it
-prints one line and exits with status 2.
+prints one line and exits with status 2. A full disk (an OSError of parallel/disk_full.py's `FULL`,
+met here or on a rank, which the launcher raises as `DiskFull`) is one line too, exit status 1.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 
 from elastic.errors import InputError, shorten
 from megatron_rl.errors import Interrupted
+from megatron_rl.parallel.disk_full import FULL, disk_full
 
 # Order here is the order in `flexfloor --help`.
 COMMANDS = [
@@ -66,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 128 + 13  # as a process that SIGPIPE ended
+    except OSError as e:  # after BrokenPipeError, one of its kind
+        if e.errno not in FULL:
+            raise
+        print(f"flexfloor {args.command}: error: {disk_full(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"flexfloor {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -15,16 +15,21 @@ holds OUT's lock: it waits for no `train` and refuses while one runs there.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
+
+from megatron_rl.errors import FlexFloorError
 
 
 def run(args) -> int:
     import contextlib
 
-    from megatron_rl.errors import FlexFloorError
     from megatron_rl.out_lock import hold_out_dir
     from megatron_rl.owned_paths import check_export_target
 
+    if args.step is not None and args.step < 0:
+        raise FlexFloorError(f"--step {args.step}: expected a step >= 0")
+    shard_bytes = None if args.shard_gb is None else shard_size(args.shard_gb)
     out = Path(args.out)
     if not (out / "checkpoints").is_dir():
         raise FlexFloorError(f"--out {out}: holds no checkpoints/ folder (not a `flexfloor train` --out)")
@@ -33,10 +38,18 @@ def run(args) -> int:
     with hold_out_dir(out, "export"), \
             (hold_out_dir(other_run, "export", "--to") if other_run else contextlib.nullcontext()):
         check_export_target(target, out)  # again, now that no run can change the folders
-        step, path = export_checkpoint(out, args.step, target, args.allow_unverified_checkpoint,
-                                       args.shard_gb and int(args.shard_gb * 1e9))
+        step, path = export_checkpoint(out, args.step, target, args.allow_unverified_checkpoint, shard_bytes)
     print(f"exported step {step} ({path}) to {target}")
     return 0
+
+
+def shard_size(gb: float) -> int:
+    """`--shard-gb` in bytes: a positive finite number of GB (0 was ignored, -1 wrote a shard per
+    tensor, nan and inf were tracebacks). Below a byte every tensor is a shard of its own; past any
+    model (1e300) the whole model is one."""
+    if not (math.isfinite(gb) and gb > 0):
+        raise FlexFloorError(f"--shard-gb {gb:g}: expected a positive finite number of GB")
+    return max(1, int(min(gb * 1e9, 2.0**62)))
 
 
 def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverified: bool,
@@ -44,7 +57,6 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
     """Checkpoint `step` of run folder `out` (the latest: None) as a HuggingFace folder `target`,
     verified as `train`'s resume verifies it before a byte of it is parsed."""
     from elastic.errors import shorten
-    from megatron_rl.errors import FlexFloorError
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
     from megatron_rl.rl.checkpoint import (
@@ -87,7 +99,6 @@ def run_tokenizer(out: Path):
     the export); the default char tokenizer when the run folder has no config.yaml."""
     from elastic.errors import shorten
     from megatron_rl.data.tokenizer import TokenizerConfig, build_tokenizer
-    from megatron_rl.errors import FlexFloorError
     from megatron_rl.yaml_input import parse
 
     f = out / "config.yaml"
@@ -104,10 +115,11 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint as a HuggingFace folder",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the `flexfloor train --out` folder")
-    p.add_argument("--step", type=int, help="the checkpoint of this step (default: the latest)")
+    p.add_argument("--step", type=int, help="the checkpoint of this step, >= 0 (default: the latest)")
     p.add_argument("--to", help="the HuggingFace folder to write (default: OUT/hf)")
     p.add_argument("--shard-gb", type=float, default=None,
-                   help="largest safetensors file, in GB (default 5, as HuggingFace uploads use)")
+                   help="largest safetensors file, in GB: a positive number (default 5, as HuggingFace "
+                        "uploads use)")
     p.add_argument("--allow-unverified-checkpoint", action="store_true",
                    help="export a checkpoint that has no checksums.json (only one you trust)")
     p.set_defaults(func=run)

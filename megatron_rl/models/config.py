@@ -2,7 +2,8 @@
 
 Fields keep Megatron's names (num_layers, num_query_groups, kv_channels, moe_router_topk, ...) so a
 config moves to the megatron-core backend field by field (`transformer_config_kwargs`), and
-`from_hf` maps a HuggingFace Qwen3-MoE `config.json`. Router semantics: Qwen3's `norm_topk_prob=True`
+`from_hf` maps a HuggingFace Qwen3-MoE `config.json` (refusing what the model does not compute,
+models/hf_fields.py). Router semantics: Qwen3's `norm_topk_prob=True`
 (softmax over all experts, keep top-k, renormalise) equals Megatron's `moe_router_pre_softmax=False`
 (top-k of the logits, softmax over those k); `norm_topk_prob=False` is `moe_router_pre_softmax=True`.
 """
@@ -13,6 +14,7 @@ from dataclasses import asdict, dataclass
 from elastic.planning.shape import MemoryBudget, ModelShape
 from megatron_rl.config import require, require_size
 from megatron_rl.errors import ConfigError
+from megatron_rl.models.hf_fields import check_hf_fields
 
 
 @dataclass
@@ -53,6 +55,14 @@ class MoEModelConfig:
                 f"{self.layernorm_epsilon}, {self.rotary_base}, {self.init_method_std}")
         require(self.kv_channels % 2 == 0,
                 f"kv_channels: expected an even number (RoPE rotates pairs), got {self.kv_channels}")
+
+    def require_page_fits(self, page_size: int, field: str) -> None:
+        """A KV page holds positions of one sequence: one longer than the model's positions sizes every
+        request's cache past any sequence (kv_page_size 16777216 on a 4096-position model passed the
+        config, then failed allocating in the ranks)."""
+        require(page_size <= self.max_position_embeddings,
+                f"{field}: expected at most model.max_position_embeddings ({self.max_position_embeddings}: "
+                f"a page holds positions of one sequence), got {page_size}")
 
     @property
     def heads_per_group(self) -> int:
@@ -98,18 +108,14 @@ class MoEModelConfig:
     # ---- HuggingFace config.json <-> this --------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict, where: str = "config.json") -> "MoEModelConfig":
+        """`hf`'s fields onto this config; a field asking for what the model does not compute is
+        refused by name (models/hf_fields.py says what each field of Qwen3MoeConfig means here)."""
+        check_hf_fields(hf, where)
         if hf.get("model_type") not in (None, "qwen3_moe"):
             raise ConfigError(f"{where}: model_type is {hf.get('model_type')!r}, expected 'qwen3_moe'")
-        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-            raise ConfigError(
-                f"{where}: dense layers (mlp_only_layers / decoder_sparse_step != 1) are not "
-                "supported; every layer must be MoE as in Qwen3-30B-A3B"
-            )
         try:
             rope = hf.get("rope_parameters") or {}
             theta = rope.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
-            if rope.get("rope_type", "default") != "default":
-                raise ConfigError(f"rope_type {rope['rope_type']!r} unsupported, expected 'default'")
             heads = hf["num_attention_heads"]
             return cls(
                 num_layers=hf["num_hidden_layers"],

@@ -182,8 +182,10 @@ def encode(routes_PLK: torch.Tensor) -> str:
 
 
 def decode(text, layers: int, topk: int, num_experts: int, where: str) -> torch.Tensor:
-    """`encode`'s inverse, checked: a string of whole positions with every id below the expert
-    count; else ValueError naming `where` (the file and field) and what was expected."""
+    """`encode`'s inverse, checked as routes: a string of whole positions, every id an expert
+    (0..num_experts - 1) and the top-k ids of each token and layer distinct (a router picks k
+    different experts; a repeated id would be replayed as one expert weighted twice); else
+    ValueError naming `where` (the file and field) and what was expected."""
     dtype = route_dtype(num_experts)
     try:
         raw = base64.b64decode(text.encode("ascii"), validate=True) if isinstance(text, str) else None
@@ -195,5 +197,12 @@ def decode(text, layers: int, topk: int, num_experts: int, where: str) -> torch.
     np_dtype = {torch.uint8: np.uint8, torch.int16: np.int16, torch.int32: np.int32}[dtype]
     ids = torch.from_numpy(np.frombuffer(raw, dtype=np_dtype).copy()).view(-1, layers, topk)
     if ids.numel() and (int(ids.max()) >= num_experts or int(ids.min()) < 0):
-        raise ValueError(f"{where}: expert id {int(ids.max())} outside 0..{num_experts - 1}")
+        bad = int(ids.max()) if int(ids.max()) >= num_experts else int(ids.min())
+        raise ValueError(f"{where}: expert id {bad} outside 0..{num_experts - 1}")
+    sorted_PLK = ids.sort(-1).values
+    repeat_PL = (sorted_PLK[..., 1:] == sorted_PLK[..., :-1]).any(-1)
+    if repeat_PL.any():
+        position, layer = (int(i) for i in repeat_PL.nonzero()[0])
+        raise ValueError(f"{where}: position {position}, layer {layer}: top-k expert ids "
+                         f"{ids[position, layer].tolist()} repeat (a token's {topk} experts are distinct)")
     return ids

@@ -1,2 +1,3 @@
-"""Launching, signals, the device, the parallel layout (`dims.py` builds `ParallelDims`) and the
-expert-parallel token dispatcher (the CPU/gloo path)."""
+"""Launching (and what a failed rank reports: `rank_failures.py`, `disk_full.py`), signals, the
+device, the parallel layout (`dims.py` builds `ParallelDims`) and the expert-parallel token
+dispatcher (the CPU/gloo path)."""

@@ -4,7 +4,9 @@
 value. Started under torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set), the current process
 is one rank of that world and non-zero ranks return None. Otherwise W processes are started (forked
 from a fork server that imported torch once, parallel/rank_start.py); a rank
-that raises or dies ends the whole job with an error naming the rank, after at most `timeout_s`.
+that raises or dies ends the whole job with one line naming the rank whose failure is the cause
+(parallel/rank_failures.py), after at most `timeout_s`; a full disk ends it as `DiskFull`
+(megatron_rl/parallel/disk_full.py: the CLI's "no space left on device: PATH", exit 1).
 `device` ('cpu' or 'cuda', see parallel/device.py) picks the world's backend: gloo or NCCL.
 """
 from __future__ import annotations
@@ -14,18 +16,20 @@ import os
 import signal
 import socket
 import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from elastic.errors import InputError, shorten
+from elastic.errors import shorten
 from elastic.runtime.groups import forget as forget_groups
+from elastic.runtime.runtime import ElasticFault
 from megatron_rl.errors import FlexFloorError, Interrupted
 from megatron_rl.parallel.device import dist_backend, nccl_environment, rank_device
+from megatron_rl.parallel.rank_failures import RankFailure, describe, failure_of, user_error
 from megatron_rl.parallel.rank_start import rank_context, worker_environment
 from megatron_rl.parallel.signals import GRACE_S, Supervisor, default_signals, rank_signals
 
@@ -73,38 +77,40 @@ def _init(rank: int, world: int, timeout_s: float, device: str, transport: str) 
     return here
 
 
-def user_error(e: BaseException) -> InputError | None:
-    """The user's mistake behind `e`, if any: the runtime wraps what a rank raises (`ElasticFault`
-    names rank, stage and phase), so an `InputError` may sit in the cause chain."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, InputError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+@dataclass(frozen=True)
+class RankJob:
+    """What every rank the launcher spawns is given: the call to make, the world to join (on
+    127.0.0.1:`port`), the launcher it answers to, the environment it applies, and the folder the
+    ranks write to (a full disk is named by it when the OS error names no file)."""
+
+    fn: Callable
+    args: tuple
+    world: int
+    port: int
+    timeout_s: float
+    launcher_pid: int
+    env: dict
+    device: str
+    transport: str
+    writes_to: str | Path | None
 
 
-def _worker(rank, world, port, timeout_s, fn, args, queue, launcher_pid, env, device="cpu", transport="direct"):
-    worker_environment(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rank_signals(launcher_pid)
+@dataclass(frozen=True)
+class RankDone:
+    rank: int
+    result: object  # rank 0's return value (None on the other ranks)
+
+
+def _worker(job: RankJob, rank: int, queue) -> None:
+    worker_environment(job.env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port))
+    rank_signals(job.launcher_pid)
     try:
-        here = _init(rank, world, timeout_s, device, transport)
-        out = fn(_make_context(timeout_s, here), *args)
-        queue.put((rank, "ok", out if rank == 0 else None))
+        here = _init(rank, job.world, job.timeout_s, job.device, job.transport)
+        out = job.fn(_make_context(job.timeout_s, here), *job.args)
+        queue.put(RankDone(rank, out if rank == 0 else None))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
-        from elastic.runtime.runtime import ElasticFault
-
-        # Expected failures travel as their one-line message (a user error as itself, even when
-        # the runtime wrapped it); bugs keep their traceback.
-        user = user_error(e)
-        if user is not None:
-            queue.put((rank, "error", (type(user).__name__, str(user))))
-        elif isinstance(e, (ElasticFault, Interrupted)) or getattr(e, "one_line", False):
-            queue.put((rank, "error", (type(e).__name__, str(e))))
-        else:
-            queue.put((rank, "error", (type(e).__name__, traceback.format_exc())))
+        queue.put(failure_of(e, rank, job.writes_to))
         raise SystemExit(1) from None
     finally:
         leave_world()
@@ -119,24 +125,6 @@ def leave_world() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
-
-
-def _describe(errors: list[tuple[int, str, str]]) -> str:
-    """One message: the root cause first (a death, else the first error), then the best context."""
-    deaths = [e for e in errors if e[1] == "died"]
-    first = deaths[0] if deaths else errors[0]
-    rank, kind, msg = first
-    text = f"rank {rank} died ({msg})" if kind == "died" else f"rank {rank} failed: {msg.strip()}"
-    context = [e for e in errors if e is not first and e[1] != "died"]
-    # Ranks that hit the same error (a shared checkpoint file, a config every rank reads) are
-    # named, not repeated: the message stays one short line.
-    alike = [e[0] for e in context if e[2].strip() == msg.strip()]
-    if alike:
-        text += f" (rank{'s' if len(alike) > 1 else ''} {', '.join(map(str, alike))} alike)"
-    context = [e for e in context if e[0] not in alike]
-    if context:
-        text += f"; rank {context[0][0]} reported: {context[0][2].strip().splitlines()[-1]}"
-    return text
 
 
 # What torchrun (and Slurm scripts that start ranks themselves) set for every rank.
@@ -186,12 +174,14 @@ def _join_torchrun(rank: int, size: int, timeout_s: float, device: str, transpor
 
 
 def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_grace_s: float = GRACE_S,
-              device: str = "cpu", transport: str = "direct"):
+              device: str = "cpu", transport: str = "direct", writes_to: str | Path | None = None):
     """`stop_grace_s`: after a SIGTERM/SIGINT/SIGHUP/SIGUSR1 to this process, how long the ranks may take
     to finish (a trainer saves a checkpoint) before they are ended; a rank that returns normally
     then still counts, so a stopped trainer's summary comes back. `device`: 'cpu' or 'cuda'
     (resolved, `parallel.device.resolve_device`); `transport`: 'direct' (NCCL on GPUs) or 'host' (a
-    gloo world, so ranks may share a GPU; elastic/runtime/transport.py)."""
+    gloo world, so ranks may share a GPU; elastic/runtime/transport.py). `writes_to`: the run
+    folder the ranks write to: a rank that fails while its file system is full ends the job as
+    `DiskFull` naming it."""
     if under_torchrun():
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         rank_signals()
@@ -199,8 +189,9 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
         try:
             out = fn(_make_context(timeout_s, here), *args)
         except Exception as e:
-            from elastic.runtime.runtime import ElasticFault
-
+            failure = failure_of(e, rank, writes_to)
+            if failure.disk_full is not None:
+                raise failure.disk_full from None
             # As under the spawning launcher: an expected failure (a lost peer, a user error the
             # runtime wrapped) is one line naming rank, stage and phase; a bug keeps its traceback.
             user = user_error(e)
@@ -215,27 +206,27 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
     ctx = rank_context(getattr(fn, "__module__", None))
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker,
-                         args=(r, world, port, timeout_s, fn, args, queue, os.getpid(), dict(os.environ), device,
-                               transport),
-                         daemon=False)
-             for r in range(world)]
+    job = RankJob(fn, args, world, port, timeout_s, os.getpid(), dict(os.environ), device, transport, writes_to)
+    procs = [ctx.Process(target=_worker, args=(job, r, queue), daemon=False) for r in range(world)]
     with Supervisor(procs, stop_grace_s) as sup:
         for p in procs:
             p.start()
         result, errors, reported = _collect(procs, queue, sup)
         # Finished ranks exit by themselves; anything else (a failure, a signal) ends them now.
         sup.end(timeout_s if len(reported) == world and not errors else 2.0)
+    full = [f.disk_full for f in errors if f.disk_full is not None]
+    if full:  # whatever else failed (a peer's collective, a stop's save), it followed from this
+        raise full[0]
     if sup.signum is not None:
         # A rank the forwarded signal ended before it could install its handlers (still starting
         # up) is the stop itself, not a failure to report as "rank 0 died (exit code -15)".
         forwarded = {-signal.SIGTERM, -sup.signum}
-        errors = [e for e in errors if not (e[1] == "died" and int(e[2].split()[-1]) in forwarded)]
+        errors = [f for f in errors if not (f.kind == "died" and int(f.message.split()[-1]) in forwarded)]
         if isinstance(result, dict) and isinstance(result.get("stopped"), dict):
             # Ranks see SIGINT as the SIGTERM it was forwarded as; the user pressed Ctrl+C.
             result["stopped"]["signal"] = signal.Signals(sup.signum).name
     if errors or len(reported) < world:  # (a rank killed after its report leaves the result whole)
-        text = _describe(errors) if errors else ("the ranks stopped before they finished"
+        text = describe(errors) if errors else ("the ranks stopped before they finished"
                                                  if sup.signum is not None else "the ranks did not finish")
         if sup.killed:
             text += f"; rank(s) {', '.join(map(str, sup.killed))} did not end and were killed"
@@ -245,9 +236,9 @@ def run_ranks(fn: Callable, world: int, *args, timeout_s: float = 300.0, stop_gr
     return result
 
 
-def _collect(procs, queue, sup: Supervisor):
+def _collect(procs, queue, sup: Supervisor) -> tuple[object, list[RankFailure], set[int]]:
     """Read the ranks' reports until all are in, a failure has had 5 s to gather context, or a
-    signal's stop grace is over. Returns (rank 0's result, errors, ranks that reported)."""
+    signal's stop grace is over. Returns (rank 0's result, failures, ranks that reported)."""
     world = len(procs)
     result, errors, reported = None, [], set()
     first_error_at = None
@@ -257,18 +248,18 @@ def _collect(procs, queue, sup: Supervisor):
         if first_error_at is not None and time.monotonic() - first_error_at > 5.0:
             break
         try:
-            rank, status, payload = queue.get(timeout=0.5)
+            report = queue.get(timeout=0.5)
         except Exception:
             for r, p in enumerate(procs):
                 if not p.is_alive() and r not in reported and p.exitcode not in (0, None):
                     reported.add(r)
-                    errors.append((r, "died", f"exit code {p.exitcode}"))
+                    errors.append(RankFailure(r, "died", f"exit code {p.exitcode}"))
                     first_error_at = first_error_at or time.monotonic()
             continue
-        reported.add(rank)
-        if status == "ok":
-            result = payload if rank == 0 else result
+        reported.add(report.rank)
+        if isinstance(report, RankDone):
+            result = report.result if report.rank == 0 else result
         else:
-            errors.append((rank, *payload))
+            errors.append(report)
             first_error_at = first_error_at or time.monotonic()
     return result, errors, reported

@@ -3,8 +3,9 @@
 Each entry is [prompt_id, request sample, base64 routes] of a pending response
 (`PartialRollouts.state_dict`). A resume trusts none of it unchecked: the entry names a pending
 response, its routes cover exactly the positions that response's forwards read (prompt + tokens so
-far - 1, as the engine records them), and every expert id is below the model's expert count. Anything
-else stops the resume with one line naming the file and the field.
+far - 1, as the engine records them), and they are routes (models/routes.py `decode`): every expert id
+below the model's expert count, the top-k ids of each token and layer distinct. Anything else stops
+the resume with one line naming the file and the field.
 """
 from __future__ import annotations
 

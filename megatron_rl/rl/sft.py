@@ -134,4 +134,5 @@ def run_warmstart(cfg: TrainerConfig, backend, out_dir: str) -> list[float]:
     check_init(cfg)
     data = load_prompts(cfg.data)
     with hold_out_dir(other_run, "sft_warmstart") if other_run else contextlib.nullcontext():
-        return run_ranks(_sft_rank, cfg.ranks, cfg, backend, data, out_dir, timeout_s=cfg.timeout_s, device=device)
+        return run_ranks(_sft_rank, cfg.ranks, cfg, backend, data, out_dir, timeout_s=cfg.timeout_s, device=device,
+                         writes_to=out_dir)

@@ -92,6 +92,7 @@ class RolloutConfig:
         self.dims = None
         if self.checkpoint is None:
             self.dims = parallel_dims(self.ranks, self.model.num_moe_experts, self.backend)
+            self.model.require_page_fits(self.kv_page_size, "kv_page_size")  # a checkpoint's: rollout_plan
         else:
             require(self.ranks > 0, f"ranks: expected > 0, got {self.ranks}")
         require(self.max_batch_per_rank > 0, f"max_batch_per_rank: expected > 0, got {self.max_batch_per_rank}")

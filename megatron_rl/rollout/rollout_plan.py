@@ -42,6 +42,7 @@ def model_config(cfg: RolloutConfig) -> tuple[MoEModelConfig, ParallelDims]:
     if cfg.model != MoEModelConfig():
         check_same_shape(cfg.checkpoint, cfg.model, where="model:")
     mcfg = check_hf_checkpoint(cfg.checkpoint)
+    mcfg.require_page_fits(cfg.kv_page_size, "kv_page_size")
     return mcfg, parallel_dims(cfg.ranks, mcfg.num_moe_experts, cfg.backend, f"num_experts of {cfg.checkpoint}")
 
 

@@ -265,3 +265,35 @@ def test_wandb_after_resume_keeps_the_recomputed_steps(tmp_path):
     for s, (_, row) in kept.items():
         assert row["reward/mean"] == pytest.approx(rows[s]["reward/mean"])
         assert row["actor/lr"] == pytest.approx(rows[s]["actor/lr"])
+
+
+def _tmpfs_namespace(mountpoint: Path) -> list[str]:
+    """A command prefix under which `mountpoint` may get a tmpfs of its own: a private mount namespace
+    (root with CAP_SYS_ADMIN), else a user namespace's; the test is skipped where neither is allowed."""
+    for prefix in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
+        probe = subprocess.run([*prefix, "mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mountpoint)],
+                               capture_output=True)
+        if probe.returncode == 0:
+            return prefix
+    pytest.skip("no tmpfs can be mounted here (needs CAP_SYS_ADMIN or user namespaces)")
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync_save", "async_save"])
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(tmp_path, async_save):
+    """The run folder on a 420 KiB tmpfs: step 1's checkpoint fits, step 2's does not. The
+    synchronous save said `unexpected pos 704 vs 598` (torch's zip writer), exit 2."""
+    from tests.tiny_train import tiny_train_config
+
+    cfg = tiny_train_config(tmp_path, steps=2, checkpoint={"every": 1, "export_hf": False,
+                                                           "async_save": async_save})
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    prefix = _tmpfs_namespace(disk)
+    run = disk / "run"
+    script = (f"mount -t tmpfs -o size=420k tmpfs {disk} && "
+              f"{sys.executable} -m megatron_rl.cli train --config {cfg} --out {run} logging.wandb_mode=disabled; "
+              f"echo rc=$?; echo latest=$(cat {run}/checkpoints/latest)")
+    proc = subprocess.run([*prefix, "sh", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=500)
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("[")]
+    assert errors == [f"flexfloor train: error: no space left on device: {run}"], proc.stderr[-3000:]
+    assert "rc=1\nlatest=step_000001\n" in proc.stdout, proc.stdout[-2000:]

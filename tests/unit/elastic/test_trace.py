@@ -37,6 +37,12 @@ def test_round_trip(tmp_path):
     ('{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": 5, "response_len": 2, "truncated": 1}',
      "'truncated': expected true or false, got 1"),
     ("[1, 2]", "expected a JSON object"),
+    ('{"prompt_id": "a", "epoch": 1048576, "sample": 0, "prompt_len": 5, "response_len": 2}',
+     "'epoch' is 1048576, beyond any run's rollouts (at most 1048575)"),
+    ('{"prompt_id": "a", "epoch": 0, "sample": 4096, "prompt_len": 5, "response_len": 2}',
+     "'sample' is 4096, beyond any GRPO group's size (at most 4095)"),
+    ('{"prompt_id": "a", "epoch": 0, "sample": 0, "prompt_len": %s, "response_len": 2}' % ("1" * 4301),
+     "an integer of 4301 digits (at most 4300)"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, line, expect):
     p = _write(tmp_path, [GOOD, line])

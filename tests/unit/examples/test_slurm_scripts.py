@@ -170,6 +170,26 @@ def test_flexfloor_command_may_be_several_words(tmp_path):
     assert "--no-python python3 -m megatron_rl.cli rollout --device cpu --config" in line
 
 
+def test_a_launcher_path_with_spaces_is_one_word(tmp_path):
+    """FLEXFLOOR="/opt/my tools/flexfloor" (and FF_TORCHRUN alike) was split into words by
+    `read -r -a`; an executable's path is now taken whole, and the words form above still splits."""
+    tools = tmp_path / "my tools"
+    tools.mkdir()
+    stand_ins = {  # srun drops its options, torchrun its own up to --no-python; flexfloor says what it got
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
+        "my torchrun": 'while [ "$1" != --no-python ]; do shift; done; shift; exec "$@"',
+        "flexfloor": 'printf "flexfloor got:"; printf " [%s]" "$@"; echo',
+    }
+    for name, body in stand_ins.items():
+        f = (tmp_path / "bin" if name == "srun" else tools) / name
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(f"#!/bin/sh\n{body}\n")
+        f.chmod(0o755)
+    out = _dry_run(tmp_path, "tiny_cpu.sbatch", FLEXFLOOR_DRY_RUN="0", FLEXFLOOR=str(tools / "flexfloor"),
+                   FF_TORCHRUN=str(tools / "my torchrun"), SLURM_JOB_NUM_NODES="1", SLURM_GPUS_PER_NODE="")
+    assert "flexfloor got: [rollout] [--device] [cpu] [--config]" in out, out
+
+
 def test_16xh100_dry_run_starts_8_nccl_ranks_per_node_one_gpu_each(tmp_path):
     out = _dry_run(tmp_path, "qwen3_30b_a3b_16xh100.sbatch")
     assert "on 2 node(s) x 8 rank(s) per node, device cuda (NCCL)" in out

@@ -164,13 +164,19 @@ def test_carried_routes_load_checked():
     from megatron_rl.rl.route_state import load_routes
 
     pool = _pool_with_carried()
-    routes = torch.randint(0, 8, (4 + 3 - 1, 2, 2), dtype=torch.uint8)
+    routes = torch.rand(4 + 3 - 1, 2, 8).argsort(-1)[..., :2].to(torch.uint8)  # top-2 of 8: distinct ids
     got = load_routes([["p", 7, encode(routes)]], pool, TINY, "ck/trainer_state.json")
     assert torch.equal(got[("p", 7)], routes)
     bad = routes.clone()
     bad[2, 1, 0] = 8  # an expert id >= the expert count
     with pytest.raises(CheckpointError, match=r"^ck/trainer_state.json: field partial.routes\[0\]: expert id 8"):
         load_routes([["p", 7, encode(bad)]], pool, TINY, "ck/trainer_state.json")
+    repeated = torch.tensor([[0, 1], [2, 3]], dtype=torch.uint8).expand(6, 2, 2).clone()
+    assert torch.equal(load_routes([["p", 7, encode(repeated)]], pool, TINY, "ck")[("p", 7)], repeated)
+    repeated[4, 1] = 5  # a token's top-2 ids the same expert (a checkpoint edited, checksum redone)
+    with pytest.raises(CheckpointError, match=r"^ck: field partial.routes\[0\]: position 4, layer 1: top-k expert "
+                                              r"ids \[5, 5\] repeat"):
+        load_routes([["p", 7, encode(repeated)]], pool, TINY, "ck")
     with pytest.raises(CheckpointError, match=r"field partial.routes\[0\]: expected 6 positions of routes "
                                               r"\(prompt 4 \+ 3 tokens - 1\), got 5"):
         load_routes([["p", 7, encode(routes[:5])]], pool, TINY, "ck/trainer_state.json")

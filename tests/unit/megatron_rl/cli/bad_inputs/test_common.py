@@ -1,8 +1,10 @@
 """What every command reads alike: YAML config files, `key.sub=value` overrides and
 `--print-config`, traces, the torchrun environment; a bad one is one line naming the file, field or
 override, exit 2, before any rank starts. In-process: `main()`."""
+import os
 import resource
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -71,6 +73,42 @@ def test_trace_lengths_beyond_any_model_and_deep_json_are_one_line(tmp_path, cap
     # A replayed rollout must not generate past the model's positions (it did, silently).
     _one_line_exit_2(capsys, ["rollout", "--trace", _trace(tmp_path / "long.jsonl", response_len=5000),
                               "--ranks", "2", "--length-scale", "1"], "beyond model.max_position_embeddings")
+
+
+def test_trace_numbers_and_sizes_are_bounded_before_anything_is_sized_by_them(tmp_path, capsys, monkeypatch):
+    """plan, predict and simulate alike: an epoch near 1e17 (np.bincount asked for 711 PiB), a
+    sample index past any group, a 5000-digit integer (an uncaught ValueError), /dev/zero (one
+    line growing without bound) and a file larger than any trace are one line each, in well under
+    a second of work and memory."""
+    from elastic import trace as trace_module
+
+    line = '{{"prompt_id": "p0", "epoch": {e}, "sample": {s}, "prompt_len": 8, "response_len": 8}}'
+    cases = {
+        _trace(tmp_path / "epoch.jsonl", extra=line.format(e=10**17, s=0)):
+            "field 'epoch' is 100000000000000000, beyond any run's rollouts (at most 1048575)",
+        _trace(tmp_path / "sample.jsonl", extra=line.format(e=1, s=10**6)):
+            "field 'sample' is 1000000, beyond any GRPO group's size (at most 4095)",
+        _trace(tmp_path / "digits.jsonl", extra=line.format(e="9" * 5000, s=0)):
+            "digits.jsonl:17: an integer of 5000 digits (at most 4300)",
+        "/dev/zero": "/dev/zero:1: a line longer than 67108864 bytes",
+    }
+    huge = tmp_path / "huge.jsonl"  # sparse: its size is refused before a byte is read
+    with open(huge, "wb") as fh:
+        fh.truncate(trace_module.MAX_TRACE_BYTES + 1)
+    cases[str(huge)] = f"{huge}: 4294967297 bytes, more than a trace may hold (at most 4294967296)"
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for path, expect in cases.items():
+        for argv in (["plan", "--trace", path], ["predict", "--trace", path],
+                     ["simulate", "--trace", path, "--ranks", "4", "--floor", "2"]):
+            _one_line_exit_2(capsys, argv, expect)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 1_000_000  # KiB
+    # A pipe has no size to check first: it is counted as it is read.
+    monkeypatch.setattr(trace_module, "MAX_TRACE_BYTES", 1000)
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as fh:
+        fh.write(Path(_trace(tmp_path / "t.jsonl")).read_text())
+    _one_line_exit_2(capsys, ["plan", "--trace", f"/dev/fd/{read}"], "more than 1000 bytes, more than a trace")
+    os.close(read)
 
 
 def test_a_half_set_torchrun_environment_is_refused_naming_what_is_missing(capsys, monkeypatch):

@@ -84,6 +84,21 @@ def test_checkpoints_are_data_export_and_resume_step(cfg, tmp_path, capsys, monk
                      "no row has a reference answer")
 
 
+def test_export_flags_are_checked_before_anything_is_read(files, refuses_each):
+    """--shard-gb 0 was silently ignored, -1 wrote a shard per tensor, 1e300, nan and inf were
+    tracebacks; --step -1 named a folder step_-00001."""
+    out = files.out
+    shard_gb = [(["--out", out, f"--shard-gb={gb}"], [f"--shard-gb {gb}: expected a positive finite number"])
+                for gb in ("0", "-1", "nan", "inf", "-inf")]
+    refuses_each("export", [*shard_gb, (["--out", out, "--step=-1"], ["--step -1: expected a step >= 0"])])
+
+
+def test_a_shard_bound_past_any_model_is_one_shard_and_below_a_byte_a_shard_per_tensor():
+    from megatron_rl.cli.export import shard_size
+
+    assert shard_size(5) == 5 * 10**9 and shard_size(1e300) >= 2**62 and shard_size(1e-300) == 1
+
+
 def test_export_to_the_run_itself_or_what_holds_it_is_refused_and_deletes_nothing(run_folder, tmp_path, capsys,
                                                                                  monkeypatch):
     out = run_folder

@@ -47,6 +47,8 @@ BAD_VALUES = [
     ("batch.prompts=100000000", "batch.prompts x samples x epochs: expected an integer in [1, 2^24]"),
     ("sampling.seed=-1", "sampling.seed: expected an integer in [0, 2^32)"),
     ("fault=bogus", "expected one of 'kill-leased-rank', 'fail-transfer', 'stuck-lease' or null"),
+    # passed the config on a 4096-position model, then failed allocating in the ranks
+    ("kv_page_size=16777216", "kv_page_size: expected at most model.max_position_embeddings (4096"),
 ]
 
 
@@ -94,6 +96,10 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
     tensors = load_file(str(incomplete / "model.safetensors"))
     del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
     save_file(tensors, str(incomplete / "model.safetensors"))
+    biased = shutil.copytree(tmp / "ckpt", tmp / "biased_ckpt")  # loaded, the bias tensors were dropped
+    (biased / "config.json").write_text((biased / "config.json").read_text().replace(
+        '"attention_bias": false', '"attention_bias": true'))
+
     def cfg(name, text):
         return ["--config", write(name, text)]
 
@@ -119,6 +125,11 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
         "checkpoint_other_model": (cfg("c5.yaml", f"checkpoint: {tmp / 'ckpt'}\nmodel:\n  num_layers: 3\n"),
                                    [f"{tmp / 'ckpt'}: checkpoint is for another model shape",
                                     "num_layers: checkpoint 2, model: 3"]),
+        "checkpoint_not_implemented": (cfg("c7.yaml", f"checkpoint: {biased}\n"),
+                                       [f"{biased}/config.json: attention_bias true is not implemented here"]),
+        # the checkpoint's positions decide (its config.json says 4096)
+        "checkpoint_page_past_positions": (cfg("c6.yaml", f"checkpoint: {tmp / 'ckpt'}\nkv_page_size: 8192\n"),
+                                           ["kv_page_size: expected at most model.max_position_embeddings (4096"]),
         "trace_bad_json": (trace("t1.jsonl", good + "{oops\n"), ["t1.jsonl:2:", "not valid JSON"]),
         "trace_missing_field": (trace("t2.jsonl", good + '{"prompt_id": "b", "epoch": 0, "sample": 0}\n'),
                                 ["t2.jsonl:2:", "missing field 'prompt_len'"]),
@@ -129,7 +140,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list, list[str]]]:
 
 CASES = ["unknown_key", "wrong_type", "experts_not_divisible", "more_ranks_than_experts",
          "checkpoint_empty_dir", "checkpoint_is_a_file", "checkpoint_torn_safetensors",
-         "checkpoint_missing_tensor", "checkpoint_other_model", "trace_bad_json", "trace_missing_field",
+         "checkpoint_missing_tensor", "checkpoint_other_model", "checkpoint_page_past_positions",
+         "checkpoint_not_implemented",
+         "trace_bad_json", "trace_missing_field",
          "trace_negative_length"]
 
 

@@ -1,5 +1,6 @@
 """`flexfloor train`: bad configs, data, flags, output folders and run-folder files (what a resume
 reads) are one line naming the file, field or flag, exit 2, before any rank starts."""
+import errno
 import json
 import sys
 
@@ -9,6 +10,7 @@ import yaml
 
 from megatron_rl.cli import main
 from megatron_rl.errors import FlexFloorError
+from megatron_rl.parallel.disk_full import DiskFull
 from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, read_state_json
 from tests.helpers.cli import listing as _listing
 from tests.process_tree import live_children
@@ -94,6 +96,7 @@ BAD_VALUES = [
     ("partial.over_sample=-1", "partial.over_sample: expected a number >= 0"),  # also when off
     ("partial.token_budget=-1", "partial.token_budget: only read with end 'budget'"),
     ("model.vocab_size=1000000000000", "vocab_size: expected an integer in [1, 2^24]"),
+    ("generation.kv_page_size=16777216", "generation.kv_page_size: expected at most model.max_position_embeddings"),
 ]
 
 
@@ -290,11 +293,17 @@ def test_carried_routes_are_checked_on_the_driver_too(tmp_path):
     """The carried routes (routing replay) are refused before any rank starts, as the rest of the section."""
     from megatron_rl.models.routes import encode
 
-    ok = torch.zeros(5 + 2 - 1, 2, 2, dtype=torch.uint8)  # prompt 5 + 2 tokens - 1 positions, L 2, top-2
+    # prompt 5 + 2 tokens - 1 positions, L 2, top-2 (experts 0 and 1)
+    ok = torch.tensor([0, 1], dtype=torch.uint8).expand(5 + 2 - 1, 2, 2).clone()
     _partial_resume(tmp_path, {**_section(), "routes": [["arith-00003", 3, encode(ok)]]})
     bad = ok.clone()
     bad[0, 0, 0] = 8  # the tiny model has 8 experts
     with pytest.raises(CheckpointError, match=r"trainer_state.json: field partial.routes\[0\]: expert id 8 outside"):
+        _partial_resume(tmp_path, {**_section(), "routes": [["arith-00003", 3, encode(bad)]]})
+    bad = ok.clone()
+    bad[3, 1] = 6  # top-2 ids [6, 6]: accepted and replayed as one expert weighted twice
+    with pytest.raises(CheckpointError, match=r"partial.routes\[0\]: position 3, layer 1: top-k expert ids \[6, 6\] "
+                                              r"repeat"):
         _partial_resume(tmp_path, {**_section(), "routes": [["arith-00003", 3, encode(bad)]]})
     with pytest.raises(CheckpointError, match=r"partial.routes\[0\]: response \('arith-00009', 0\) is not pending"):
         _partial_resume(tmp_path, {**_section(), "routes": [["arith-00009", 0, encode(ok)]]})
@@ -381,3 +390,23 @@ def test_a_refused_train_leaves_nothing_in_a_folder_it_created(cfg, tmp_path, ca
     (mine / "notes.txt").write_text("keep")
     _one_line_exit_2(capsys, ["train", "--config", cfg, "--out", mine, f"data.path={data}"], refused)
     assert _listing(mine) == ["notes.txt"]
+
+
+def test_a_full_disk_is_one_line_exit_1_wherever_it_is_met(cfg, tmp_path, capsys, monkeypatch):
+    """On the driver (its config.yaml) or on a rank (the launcher's DiskFull): one line naming the
+    path, exit 1 (the inputs were fine), never a traceback."""
+    out = tmp_path / "out"
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "config.yaml"))
+
+    def rank_full(*a, **k):
+        raise DiskFull(errno.ENOSPC, "No space left on device", str(out))
+
+    for patched, path in ((("megatron_rl.train_driver.write_config", full), out / "config.yaml"),
+                          (("megatron_rl.train_driver.run_ranks", rank_full), out)):
+        with monkeypatch.context() as m:
+            m.setattr(*patched)
+            rc = main(["train", "--config", str(cfg), "--out", str(out)])
+        lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")]
+        assert rc == 1 and lines == [f"flexfloor train: error: no space left on device: {path}"], (rc, lines)
