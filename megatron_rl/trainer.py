@@ -86,10 +86,10 @@ class Trainer:
         self.scorer = Scorer(cfg.reward)
         self.peak_flops = device_peak_flops(ctx.device)
         self.validator = Validator(cfg, self.out_dir) if cfg.eval.every else None
-        self.rollout = RolloutPhase(cfg, self.backend, self.model, self.tok, rank, world, ctx.store,
-                                    resident_bytes=training_state_bytes(self.model, self.optimizer,
-                                                                        self.ref_model, world),
-                                    leases=TrainingLeases(cfg, self.tok, rank, world), out_dir=self.out_dir)
+        self.rollout = RolloutPhase.build(cfg, self.backend, self.model, self.tok, ctx,
+                                          resident_bytes=training_state_bytes(self.model, self.optimizer,
+                                                                              self.ref_model, world),
+                                          leases=TrainingLeases(cfg, self.tok, rank, world), out_dir=self.out_dir)
         self.update = PolicyUpdate(cfg, self.model, self.optimizer, self.ref_model, self.tok.pad_id,
                                    rank, world)
         self.deadline = run_deadline(cfg.end_by, rank)  # the job's end: stop and save before it
@@ -114,7 +114,7 @@ class Trainer:
         else:
             prompts, rollout, records, partial = self.partial.step(step, self.rollout, self.history)
             epoch = self.iterator.epoch
-        self.timeline = rollout.timeline
+        self.timeline = rollout.figures.timeline
         t = self._lap(times, "rollout", t)
 
         rewards, counts, extras = self.score(prompts, rollout.responses, rollout.scored)
@@ -146,13 +146,13 @@ class Trainer:
             **verl_figures(step, advantages.cpu(), prompt_lens, lengths, times, step_s, self.world,
                            cfg.model, self.peak_flops),
             **length_stats(lengths, [r.truncated for r in rollout.responses]),
-            **rollout.ledger,
-            "stages": rollout.stages,
-            "layout": rollout.layout,
-            "placement": rollout.placement,
+            **rollout.figures.ledger,
+            "stages": rollout.figures.stages,
+            "layout": rollout.figures.layout,
+            "placement": rollout.figures.placement,
             "phase_s": times,
             "step_s": step_s,
-            "lease": rollout.lease,
+            "lease": rollout.figures.lease,
             **({"partial": partial} if partial else {}),
             "tokens_per_s": sum(lengths) / max(times["rollout"], 1e-9),
             "lr": self.optimizer.param_groups[0]["lr"],
