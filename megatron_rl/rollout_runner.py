@@ -15,24 +15,26 @@ import hashlib
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from elastic.planning.dims import ParallelDims
 from elastic.planning.lengths.guard import reserved_lengths
 from elastic.planning.plan import Plan
-from megatron_rl.backends import backend
+from elastic.runtime.stop import GroupsStop, batch_stop
+from megatron_rl.backends import Backend, backend
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import dist_backend, resolve_device
-from megatron_rl.parallel.launch import ParallelContext, run_ranks
+from megatron_rl.parallel.launch import ParallelContext, driver_process, run_ranks
 from megatron_rl.preflight import preflight
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.lease_jobs import distinct_ngram_reward, lease_jobs, sidecar_job
-from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, rank_engine, run_rank
-from megatron_rl.rollout.rollout_plan import RolloutSetup, model_config
+from megatron_rl.rollout.lease_jobs import RolloutLeases, distinct_ngram_reward, sidecar_job
+from megatron_rl.rollout.rank_rollout import RankHooks, RankRollout, RolloutResult, rank_engine, response_row
+from megatron_rl.rollout.rollout_plan import RolloutPlanner, model_config, say_plan_notes
 
 
 def responses_sha256(responses: list[dict]) -> str:
@@ -55,65 +57,58 @@ def _progress(start: float):
     return report
 
 
-def _rank_main(ctx: ParallelContext, job: RolloutJob, quiet: bool):
-    """This rank's part of `job`: its model and engine, the plan carried out, the report on rank 0."""
-    cfg, plan, rank, moe = job.cfg, job.plan, ctx.rank, backend(job.cfg.backend)
-    held = [e for e, rs in plan.stages[0].owners.items() if rank in rs]
+def _rank_main(ctx: ParallelContext, job: RolloutJob, quiet: bool) -> tuple[dict, list[dict]] | None:
+    """This rank's part of `job`: its model and engine, the plan carried out; (the report, the
+    responses) on rank 0, None on the others."""
+    cfg, moe = job.cfg, backend(job.cfg.backend)
+    held = [e for e, rs in job.plan.stages[0].owners.items() if ctx.rank in rs]
     model = moe.build_model(job.mcfg, held, cfg.dtype, cfg.checkpoint, cfg.seed, ctx.device).eval()
-    # Fresh Request objects: the engine appends tokens to them, and the caller's may be shared
-    # between rollouts of one world.
-    mine = [replace(r, tokens=[]) for r, a in zip(job.requests, plan.assignments) if a.rank == rank]
-    max_len = max([len(r.prompt) + r.max_new_tokens for r in job.requests] + [1])
-    # After the weights: the KV cache takes what the device has left (all of max_batch_per_rank on CPU).
-    engine = rank_engine(model, cfg.sampling, max_batch=cfg.max_batch_per_rank, max_len=max_len, kv=cfg.kv,
-                         page_size=cfg.kv_page_size, kv_reserve=cfg.kv_reserve, kv_pages=cfg.kv_pages,
-                         memory_fraction=cfg.kv_memory_fraction)
-    engine.add(mine)
-    spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=moe, transport=cfg.transport,
-                       rule=job.rule, token_scale=cfg.batch.length_scale, status_interval=cfg.status_interval,
-                       fault=cfg.fault, progress=None if quiet else _progress(time.perf_counter()))
-    stops = []
-    if cfg.partial.enabled:  # the end rule of a partial rollout (elastic/runtime/stop.py)
-        from elastic.runtime.stop import batch_stop
-
-        def stop(e):
-            stops.append(batch_stop(cfg.partial.rule(), [(a.prompt_id, a.sample) for a in plan.assignments], e))
-            return stops[-1]
-        spec.stop = stop
-    stream = None if job.out_dir is None else ResponseStream(job.out_dir, rank, engine, _row)
-    outcome = run_rank(spec, engine, pool=_lease_pool(cfg, engine, rank, ctx.world), stream=stream)
-    responses = [_row(r) for r in engine.finished]
-    unfinished = [len(r.tokens) for r in engine.live + engine.pending]
-    gathered = gather_rollout(spec, engine, outcome, (responses, unfinished, engine.kv_report()), to=0)
-    if gathered is None:
+    engine = _engine(job, model)
+    hooks = _hooks(job, ctx, engine, quiet)
+    result = job.rank_rollout(ctx, moe).run(engine, job.requests, hooks, to=0)
+    if result is None:
         return None
-    all_responses = [r for rs, _, _ in gathered.payloads for r in rs]
-    report = _report(job, gathered, all_responses, moe.rollout_report(model.dtype, ctx.device), ctx.device)
-    if stops:
-        left = [n for _, ns, _ in gathered.payloads for n in ns]
-        report["partial"] = {"rule": cfg.partial.rule().describe, "target_groups": stops[0].target,
-                             "groups": stops[0].groups, "groups_complete": stops[0].complete,
-                             "carried": len(left), "carried_tokens": sum(left)}
-    return report, all_responses
+    responses = [response_row(g) for g in result.finished()]
+    moe_report = moe.rollout_report(model.dtype, ctx.device)
+    return _report(job, result, responses, moe_report, ctx.device, hooks.stop), responses
 
 
-def _lease_pool(cfg: RolloutConfig, engine: RolloutEngine, rank: int, world: int):
-    """`run_rank`'s `pool(fault_here)`: the side work of this rank while it is detached."""
-    from elastic.runtime.pool import IdlePool
-
-    def pool(fault_here: bool) -> IdlePool:
-        leases = cfg.leases
-        jobs = lease_jobs(leases.jobs, finished=engine.finished, score=lambda r: distinct_ngram_reward(r.tokens),
-                          sidecar=sidecar_job(leases.jobs, leases.sidecar, rank, world),
-                          fault=cfg.fault if fault_here else None)
-        return IdlePool(jobs, lease_s=leases.lease_s, grace_s=leases.grace_s)
-    return pool
+def _engine(job: RolloutJob, model) -> RolloutEngine:
+    """The rank's engine, after the weights: the KV cache takes what the device has left (all of
+    max_batch_per_rank on CPU) for the longest request's positions."""
+    cfg = job.cfg
+    max_len = max([len(r.prompt) + r.max_new_tokens for r in job.requests] + [1])
+    return rank_engine(model, cfg.sampling, max_batch=cfg.max_batch_per_rank, max_len=max_len, kv=cfg.kv,
+                       page_size=cfg.kv_page_size, kv_reserve=cfg.kv_reserve, kv_pages=cfg.kv_pages,
+                       memory_fraction=cfg.kv_memory_fraction)
 
 
-def _report(job: RolloutJob, gathered, responses: list[dict], moe: dict, device) -> dict:
-    """The rollout report (rank 0): the ledger's summary, the plan, every rank's outcome."""
-    cfg, plan, outcomes = job.cfg, job.plan, gathered.outcomes
-    report = gathered.summary()
+def _hooks(job: RolloutJob, ctx: ParallelContext, engine: RolloutEngine, quiet: bool) -> RankHooks:
+    """What `flexfloor rollout` plugs into the rank rollout: the leases, the `--out` folder the
+    responses stream to, the progress lines and a partial rollout's end rule."""
+    cfg, stop = job.cfg, None
+    if cfg.partial.enabled:  # the end rule of a partial rollout (elastic/runtime/stop.py)
+        stop = batch_stop(cfg.partial.rule(), [(a.prompt_id, a.sample) for a in job.plan.assignments], engine)
+    return RankHooks(leases=_leases(cfg, ctx), sink=None if job.out_dir is None else Path(job.out_dir),
+                     progress=None if quiet else _progress(time.perf_counter()), stop=stop)
+
+
+def _leases(cfg: RolloutConfig, ctx: ParallelContext) -> Callable[[list[Request], bool], RolloutLeases]:
+    """The rank rollout's `leases(finished, fault_here)`: the side work of this rank while it is
+    detached; with no task to score, its rewards are `distinct_ngram_reward`."""
+    def leases(finished: list[Request], fault_here: bool) -> RolloutLeases:
+        return RolloutLeases.build(cfg.leases, finished, lambda r: distinct_ngram_reward(r.tokens),
+                                   sidecar_job(cfg.leases.jobs, cfg.leases.sidecar, ctx.rank, ctx.world),
+                                   cfg.fault if fault_here else None)
+    return leases
+
+
+def _report(job: RolloutJob, result: RolloutResult, responses: list[dict], moe: dict, device,
+            stop: GroupsStop | None) -> dict:
+    """The rollout report (rank 0): the ledger's summary, the plan, every rank's outcome; with a
+    partial rollout's end rule (rank 0's), what it ended with and what would carry over."""
+    cfg, plan, outcomes = job.cfg, job.plan, result.outcomes
+    report = result.summary()
     report.update(
         policy=cfg.policy, floor=plan.floor, tailguard=plan.tailguard,
         stages=[list(s.members) for s in plan.stages],
@@ -124,18 +119,19 @@ def _report(job: RolloutJob, gathered, responses: list[dict], moe: dict, device)
         moe=moe, device=device.type, transport=cfg.transport,
         freed_bytes={str(o.ledger.rank): o.freed_bytes for o in outcomes if o.freed_bytes},
         hosts={str(o.ledger.rank): o.host for o in outcomes}, ranks_per_node=job.dims.ranks_per_node,
-        kv=kv_summary(cfg.kv, [kv for _, _, kv in gathered.payloads]),
+        kv=kv_summary(cfg.kv, [r.kv for r in result.ranks]),
     )
+    if stop is not None:
+        left = [len(g.tokens) for g in result.unfinished()]
+        report["partial"] = {"rule": cfg.partial.rule().describe, "target_groups": stop.target,
+                             "groups": stop.groups, "groups_complete": stop.complete,
+                             "carried": len(left), "carried_tokens": sum(left)}
     return report
 
 
 def kv_summary(kind: str, per_rank: list[dict]) -> dict:
     """The rollout report's `kv`: the cache and its figures summed over ranks."""
     return {"cache": kind, **{k: sum(r[k] for r in per_rank) for k in per_rank[0]}}
-
-
-def _row(r: Request) -> dict:
-    return {"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens}
 
 
 @dataclass
@@ -150,6 +146,12 @@ class RolloutJob:
     out_dir: str | None
     rule: object | None = None  # `adaptive`: the online rule (elastic.planning.online.rule.OnlineRule)
 
+    def rank_rollout(self, ctx: ParallelContext, moe: Backend) -> RankRollout:
+        """This rank's rollout of the job, on the run's backend `moe`."""
+        cfg = self.cfg
+        return RankRollout(self.plan, self.rule, ctx, moe, transport=cfg.transport, token_scale=cfg.batch.length_scale,
+                           status_interval=cfg.status_interval, fault=cfg.fault)
+
 
 def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None = None) -> RolloutJob:
     """`device`: the config's resolved device where the caller has it (`run_rollouts`)."""
@@ -159,8 +161,10 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None =
     batch, history = select_epoch(trace, cfg.batch.epoch)
     # What the paged KV cache admits each response by: its length as the planner reserves it.
     reserved = reserved_lengths(batch, history, tailguard=cfg.tailguard) if cfg.kv == "paged" else None
-    setup = RolloutSetup.build(cfg, mcfg, dims, batch, history, device)
+    setup = RolloutPlanner.for_rollout(cfg, mcfg, dims, device or resolve_device(cfg.device)).setup(batch, history)
     plan = setup.plan
+    if driver_process():
+        say_plan_notes(plan)
     backend(cfg.backend).check_plan(plan)
     requests = make_requests(batch, cfg.batch, cfg.seed, mcfg.vocab_size, mcfg.max_position_embeddings, reserved)
     order = {(r.prompt_id, r.sample): i for i, r in enumerate(requests)}
@@ -169,7 +173,8 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None =
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         # A reused folder must not mix an earlier (failed) run's files with this run's.
-        for pattern in ("responses.rank*.jsonl", "ledger.rank*.json", "responses.jsonl", "report.json"):
+        for pattern in ("responses.rank*.jsonl", "ledger.rank*.json", "lease_rewards.rank*.json", "responses.jsonl",
+                        "report.json"):
             for stale in Path(out_dir).glob(pattern):
                 stale.unlink()
         (Path(out_dir) / "plan.json").write_text(plan.to_json())

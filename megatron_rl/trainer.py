@@ -106,9 +106,9 @@ def build_trainer(cfg: TrainerConfig, data: PromptDataset, ctx, out_dir: str | P
     return Trainer(
         cfg=cfg, rank=rank, world=world, out_dir=out_dir, data=data, tok=tok, iterator=iterator,
         partial=partial, model=model, optimizer=optimizer, ref_model=ref_model,
-        rollout=RolloutPhase(cfg, be, model, tok, rank, world, ctx.store,
-                             resident_bytes=training_state_bytes(model, optimizer, ref_model, world),
-                             leases=TrainingLeases(cfg, tok, rank, world), out_dir=out_dir),
+        rollout=RolloutPhase.build(cfg, be, model, tok, ctx,
+                                   resident_bytes=training_state_bytes(model, optimizer, ref_model, world),
+                                   leases=TrainingLeases(cfg, tok, rank, world), out_dir=out_dir),
         scorer=Scorer(cfg.reward), update=PolicyUpdate(cfg, model, optimizer, ref_model, tok.pad_id, rank, world),
         peak_flops=device_peak_flops(ctx.device),
         validator=Validator(cfg, out_dir) if cfg.eval.every else None,
@@ -217,19 +217,19 @@ class Trainer:
             **verl_figures(step, advantages.cpu(), prompt_lens, lengths, times, step_s, self.world,
                            cfg.model, self.peak_flops),
             **length_stats(lengths, [r.truncated for r in rollout.responses]),
-            **rollout.ledger,
-            "stages": rollout.stages,
-            "layout": rollout.layout,
-            "placement": rollout.placement,
+            **rollout.figures.ledger,
+            "stages": rollout.figures.stages,
+            "layout": rollout.figures.layout,
+            "placement": rollout.figures.placement,
             "phase_s": times,
             "step_s": step_s,
-            "lease": rollout.lease,
+            "lease": rollout.figures.lease,
             **({"partial": partial} if partial else {}),
             "tokens_per_s": sum(lengths) / max(times["rollout"], 1e-9),
             "lr": self.optimizer.param_groups[0]["lr"],
             **stats,
             **gpu_memory(),
-        }, rollout.timeline)
+        }, rollout.figures.timeline)
 
     def score(self, prompts, responses, scored: dict[int, Verdict]) -> tuple[torch.Tensor, dict, dict]:
         """Each rank scores its share of what no lease scored (`scored`: index -> verdict, the same

@@ -24,7 +24,7 @@ def tiny_train_config(folder: Path, **top) -> Path:
 
 
 def laddered(plan_fn):
-    """`RolloutPhase.plan` with the ladder of stages down to one rank even where the offline plan
+    """`RolloutPlanner.plan` with the ladder of stages down to one rank even where the offline plan
     keeps every rank (`adaptive` then takes the vanilla path, with no online rule): for tests of
     what the online rule does (moves, shrinks), not of when it pays."""
     from elastic.planning.online.ladder import ladder_plan

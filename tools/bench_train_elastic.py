@@ -2,7 +2,7 @@
 
     python tools/bench_train_elastic.py [--steps 24] [--init DIR] [--write docs/reproduction.md]
     python tools/bench_train_elastic.py --config examples/tiny_cpu_grpo.yaml --policies adaptive \
-        --sft-steps 0 --steps 12 --from-step 1      # where there is no tail: adaptive costs nothing
+        --steps 12 --from-step 1 --repeats 3    # where there is no tail: what adaptive costs
 
 Every run starts from one warm start (`examples/tiny_cpu_tailed.yaml`'s SFT steps, made once here, or
 `--init`), trains `--steps` GRPO steps on 4 CPU ranks in float64 with the same seeds, and differs
@@ -17,6 +17,9 @@ rollout rank-seconds per step by ledger state, rollout and step wall time, token
 rank-second, and the ratios against vanilla; then the held-out reward curve. Rank-seconds from the
 ledger are the primary figure: the ranks are processes sharing this machine's cores, so a detached
 rank speeds the others up and wall-clock gains overstate what separate devices would see.
+`--repeats N` runs every policy N times, interleaved (vanilla, adaptive, vanilla, adaptive, ...),
+and pools their steps, so that on a machine whose load changes every policy's figures span the
+same stretch of time; it also prints each policy's median rollout time against vanilla's.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -58,26 +62,39 @@ def _run(*args, log: Path | None = None) -> None:
         raise SystemExit(f"bench_train_elastic: {' '.join(args[:3])} failed (exit {proc.returncode}); see {log}")
 
 
-def train(tmp: Path, config: Path, label: str, policy: str, partial: bool, init: Path | None,
-          steps: int, eval_every: int | None) -> list[dict]:
+@dataclass(frozen=True)
+class Run:
+    """One training run of the bench: a policy's label, its --policy, partial rollouts on, and which
+    of the interleaved repeats it is."""
+
+    label: str
+    policy: str
+    partial: bool
+    repeat: int = 0
+
+    @property
+    def name(self) -> str:  # its folder under the bench's tmp
+        return self.label.replace(" + ", "_") + (f".{self.repeat}" if self.repeat else "")
+
+
+def train(tmp: Path, config: Path, run: Run, init: Path | None, steps: int, eval_every: int | None) -> list[dict]:
     cfg = yaml.safe_load(config.read_text())
     cfg.update(init=None if init is None else str(init), steps=steps)
     if eval_every is not None and cfg.get("eval"):
         cfg["eval"]["every"] = eval_every
     cfg["warmstart"]["sft_steps"] = 0
     cfg["checkpoint"] = {"every": 0, "export_hf": True}
-    cfg["partial"] = {"enabled": partial}
+    cfg["partial"] = {"enabled": run.partial}
     for key in ("data", "eval"):
         if cfg.get(key, {}).get("path"):
             cfg[key]["path"] = str(ROOT / cfg[key]["path"])
-    name = label.replace(" + ", "_")
-    path, out = tmp / f"{name}.yaml", tmp / name
+    path, out = tmp / f"{run.name}.yaml", tmp / run.name
     path.write_text(yaml.safe_dump(cfg))
     t0 = time.perf_counter()
-    _run("-m", "megatron_rl.cli", "train", "--config", str(path), "--out", str(out), "--policy", policy,
-         log=tmp / f"{name}.log")
-    print(f"  {label}: {steps} steps in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    _run("-m", "megatron_rl.cli", "train", "--config", str(path), "--out", str(out), "--policy", run.policy,
+         log=tmp / f"{run.name}.log")
+    print(f"  {run.name}: {steps} steps in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return [{**json.loads(x), "repeat": run.repeat} for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def learning(rows: list[dict]) -> list[dict]:
@@ -85,6 +102,7 @@ def learning(rows: list[dict]) -> list[dict]:
 
 
 def same_weights(tmp: Path, a: str, b: str) -> bool:
+    """Whether the runs in folders `a` and `b` exported the same weights."""
     from safetensors.torch import load_file
 
     wa, wb = (load_file(str(tmp / n / "hf" / "model.safetensors")) for n in (a, b))
@@ -209,7 +227,11 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, help="held-out evaluation every N steps (default: the config's)")
     ap.add_argument("--parallel", type=int, default=1,
                     help="runs at once (they then share the cores: the wall columns compare runs under one load)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every policy this many times, interleaved, and pool their steps (a loaded machine)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: expected at least 1")
     chosen = {"vanilla", *args.policies.split(",")}
     unknown = chosen - {lb for lb, _, _ in POLICIES}
     if unknown:
@@ -226,27 +248,37 @@ def main(argv=None) -> int:
         init = tmp / "sft"
         _run("tools/sft_warmstart.py", "--config", str(args.config), "--out", str(init),
              *(["--steps", str(args.sft_steps)] if args.sft_steps else []), log=tmp / "sft.log")
-    print(f"bench_train_elastic: {len(chosen)} runs of {args.steps} steps in {tmp}", file=sys.stderr, flush=True)
-    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-        started = {lb: pool.submit(train, tmp, args.config, lb, pol, part, init and init.resolve(), args.steps,
-                                   args.eval_every) for lb, pol, part in POLICIES if lb in chosen}
-    runs, failed = {}, []
-    for lb, f in started.items():
+    plan = [Run(lb, pol, part, k) for k in range(args.repeats) for lb, pol, part in POLICIES if lb in chosen]
+    print(f"bench_train_elastic: {len(plan)} runs of {args.steps} steps in {tmp}", file=sys.stderr, flush=True)
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:  # in submission order: the repeats interleave
+        started = {run: pool.submit(train, tmp, args.config, run, init and init.resolve(), args.steps,
+                                    args.eval_every) for run in plan}
+    done, failed = {}, set()
+    for run, f in started.items():
         try:
-            runs[lb] = f.result()
+            done[run] = f.result()
         except SystemExit as e:  # a failed run is named; the others are still compared
             print(e, file=sys.stderr)
-            failed.append(lb)
+            failed.add(run.label)
     if "vanilla" in failed:
         return 1
+    runs = {lb: [m for run, rows in done.items() if run.label == lb for m in rows]
+            for lb, _, _ in POLICIES if lb in chosen and lb not in failed}
     same = [lb for lb in SAME_TRAINING if lb in runs]
-    identical = all(learning(runs[lb]) == learning(runs["vanilla"]) and same_weights(tmp, "vanilla", lb)
-                    for lb in same)
+    by_name = {(run.label, run.repeat): run for run in done}
+    identical = all(learning(done[by_name[lb, k]]) == learning(done[by_name["vanilla", k]])
+                    and same_weights(tmp, by_name["vanilla", k].name, by_name[lb, k].name)
+                    for lb in same for k in range(args.repeats))
     fig = {lb: figures(rows, first) for lb, rows in runs.items()}
     command = " ".join(["python tools/bench_train_elastic.py", *(sys.argv[1:] if argv is None else argv)])
     machine = args.machine + (f", the {len(runs)} runs at once (one load for all)" if args.parallel > 1 else "")
     lines = section(fig, runs, args.steps, first, identical, machine, command, args.config)
     print("\n".join(lines[3:-1]))
+    base = fig["vanilla"]["rollout_s_median"]
+    print(f"\nmedian elastic/rollout_time_s of steps {first}..{args.steps} in {args.repeats} interleaved "
+          f"repeat(s), against vanilla's {base:.4f} s: "
+          + ", ".join(f"{lb} {f['rollout_s_median']:.4f} s ({f['rollout_s_median'] / base:.2f}x)"
+                      for lb, f in fig.items() if lb != "vanilla"))
     if args.json:
         args.json.write_text(json.dumps(runs, indent=1))
     if args.write:

@@ -3,18 +3,25 @@
 A tiny Qwen3-MoE (2 layers, 8 experts) replays a DeepScaleR-like length-tailed batch twice in one
 gloo world: `vanilla` (verl-style: nobody leaves the EP group) and `planned` residency with floor 1
 and TailGuard. It prints both rank-time ledgers, the dummy run removed, and checks that both produced
-identical responses; `--plot DIR` draws both rollouts' per-rank timelines.
+identical responses; `--json OUT` writes both reports (`{"vanilla": ..., "planned": ...}`, each as
+`flexfloor rollout --json` writes its one), `--plot DIR` draws both rollouts' per-rank timelines.
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
+
+from elastic.ledger import format_report
+from elastic.timeline import Timeline
+from elastic.timeline_plot import plot_timelines
+from megatron_rl.cli.outputs import check_out_file, check_plot_dir
+from megatron_rl.cli.rollout import add_rollout_args, resolve_rollout, rollout_title
+from megatron_rl.config import config_yaml
 
 
 def run(args) -> int:
-    from elastic.ledger import format_report
-    from megatron_rl.cli.outputs import check_plot_dir
-    from megatron_rl.cli.rollout import resolve_rollout
-    from megatron_rl.config import config_yaml
+    # torch: not on `--help`'s path
     from megatron_rl.parallel.launch import driver_process
     from megatron_rl.rollout_runner import run_rollouts
 
@@ -24,6 +31,7 @@ def run(args) -> int:
     if args.print_config:
         print("\n---\n".join(config_yaml(c) for c in cfgs), end="")
         return 0
+    check_out_file(args.json, "--json")
     check_plot_dir(args.plot)
     if driver_process():
         print(f"FlexFloor demo: a {cfgs[0].model.num_layers}-layer, {cfgs[0].model.num_moe_experts}-expert "
@@ -45,6 +53,8 @@ def run(args) -> int:
           f"{van['rollout_time_s']:.2f} -> {flex['rollout_time_s']:.2f} s; response tokens per occupied "
           f"rank-second x{flex['tokens_per_occupied_rank_s'] / van['tokens_per_occupied_rank_s']:.2f}; "
           f"{flex['detached_rank_s']:.2f} detached rank-s freed for leases")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"vanilla": van, "planned": flex}, indent=2))
     if args.plot:
         write_demo_timelines(van, flex, args.plot)
     same = van["responses_sha256"] == flex["responses_sha256"]
@@ -55,12 +65,6 @@ def run(args) -> int:
 
 def write_demo_timelines(van: dict, flex: dict, folder: str) -> None:
     """Both rollouts' per-rank timelines, each alone and side by side on one time axis."""
-    from pathlib import Path
-
-    from elastic.timeline import Timeline
-    from elastic.timeline_plot import plot_timelines
-    from megatron_rl.cli.rollout import rollout_title
-
     pair = [Timeline.of_report(rep, rollout_title(rep)) for rep in (van, flex)]
     for path in (plot_timelines([pair[0]], Path(folder) / "timeline-vanilla.png"),
                  plot_timelines([pair[1]], Path(folder) / f"timeline-{flex['policy']}.png"),
@@ -69,8 +73,6 @@ def write_demo_timelines(van: dict, flex: dict, folder: str) -> None:
 
 
 def register(sub) -> None:
-    from megatron_rl.cli.rollout import add_rollout_args
-
     p = sub.add_parser("demo", help="the built-in example: vanilla vs FlexFloor on 4 CPU ranks",
                        description=__doc__)
     add_rollout_args(p, default_config=None, policy=False)

@@ -11,9 +11,18 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+from elastic.ledger import format_report
 from elastic.planning.policies import POLICIES, policy_kind
+from elastic.timeline import Timeline
+from elastic.timeline_plot import plot_timelines
+from megatron_rl.cli.outputs import check_out_dir, check_out_file, check_plot_dir
+from megatron_rl.cli.overrides import add_override_args, resolve
+from megatron_rl.config import config_yaml, write_config
+from megatron_rl.out_lock import hold_out_dir
+from megatron_rl.wandb_run import LoggingConfig, log_report, policy_tags
 
 
 def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, policy: bool = True) -> None:
@@ -37,8 +46,6 @@ def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, pol
     p.add_argument("--plot", metavar="DIR",
                    help="write each rollout's per-rank timeline (states over wall time, stage changes, "
                         "migrations and leases marked) as a PNG to DIR (needs matplotlib)")
-    from megatron_rl.cli.overrides import add_override_args
-
     add_override_args(p)
 
 
@@ -50,8 +57,7 @@ FLAGS = (("trace", "batch.trace"), ("epoch", "batch.epoch"), ("length_scale", "b
 def resolve_rollout(args, pinned: dict | None = None):
     """The rollout config: file, flags, `key=value` overrides; `pinned` ({key: (value, label)}) is
     what a command fixes (demo's two policies)."""
-    from megatron_rl.cli.overrides import resolve
-    from megatron_rl.rollout.config import RolloutConfig
+    from megatron_rl.rollout.config import RolloutConfig  # torch: not on `--help`'s path
 
     extra = {"sampling.greedy": (False, "--sample")} if getattr(args, "sample", False) else {}
     extra.update(pinned or {})
@@ -59,10 +65,6 @@ def resolve_rollout(args, pinned: dict | None = None):
 
 
 def run(args) -> int:
-    from megatron_rl.cli.outputs import check_out_dir, check_out_file, check_plot_dir
-    from megatron_rl.config import config_yaml
-    from megatron_rl.out_lock import hold_out_dir
-
     cfg = resolve_rollout(args)
     if args.print_config:
         print(config_yaml(cfg), end="")
@@ -76,9 +78,7 @@ def run(args) -> int:
 
 
 def _rollout(args, cfg, out_dir) -> int:
-    from elastic.ledger import format_report
-    from megatron_rl.config import write_config
-    from megatron_rl.rollout_runner import run_rollout
+    from megatron_rl.rollout_runner import run_rollout  # torch: not on `--help`'s path
 
     if out_dir is not None:
         write_config(cfg, out_dir)
@@ -131,9 +131,6 @@ def rollout_title(report: dict) -> str:
 
 def write_timeline(report: dict, path: Path, title: str) -> Path:
     """The rollout's per-rank timeline as a PNG (elastic/timeline_plot.py); says where on stderr."""
-    from elastic.timeline import Timeline
-    from elastic.timeline_plot import plot_timelines
-
     out = plot_timelines([Timeline.of_report(report, title)], path)
     print(f"wrote {out}", file=sys.stderr)
     return out
@@ -142,11 +139,7 @@ def write_timeline(report: dict, path: Path, title: str) -> Path:
 def log_rollout_wandb(args, cfg, report: dict, plot: Path | None = None) -> None:
     """The report as one offline (unless WANDB_MODE=online) W&B run under --out (or `.`): its
     numbers, the timeline's segments as a table, and the timeline figure when --plot drew one."""
-    from dataclasses import asdict
-
-    from elastic.timeline import Timeline
-    from megatron_rl.metric_keys import grouped, numeric
-    from megatron_rl.wandb_run import LoggingConfig, log_report, policy_tags
+    from megatron_rl.metric_keys import grouped, numeric  # numpy: not on `--help`'s path
 
     logging = LoggingConfig(project=args.wandb, experiment=Path(args.config).stem if args.config else "rollout")
     metrics = numeric(grouped({k: v for k, v in report.items() if k != "per_rank"}))

@@ -31,8 +31,9 @@ from elastic.planning.partial import CarryPool, PendingGroup, Settled
 from elastic.runtime.stop import GroupsStop
 from elastic.trace import TraceRecord
 from megatron_rl.models.routes import encode as routes_encode
-from megatron_rl.rl.rollout_phase import Response, Work
+from megatron_rl.rl.rollout_phase import Response, RolloutPhase, TrainingRollout, Work
 from megatron_rl.rl.route_state import load_routes
+from megatron_rl.rollout.rank_rollout import Generated
 
 
 class PartialRollouts:
@@ -76,42 +77,36 @@ class PartialRollouts:
         return GroupsStop(engine, group_of, len(groups), self.pool.target)
 
     # ---- the step ------------------------------------------------------------------------------
-    def step(self, step: int, phase, history):
+    def step(self, step: int, phase: RolloutPhase, history):
         """One partial rollout through the rollout phase (`RolloutPhase.generate`), then `settle`.
         Returns (prompts, `TrainingRollout` of the groups that train, their history records, the
         `partial` metrics)."""
-
         groups, work = self.launch()
-        stops: list[GroupsStop] = []
-
-        def stop(engine) -> GroupsStop:
-            stops.append(self.stop(groups, engine))
-            return stops[-1]
-
         known = {w.key: w.prefix for w in work if w.prefix}
         lease_prompts = [self.data[g.payload["index"]] for g in groups]
-        result, progress, outcomes = phase.generate(step, work, history, lease_prompts,
-                                                    known_prefix=known or None, stop=stop)
-        settled = self.settle(groups, progress, step)
+        gen = phase.generate(step, work, history, lease_prompts, known_prefix=known or None,
+                             stop=lambda engine: self.stop(groups, engine))
+        settled = self.settle(groups, gen.requests, step)
         eos, G = self.tok.eos_id, self.G
-        result.responses = [Response(i * G + s.sample, g.prompt_id, s.sample, self.ids(g.payload["index"]),
-                                     s.tokens, s.logprobs, s.tokens[-1] != eos, self.routes.pop(s.key, None))
-                            for i, g in enumerate(settled.trained) for s in g.samples]
+        responses = [Response(i * G + s.sample, g.prompt_id, s.sample, self.ids(g.payload["index"]), s.tokens,
+                              s.logprobs, s.tokens[-1] != eos, self.routes.pop(s.key, None))
+                     for i, g in enumerate(settled.trained) for s in g.samples]
         # A lease scored a response from this rollout's tokens: right for a fresh one only.
-        result.scored = {i * G + s.sample: outcomes[s.key] for i, g in enumerate(settled.trained)
-                         for s in g.samples if s.key in outcomes and s.key not in known}
-        metrics = self.metrics(settled, stops[0].complete if stops else 0)
-        return self.prompts(settled), result, self.history_records(settled), metrics
+        scored = {i * G + s.sample: gen.scored[s.key] for i, g in enumerate(settled.trained)
+                  for s in g.samples if s.key in gen.scored and s.key not in known}
+        rollout = TrainingRollout(responses, scored, gen.figures)
+        return self.prompts(settled), rollout, self.history_records(settled), self.metrics(settled, gen.stop.complete)
 
-    def settle(self, groups: list[PendingGroup], progress: dict, version: int) -> Settled:
-        """Book `progress` (request key -> (new tokens, their log-probs, finished), every request
-        of the rollout) at policy `version`; hand out the complete groups that train. A carried
-        response without routes keeps none: routes of its new tokens alone would not cover it."""
+    def settle(self, groups: list[PendingGroup], requests: dict[tuple[str, int], Generated], version: int) -> Settled:
+        """Book `requests` (every request of the rollout, by key: its new tokens, their log-probs,
+        whether it finished, its routes so far) at policy `version`; hand out the complete groups
+        that train. A carried response without routes keeps none: routes of its new tokens alone
+        would not cover it."""
         for g in groups:
             for s in g.live():
-                tokens, logprobs, done, routes = progress[s.key]
-                self.routes[s.key] = routes if s.n == 0 or self.routes.get(s.key) is not None else None
-                s.extend(len(tokens), version, done, tokens, logprobs)
+                r = requests[s.key]
+                self.routes[s.key] = r.routes if s.n == 0 or self.routes.get(s.key) is not None else None
+                s.extend(len(r.tokens), version, r.finished, r.tokens, r.logprobs)
         settled = self.pool.settle(version)
         self.pool.check()
         self.last_trained = settled.trained

@@ -16,7 +16,9 @@ import math
 import sys
 from pathlib import Path
 
+from elastic.planning.partial import CarryPool
 from megatron_rl.errors import CheckpointError
+from megatron_rl.rl.route_state import load_routes
 
 
 def check_partial_resume(cfg, data, tok, path: Path, state: dict) -> None:
@@ -39,9 +41,6 @@ def check_partial_resume(cfg, data, tok, path: Path, state: dict) -> None:
 
 def _check_routes(cfg, section: dict, f: Path) -> None:
     """The carried routes (`partial.routes`), by the check the ranks' load makes (rl/route_state.py)."""
-    from elastic.planning.partial import CarryPool
-    from megatron_rl.rl.route_state import load_routes
-
     pool = CarryPool(cfg.partial.rule(), cfg.grpo.group_size, cfg.prompts_per_step)
     pool.load_state_dict(section["pool"])
     load_routes(section.get("routes", []), pool, cfg.model, f)

@@ -10,7 +10,6 @@ import struct
 
 import torch
 
-from megatron_rl.progress import Progress
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.route_record import RouteRecorder
 from megatron_rl.rollout.sampling import SamplingParams
@@ -24,7 +23,6 @@ class RecordingEngine(RolloutEngine):
         super().__init__(*args, **kwargs)
         self.temperature = temperature
         self.logprobs: dict[tuple[str, int], list[float]] = {}
-        self.progress: Progress | None = None  # the phase's progress line (rank 0)
         self.tokens_done = 0
         self.recorder = RouteRecorder(self.model, self.cache)
 
@@ -71,8 +69,6 @@ class RecordingEngine(RolloutEngine):
         for r, lp in zip(batch, logp_B):
             self.logprobs.setdefault(r.key, []).append(lp)
         self.tokens_done += len(batch)
-        if self.progress is not None:
-            self.progress.update(self.tokens_done)
 
     def reset(self, sampling: SamplingParams) -> None:
         """Ready for the next step's rollout with the same KV cache and graphs: that step's sampling,

@@ -17,26 +17,33 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from elastic.planning.memory.kv_unit import KVUnit
+from elastic.planning.plan import Plan
+from elastic.planning.policies import policy_kind
+from elastic.planning.shape import MemoryBudget
+from elastic.runtime.stop import GroupsStop
 from elastic.timeline import Timeline
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+from megatron_rl.parallel.launch import ParallelContext
 from megatron_rl.progress import Progress
 from megatron_rl.rewards import Verdict
 from megatron_rl.rl.leases import TrainingLeases, lease_metrics
 from megatron_rl.rl.recording_engine import RecordingEngine
 from megatron_rl.rollout.engine import Request
+from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.memory import memory_budget
-from megatron_rl.rollout.rank_rollout import RankRollout, ResponseStream, gather_rollout, rank_engine, run_rank
-from megatron_rl.rollout.rollout_plan import online_rule, plan_rollout, say_plan_notes
+from megatron_rl.rollout.rank_rollout import Generated, RankHooks, RankRollout, RolloutResult, rank_engine
+from megatron_rl.rollout.rollout_plan import RolloutPlanner, RolloutSetup, plan_cost, say_plan_notes
 from megatron_rl.rollout.route_record import CarriedValues
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
@@ -77,17 +84,39 @@ class Work:
         return len(self.prompt)
 
 
+@dataclass(frozen=True)
+class RolloutFigures:
+    """What one training rollout measured, for the step's metrics."""
+
+    ledger: dict  # `RolloutResult.summary` (rank_seconds, rank_steps, dummy_share, ...) and the engine's `engine`
+    stages: list[list[int]]
+    layout: str  # the layout the planner actually used (it may fall back)
+    placement: str  # digest of which rank generated each response, in canonical order
+    wall_s: float
+    lease: dict  # `rl/leases.py:lease_metrics`
+    timeline: Timeline  # per-rank states over the rollout's wall time
+
+
 @dataclass
 class TrainingRollout:
+    """What trains from a step's rollout: its responses in canonical order, the verdicts leases
+    reached (by canonical index: the reward phase scores only the others), and what it measured."""
+
     responses: list[Response]
-    ledger: dict  # `Ledger.summary`: rank_seconds, rank_steps, dummy_share, ...
-    stages: list[list[int]] = field(default_factory=list)
-    layout: str = "natural"  # the layout the planner actually used (it may fall back)
-    placement: str = ""  # digest of which rank generated each response, in canonical order
-    wall_s: float = 0.0
-    scored: dict[int, Verdict] = field(default_factory=dict)  # canonical index -> a lease's verdict
-    lease: dict = field(default_factory=dict)  # `rl/leases.py:lease_metrics`
-    timeline: Timeline | None = None  # per-rank states over the rollout's wall time
+    scored: dict[int, Verdict]
+    figures: RolloutFigures
+
+
+@dataclass
+class Generation:
+    """One rollout of the phase (`RolloutPhase.generate`'s): every request as the rollout left it and
+    the verdicts leases reached, by key; the end rule it ran under (partial rollouts: its last count
+    of complete groups), and what it measured."""
+
+    requests: dict[tuple[str, int], Generated]
+    scored: dict[tuple[str, int], Verdict]
+    figures: RolloutFigures
+    stop: GroupsStop | None = None
 
 
 @dataclass(frozen=True)
@@ -99,140 +128,127 @@ class _Item:
     prompt_len: int
 
 
+class EngineRecords:
+    """The run's `RecordingEngine`'s records as the rank rollout reads them (`rank_rollout.Records`):
+    each token's log-prob and every position's routes; both travel with a migrated request."""
+
+    def __init__(self, engine: RecordingEngine):
+        self.engine = engine
+        self.carried = CarriedValues(engine)
+
+    def logprobs(self, key: tuple[str, int]) -> list[float]:
+        return self.engine.logprobs.get(key, [])
+
+    def routes(self, unfinished: list[Request]) -> dict[tuple[str, int], torch.Tensor]:
+        return self.engine.recorder.routes(unfinished)
+
+
 def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (1 << 62)
 
 
+def worst_budget(cfg: TrainerConfig, model: Qwen3MoeModel, world: int, resident_bytes: int) -> MemoryBudget:
+    """This device's budget for the planner, with `resident_bytes` of training state that stays on
+    the device through the rollout (the optimizer's, `training_state_bytes`). Every rank computes
+    the same plan, so all ranks take the worst case: the least device memory and the most resident
+    state of any rank."""
+    weight = model.embedding.word_embeddings.weight
+    budget = memory_budget(cfg.model, weight.element_size(), weight.device, cfg.dims.ranks_per_node, resident_bytes,
+                           record_routes=True, kv=KVUnit(cfg.generation.kv, cfg.generation.kv_page_size))
+    if world > 1:
+        worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64, device=weight.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MIN)
+        budget = replace(budget, device_bytes=int(worst[0]), resident_bytes=-int(worst[1]))
+    return budget
+
+
+def training_planner(cfg: TrainerConfig, budget: MemoryBudget, dtype_bytes: int, device: str) -> RolloutPlanner:
+    """`train`'s rollout planner, priced against `budget` (`worst_budget`) for the model's dtype on
+    a `device` (its type)."""
+    el, kind, dims = cfg.elastic, policy_kind(cfg.elastic.policy), cfg.dims
+    shape = cfg.model.shape(dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
+    return RolloutPlanner(kind, dims, kind.floor(dims.world, el.floor), el.tailguard, budget, shape,
+                          plan_cost=plan_cost(shape, device, shrink_cost_s=el.shrink_cost_s), rule_cost=engine_cost(),
+                          check_every=el.status_interval, max_batch=cfg.generation.max_batch_per_rank,
+                          max_response_len=cfg.generation.max_response_len)
+
+
 class RolloutPhase:
-    def __init__(self, cfg: TrainerConfig, backend, model: Qwen3MoeModel, tokenizer: Tokenizer, rank: int,
-                 world: int, store, resident_bytes: int = 0, leases: TrainingLeases | None = None,
-                 out_dir: Path | None = None):
-        """`resident_bytes`: training state that stays on the device through the rollout (the
-        optimizer's, `training_state_bytes`); the planner prices it with the weights and KV.
-        `leases`: what detached ranks do until the restore (None: they idle). `backend`: the run's
-        `megatron_rl.backends.Backend`, built once by the trainer."""
-        self.cfg, self.model, self.tok, self.rank, self.world = cfg, model, tokenizer, rank, world
-        self.backend = backend
-        self.dims = cfg.dims
-        self.shape = None  # the model's shape the step's plan was priced on (its online rule's too)
-        self.store = store  # the job's key-value store: the runtime's restore message goes through it
-        self.budget = self._memory_budget(resident_bytes)
-        self.leases = leases
-        # The step in flight's finished responses stream to OUT/rollout/ (kept if the step fails).
-        self.sink_dir = None if out_dir is None else Path(out_dir) / "rollout"
+    def __init__(self, cfg: TrainerConfig, backend, model: Qwen3MoeModel, tokenizer: Tokenizer, ctx: ParallelContext,
+                 planner: RolloutPlanner, leases: TrainingLeases | None = None, sink: Path | None = None):
+        """`backend`: the run's `megatron_rl.backends.Backend`, built once by the trainer; `ctx`:
+        this rank's place (its store carries the runtime's restore message); `planner`: the run's
+        (`build`); `leases`: what detached ranks do until the restore (None: they idle); `sink`:
+        where the step in flight's finished responses stream (kept if the step fails)."""
+        self.cfg, self.backend, self.model, self.tok, self.ctx = cfg, backend, model, tokenizer, ctx
+        self.rank, self.world = ctx.rank, ctx.world
+        self.planner, self.leases, self.sink = planner, leases, sink
         # One engine per run: its KV cache and CUDA graphs are made once (the weights update in
         # place); `builds` and the graphs' `captures` go into every step's rollout report.
         self.engine: RecordingEngine | None = None
         self.builds = 0
 
-    def _memory_budget(self, resident_bytes: int):
-        """This device's budget. Every rank computes the same plan, so all ranks take the worst
-        case: the least device memory and the most resident state of any rank."""
-        weight = self.model.embedding.word_embeddings.weight
-        budget = memory_budget(self.cfg.model, weight.element_size(), weight.device,
-                               self.dims.ranks_per_node, resident_bytes, record_routes=True,
-                               kv=KVUnit(self.cfg.generation.kv, self.cfg.generation.kv_page_size))
-        if self.world > 1:
-            worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64,
-                                 device=weight.device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MIN)
-            budget = replace(budget, device_bytes=int(worst[0]), resident_bytes=-int(worst[1]))
-        return budget
+    @classmethod
+    def build(cls, cfg: TrainerConfig, backend, model: Qwen3MoeModel, tokenizer: Tokenizer, ctx: ParallelContext,
+              resident_bytes: int = 0, leases: TrainingLeases | None = None,
+              out_dir: Path | None = None) -> RolloutPhase:
+        """The run's rollout phase: its planner priced against the worst rank's budget (one
+        collective), with `resident_bytes` of training state priced beside the weights and KV; the
+        step in flight's finished responses stream to OUT/rollout/."""
+        weight = model.embedding.word_embeddings.weight
+        planner = training_planner(cfg, worst_budget(cfg, model, ctx.world, resident_bytes), weight.element_size(),
+                                   weight.device.type)
+        sink = None if out_dir is None else Path(out_dir) / "rollout"
+        return cls(cfg, backend, model, tokenizer, ctx, planner, leases, sink)
 
-    def plan(self, items: list[_Item], history: Trace, known_prefix: dict | None = None):
-        cfg = self.cfg
-        plan, self.shape = plan_rollout(
-            items, history, policy=cfg.elastic.policy, dims=self.dims, known_prefix=known_prefix,
-            floor=cfg.elastic.floor, tailguard=cfg.elastic.tailguard, mcfg=cfg.model,
-            dtype_bytes=self._dtype_bytes(), budget=self.budget, max_response_len=cfg.generation.max_response_len,
-            shrink_cost_s=cfg.elastic.shrink_cost_s, device=self.model.embedding.word_embeddings.weight.device.type)
+    def setup(self, items: list[_Item], history: Trace, known_prefix: dict | None = None) -> RolloutSetup:
+        setup = self.planner.setup(items, history, known_prefix)
         # Training owns experts in Megatron's contiguous blocks; every rollout starts and ends there.
-        assert dict(plan.stages[0].owners) == self.dims.block_owners(range(self.world))
+        assert dict(setup.plan.stages[0].owners) == self.cfg.dims.block_owners(range(self.world))
         if self.rank == 0:
-            say_plan_notes(plan)
-        return plan
-
-    def _dtype_bytes(self) -> int:
-        return self.model.embedding.word_embeddings.weight.element_size()
+            say_plan_notes(setup.plan)
+        return setup
 
     def run(self, step: int, prompts: list[Prompt], history: Trace) -> TrainingRollout:
         """The step's `prompts x group_size` responses, every one finished, in canonical order."""
         G, max_new = self.cfg.grpo.group_size, self.cfg.generation.max_response_len
         work = [Work(p.prompt_id, s, ids, max_new, 0) for p in prompts for ids in [self.tok.encode_prompt(p)]
                 for s in range(G)]
-        result, progress, outcomes = self.generate(step, work, history, prompts)
-        assert all(progress[w.key][2] for w in work), "a response was left unfinished"
-        result.responses = [Response(i, w.prompt_id, w.sample, w.prompt, *progress[w.key][:2],
-                                     progress[w.key][0][-1] != self.tok.eos_id, progress[w.key][3])
-                            for i, w in enumerate(work)]
+        gen = self.generate(step, work, history, prompts)
+        assert all(gen.requests[w.key].finished for w in work), "a response was left unfinished"
+        responses = [Response(i, w.prompt_id, w.sample, w.prompt, g.tokens, g.logprobs, g.tokens[-1] != self.tok.eos_id,
+                              g.routes) for i, w in enumerate(work) for g in [gen.requests[w.key]]]
         index = {w.key: i for i, w in enumerate(work)}
-        result.scored = {index[k]: o for k, o in outcomes.items()}
-        return result
+        return TrainingRollout(responses, {index[k]: o for k, o in gen.scored.items()}, gen.figures)
 
-    def generate(self, step: int, work: list, history: Trace, prompts: list[Prompt], *,
-                 known_prefix: dict | None = None, stop=None) -> tuple[TrainingRollout, dict, dict]:
-        """Carry out one rollout of `work` (`Work`: prompt ids, a resumed response's
-        tokens so far after them, and the tokens it may still generate). Returns the result without
-        responses, every request's (new tokens, their log-probs, finished, routes so far) by key, and the outcomes
-        leases scored by key. `known_prefix` (tokens so far by key) goes to the planner and the
-        online rule; `stop(engine)` builds the runtime's end rule (partial rollouts)."""
-        cfg = self.cfg
+    def generate(self, step: int, work: list[Work], history: Trace, prompts: list[Prompt], *,
+                 known_prefix: dict | None = None, stop: Callable[[RecordingEngine], GroupsStop] | None = None
+                 ) -> Generation:
+        """Carry out one rollout of `work` (`Work`: prompt ids, a resumed response's tokens so far
+        after them, and the tokens it may still generate); `prompts` are what leases score against.
+        `known_prefix` (tokens so far by key) goes to the planner and the online rule; `stop(engine)`
+        builds the runtime's end rule (partial rollouts)."""
         t0 = time.perf_counter()
-        items = [_Item(w.prompt_id, w.sample, w.prompt_len) for w in work]
-        plan = self.plan(items, history, known_prefix)
-        by_key = {w.key: w for w in work}
-        mine = [Request(a.prompt_id, a.sample, by_key[a.prompt_id, a.sample].prompt,
-                        by_key[a.prompt_id, a.sample].max_new) for a in plan.assignments if a.rank == self.rank]
+        setup = self.setup([_Item(w.prompt_id, w.sample, w.prompt_len) for w in work], history, known_prefix)
+        engine = self._engine(step, work)
+        rollout = RankRollout(setup.plan, setup.rule, self.ctx, self.backend,
+                              status_interval=self.cfg.elastic.status_interval)
+        requests = [Request(w.prompt_id, w.sample, w.prompt, w.max_new) for w in work]
+        hooks = self._hooks(step, engine, prompts, rollout.mine(requests), None if stop is None else stop(engine))
+        kept = self.backend.keep_experts(self.model)
+        result = rollout.run(engine, requests, hooks)
+        self.backend.restore_experts(self.model, kept)
+        return self._generation(setup.plan, work, result, hooks.stop, t0)
+
+    def _engine(self, step: int, work: list[Work]) -> RecordingEngine:
+        """The run's engine, ready for this step: sampling keyed by the step, no requests, the
+        carried responses' routes so far. Built again only for a step whose sequences outgrow its
+        KV cache (a new shape: its graphs are captured again). The cache's length is rounded up to
+        a multiple of 64, so prompts of a few tokens more do not rebuild it."""
+        cfg = self.cfg
         sampling = SamplingParams(temperature=cfg.generation.temperature, top_p=cfg.generation.top_p,
                                   greedy=False, seed=step_seed(cfg.seed, step))
-        engine = self._engine(sampling, max(len(w.prompt) + w.max_new for w in work))
-        engine.add(mine)
-        engine.progress = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine),
-                                   "tokens", enabled=self.rank == 0)
-        engine.recorder.start({w.key: w.routes for w in work if w.routes is not None})
-        kept = self.backend.keep_experts(self.model)
-        spec = RankRollout(plan, self.rank, self.world, self.store, backend=self.backend,
-                           rule=self._online_rule(plan, items, history, known_prefix),
-                           status_interval=cfg.elastic.status_interval, stop=stop)
-        leases = self.leases
-        pool = None if leases is None else (lambda hit: leases.pool(engine.finished, prompts, hit))
-        stream = None
-        if self.sink_dir is not None:
-            lease_rewards = {} if leases is None else {"lease_rewards": lambda: [
-                [pid, s, o] for (pid, s), o in sorted(leases.outcomes().items())]}
-            stream = ResponseStream(self.sink_dir, self.rank, engine, lambda r: {
-                "prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens,
-                "logprobs": engine.logprobs[r.key]}, kept=lease_rewards)
-        # The recorded log-probs and routes travel with a migrated request.
-        outcome = run_rank(spec, engine, pool=pool, stream=stream, carried=CarriedValues(engine))
-        self.backend.restore_experts(self.model, kept)
-        routes = engine.recorder.routes(engine.live + engine.pending)
-        local = [(r.key, r.tokens, engine.logprobs.get(r.key, []), done, routes.get(r.key))
-                 for done, rs in ((True, engine.finished), (False, engine.live + engine.pending)) for r in rs]
-        scored = {} if leases is None else leases.outcomes()
-        step_report = {} if leases is None else leases.step_report()
-        gathered = gather_rollout(spec, engine, outcome, (local, scored, step_report))
-        progress = {key: (tokens, logprobs, done, routes)
-                    for g in gathered.payloads for key, tokens, logprobs, done, routes in g[0]}
-        assert len(progress) == len(work) == sum(len(g[0]) for g in gathered.payloads), \
-            "a request was lost or duplicated"
-        summary = gathered.summary()
-        scored = {k: o for g in gathered.payloads for k, o in g[1].items()}
-        lease = lease_metrics(summary, [o.pool_report for o in gathered.outcomes],
-                              [g[2] for g in gathered.payloads], len(scored))
-        ranks = {(a.prompt_id, a.sample): a.rank for a in plan.assignments}
-        placement = hashlib.sha256(json.dumps([ranks[w.key] for w in work]).encode()).hexdigest()[:16]
-        timeline = Timeline.of_ledger(gathered.ledger, [o.pool_report for o in gathered.outcomes])
-        summary["engine"] = {"builds": self.builds, "graph_captures": engine.runner.captures}
-        return TrainingRollout([], summary, [list(s.members) for s in plan.stages],
-                             plan.meta.get("effective_layout", plan.layout), placement,
-                             time.perf_counter() - t0, {}, lease, timeline), progress, scored
-
-    def _engine(self, sampling: SamplingParams, max_len: int) -> RecordingEngine:
-        """The run's engine, reset for this step; built again only for a step whose sequences
-        outgrow its KV cache (a new shape: its graphs are captured again). The cache's length is
-        rounded up to a multiple of 64, so prompts of a few tokens more do not rebuild it."""
-        cfg = self.cfg
+        max_len = max(len(w.prompt) + w.max_new for w in work)
         if self.engine is None or self.engine.cache.max_len < max_len:
             self.engine = rank_engine(self.model, sampling, max_batch=cfg.generation.max_batch_per_rank,
                                       max_len=-(-max_len // 64) * 64, kv=cfg.generation.kv,
@@ -242,16 +258,37 @@ class RolloutPhase:
             self.builds += 1
         else:
             self.engine.reset(sampling)
+        self.engine.recorder.start({w.key: w.routes for w in work if w.routes is not None})
         return self.engine
 
-    def _online_rule(self, plan, items: list[_Item], history: Trace, known_prefix: dict | None = None):
-        """`adaptive` (torch backend): the online rule that re-plans, and migrates, as the rollout runs."""
-        cfg = self.cfg
-        return online_rule(plan, items, history, policy=cfg.elastic.policy, shape=self.shape,
-                           status_interval=cfg.elastic.status_interval,
-                           max_batch=cfg.generation.max_batch_per_rank,
-                           max_response_len=cfg.generation.max_response_len, known_prefix=known_prefix,
-                           kv=self.budget.kv)
+    def _hooks(self, step: int, engine: RecordingEngine, prompts: list[Prompt], mine: list[Request],
+               stop: GroupsStop | None) -> RankHooks:
+        """What this phase plugs into the rank rollout: the engine's log-probs and routes, the
+        leases (scoring against `prompts`), the sink, rank 0's progress line over `mine`, the end rule."""
+        leases, progress = self.leases, None
+        lease_hook = None if leases is None else (lambda finished, hit: leases.rollout(finished, prompts, hit))
+        if self.rank == 0:
+            line = Progress(f"step {step} rollout (rank {self.rank})", sum(r.max_new_tokens for r in mine), "tokens")
+
+            def progress(tick: int, stage: int, members: int, live: int) -> None:
+                line.update(engine.tokens_done)
+        return RankHooks(records=EngineRecords(engine), leases=lease_hook, sink=self.sink, progress=progress, stop=stop)
+
+    def _generation(self, plan: Plan, work: list[Work], result: RolloutResult, stop: GroupsStop | None,
+                    t0: float) -> Generation:
+        requests = result.requests()
+        assert len(requests) == len(work), "a request was lost or duplicated"
+        scored = {k: o for r in result.ranks for k, o in r.leases.scored.items()}
+        summary = result.summary()
+        pools = [o.pool_report for o in result.outcomes]
+        lease = lease_metrics(summary, pools, [r.leases.sidecar for r in result.ranks], len(scored))
+        summary["engine"] = {"builds": self.builds, "graph_captures": self.engine.runner.captures}
+        ranks = {(a.prompt_id, a.sample): a.rank for a in plan.assignments}
+        placement = hashlib.sha256(json.dumps([ranks[w.key] for w in work]).encode()).hexdigest()[:16]
+        figures = RolloutFigures(summary, [list(s.members) for s in plan.stages],
+                                 plan.meta.get("effective_layout", plan.layout), placement, time.perf_counter() - t0,
+                                 lease, Timeline.of_ledger(result.ledger, pools))
+        return Generation(requests, scored, figures, stop)
 
 
 def history_records(result: TrainingRollout, epoch: int) -> list[TraceRecord]:

@@ -13,11 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from elastic.runtime.pool import IdlePool
 from megatron_rl.config import require, require_seconds
 from megatron_rl.rollout.engine import Request
-from megatron_rl.rollout.sidecar import SidecarConfig
+from megatron_rl.rollout.faults import KillSelfJob, StuckJob
+from megatron_rl.rollout.sidecar import SidecarConfig, SidecarJob
 
 LEASE_JOBS = ("rewards", "sidecar", "sglang")
+# A sidecar's counts that a rollout's report gives as this rollout's work (the rest are so far).
+SIDECAR_COUNTS = ("served", "tokens", "restarts")
 
 
 def check_lease_jobs(jobs: list[str], where: str) -> None:
@@ -81,8 +85,6 @@ def lease_jobs(names: list[str], *, finished: list[Request], score: Callable[[Re
     `sidecar`: the rank's sidecar job, built by the caller (a trainer keeps one across steps so the
     model loads once). `fault` (`kill-leased-rank` / `stuck-lease`) puts the injected job first.
     """
-    from megatron_rl.rollout.faults import KillSelfJob, StuckJob
-
     jobs: list = []
     if fault == "kill-leased-rank":
         jobs.append(KillSelfJob())
@@ -98,11 +100,46 @@ def lease_jobs(names: list[str], *, finished: list[Request], score: Callable[[Re
 def sidecar_job(names: list[str], cfg, rank: int, world: int):
     """The sidecar lease `names` ask for (torch engine or sglang), or None."""
     if "sidecar" in names:
-        from megatron_rl.rollout.sidecar import SidecarJob
-
         return SidecarJob(cfg, rank, world)
     if "sglang" in names:
-        from megatron_rl.rollout.sglang_lease import SGLangSidecarJob
+        from megatron_rl.rollout.sglang_lease import SGLangSidecarJob  # asyncio and the sglang client: GPU only
 
         return SGLangSidecarJob(cfg, rank, world)
     return None
+
+
+@dataclass
+class LeaseOutcome:
+    """What one rank's leases did in one rollout: the verdict (the score function's value) of each
+    response its reward scoring job scored, by key, and its sidecar's work (`SIDECAR_COUNTS` in this
+    rollout, `correct` and `distinct` queries so far; empty without a sidecar)."""
+
+    scored: dict[tuple[str, int], Any] = field(default_factory=dict)
+    sidecar: dict = field(default_factory=dict)
+
+
+class RolloutLeases:
+    """One rank's leases in one rollout: the idle pool it serves while detached (`pool`), and what
+    its jobs did (`outcome`). `sidecar`: the rank's sidecar job among `jobs`, if any (a trainer keeps
+    one across rollouts: its work in this one is counted from now)."""
+
+    def __init__(self, cfg: LeaseConfig, jobs: list, sidecar=None):
+        self.pool = IdlePool(jobs, lease_s=cfg.lease_s, grace_s=cfg.grace_s)
+        self.rewards = next((j for j in jobs if isinstance(j, RewardScoringJob)), None)
+        self.sidecar = sidecar
+        self.sidecar_before = {} if sidecar is None else sidecar.report()
+
+    @classmethod
+    def build(cls, cfg: LeaseConfig, finished: list[Request], score: Callable[[Request], Any], sidecar=None,
+              fault: str | None = None) -> RolloutLeases:
+        """`lease_jobs`' jobs (`cfg.jobs`) in one pool."""
+        return cls(cfg, lease_jobs(cfg.jobs, finished=finished, score=score, sidecar=sidecar, fault=fault), sidecar)
+
+    def outcome(self) -> LeaseOutcome:
+        scored = {} if self.rewards is None else dict(self.rewards.scores)
+        if self.sidecar is None:
+            return LeaseOutcome(scored)
+        now = self.sidecar.report()
+        work = {k: now[k] - self.sidecar_before.get(k, 0) for k in SIDECAR_COUNTS}
+        work.update(correct=now["correct"], distinct=now["distinct"])
+        return LeaseOutcome(scored, work)

@@ -2,72 +2,148 @@
 and for `train` (`rl/rollout_phase.py`).
 
 The caller builds its model, then its `RolloutEngine` by `rank_engine` (the one home of the KV
-cache's sizing, for both) with this rank's requests added; the plan (and for `adaptive` the online
-rule) comes from `rollout_plan.py`, and the run's `Backend` is handed down in `spec.backend`. Then,
-on every rank:
+cache's sizing, for both); the plan (and for `adaptive` the online rule) comes from
+`rollout_plan.py`, and the run's `Backend` is handed down in `RankRollout.backend`. Then, on every
+rank:
 
-    outcome = run_rank(spec, engine, pool=..., stream=..., carried=...)
-    ... the caller's own work on this rank (the trainer puts its expert modules back) ...
-    gathered = gather_rollout(spec, engine, outcome, payload, to=...)
+    result = RankRollout(plan, rule, ctx, backend, ...).run(engine, requests, hooks, to=...)
 
-`run_rank` picks the elastic engine by backend and policy (megatron-core's, the migrating one with
-the online driver when there is a rule, else the plain one), injects the transfer fault on the
-plan's fault rank, builds the lease pool, sets the predicted restoration tick, streams finished
-responses to disk and, on failure, keeps the ledger so far beside them. `gather_rollout` collects
-every rank's outcome (and the caller's payload) and checks the rollout's ledger.
+`run` adds this rank's requests to the engine, picks the elastic engine by backend and policy
+(megatron-core's, the migrating one with the online driver when there is a rule, else the plain
+one), injects the transfer fault on the plan's fault rank, builds the lease pool, sets the predicted
+restoration tick, streams finished responses to disk and, on failure, keeps the ledger so far
+beside them. It then gathers every rank's `RankResult` (its finished and unfinished requests with
+their tokens, log-probs and routes, its KV cache's figures, what its leases did and its ledger)
+into one `RolloutResult`, whose ledger it checks.
 
-Where a caller plugs in: `engine` (any `RolloutEngine`; the trainer's records log-probs, and
-`carried` names them so they travel with a migrated request), `pool(fault_here)` (the side work of
-detached ranks), `stream` (`ResponseStream`: the row written per response and the files kept on
-failure), `spec.progress` (a per-tick callback), and the gather's `payload`.
+Where a caller plugs in (`RankHooks`): `records` (what its engine records beside the tokens: the
+trainer's log-probs and routes, which travel with a migrated request), `leases` (the side work of
+a detached rank), `sink` (the folder finished responses stream to), `progress` (a per-tick
+callback) and `stop` (a partial rollout's end rule).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
+import torch
 import torch.distributed as dist
 
+from elastic.ledger import Ledger
 from elastic.planning.plan import Plan
+from elastic.runtime.runtime import DecodeHooks, ElasticRuntime, RankOutcome, ledger_of, transitions_of
+from megatron_rl.parallel.launch import ParallelContext
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.faults import fault_rank
+from megatron_rl.rollout.faults import FailingExport, fault_rank
+from megatron_rl.rollout.lease_jobs import LeaseOutcome, RolloutLeases
+
+Key = tuple[str, int]  # (prompt_id, sample)
+
+
+class Records(Protocol):
+    """What an engine records beside the tokens (the trainer's `RecordingEngine`: each token's
+    sampling log-prob and every position's routes), as the rank rollout reads it."""
+
+    # key -> the values that move with a migrated request (`MigratingRolloutEngine`'s `carried`)
+    carried: Any
+
+    def logprobs(self, key: Key) -> list[float]:
+        """The request's tokens' log-probs so far."""
+
+    def routes(self, unfinished: list[Request]) -> dict[Key, torch.Tensor]:
+        """Every request's routes so far on the host: the finished ones' and `unfinished`'s."""
 
 
 @dataclass
-class RankRollout:
-    """What one rank's rollout is: its plan and place, and how it runs."""
+class RankHooks:
+    """Where a caller plugs into its rank's rollout; every one is optional."""
 
-    plan: Plan
-    rank: int
-    world: int
-    store: Any  # the job's key-value store: the runtime's restore message goes through it
-    # The run's `megatron_rl.backends.Backend`, handed down by the command or the trainer: which
-    # elastic engine runs (`Backend.elastic_engine`).
-    backend: Any
-    transport: str = "direct"  # `elastic.runtime.transport.TRANSPORTS`
-    rule: Any = None  # `adaptive`: the online rule (`elastic.planning.online.rule.OnlineRule`)
-    # Run tokens per trace token (a trace replayed at a length scale); the plan and rule reason in
-    # trace tokens.
-    token_scale: float = 1.0
-    status_interval: int = 1
-    fault: str | None = None  # `fail-transfer`: the plan's fault rank fails its expert exports
-    progress: Callable[[int, int, int, int], None] | None = None
-    # Partial rollouts' end rule: `stop(engine)` builds the runtime's `stop` (rl/partial.py:GroupsStop).
-    stop: Callable[[RolloutEngine], Any] | None = None
+    records: Records | None = None
+    # `leases(finished, fault_here)`: the leases of this rank while it is detached (None: it idles);
+    # `finished` is the engine's list, which grows as the rollout runs.
+    leases: Callable[[list[Request], bool], RolloutLeases] | None = None
+    sink: Path | None = None  # finished responses stream to `sink/responses.rank<r>.jsonl` (`ResponseStream`)
+    progress: Callable[[int, int, int, int], None] | None = None  # (tick, stage, members, live) at status checks
+    # The runtime's end rule (`elastic.runtime.stop.GroupsStop`: partial rollouts), built over the engine.
+    stop: Callable[[Any, Any], bool] | None = None
+
+
+@dataclass
+class Generated:
+    """One request as the rollout left it on its rank: the tokens it generated (a resumed response:
+    after its prompt and tokens so far), their sampling log-probs and the request's routes so far
+    where the engine records them (empty, None otherwise), and whether it finished."""
+
+    prompt_id: str
+    sample: int
+    tokens: list[int]
+    finished: bool
+    logprobs: list[float] = field(default_factory=list)
+    # [read positions, L, K] expert ids (models/routes.py)
+    routes: torch.Tensor | None = None
 
     @property
-    def fault_here(self) -> bool:
-        """Whether this rank is the one an injected fault hits (the first to leave)."""
-        return self.rank == fault_rank(self.plan)
+    def key(self) -> Key:
+        return (self.prompt_id, self.sample)
+
+
+def response_row(r: Request | Generated, logprobs: list[float] | None = None) -> dict:
+    """A response as `flexfloor rollout` reports and streams it; the trainer streams its log-probs too."""
+    row = {"prompt_id": r.prompt_id, "sample": r.sample, "tokens": r.tokens}
+    if logprobs is not None:
+        row["logprobs"] = logprobs
+    return row
+
+
+@dataclass
+class RankResult:
+    """One rank's part of a rollout: its requests (finished ones in the order they finished, then
+    the unfinished ones a partial rollout's end rule left), its KV cache's figures
+    (`RolloutEngine.kv_report`), what its leases did and its ledger (in `outcome`)."""
+
+    outcome: RankOutcome
+    finished: list[Generated]
+    unfinished: list[Generated]
+    kv: dict
+    leases: LeaseOutcome
 
     @property
-    def predicted_ticks(self) -> float | None:
-        """The plan's longest predicted response in this run's tokens, plus one tick of prefill:
-        the predicted restoration tick that caps every lease."""
-        predicted = self.plan.meta.get("predicted_max_len")
-        return None if predicted is None else 1 + predicted * self.token_scale
+    def tokens(self) -> int:
+        """Tokens this rank generated (a partial rollout ends with some requests still live)."""
+        return sum(len(g.tokens) for g in self.finished + self.unfinished)
+
+
+@dataclass
+class RolloutResult:
+    """Every rank's `RankResult`, in rank order, and the rollout's checked ledger."""
+
+    ranks: list[RankResult]
+    ledger: Ledger
+
+    @property
+    def outcomes(self) -> list[RankOutcome]:
+        return [r.outcome for r in self.ranks]
+
+    def summary(self) -> dict:
+        """The ledger's summary with the stage transitions (`transitions_of`)."""
+        out = self.ledger.summary(sum(r.tokens for r in self.ranks))
+        out.update(transitions_of(self.outcomes))
+        return out
+
+    def finished(self) -> list[Generated]:
+        return [g for r in self.ranks for g in r.finished]
+
+    def unfinished(self) -> list[Generated]:
+        return [g for r in self.ranks for g in r.unfinished]
+
+    def requests(self) -> dict[Key, Generated]:
+        """Every request of the rollout, finished or not, by key; each was on exactly one rank."""
+        out = {g.key: g for g in self.finished() + self.unfinished()}
+        if len(out) != sum(len(r.finished) + len(r.unfinished) for r in self.ranks):
+            raise AssertionError("a request was duplicated")
+        return out
 
 
 class ResponseStream:
@@ -131,76 +207,117 @@ def rank_engine(model, sampling, *, max_batch: int, max_len: int, kv: str = "slo
     return engine_cls(model, sampling, max_batch, max_len, **extra)
 
 
-def elastic_engine(spec: RankRollout, engine: RolloutEngine, carried: dict | None = None):
+def elastic_engine(spec: RankRollout, engine: RolloutEngine, carried: Any = None):
     """The engine `elastic/` drives, by backend and policy (`Backend.elastic_engine`; with the
     online driver when a rule re-plans), failing its exports on the fault rank when asked."""
-    from megatron_rl.rollout.faults import FailingExport
-
     elastic, online = spec.backend.elastic_engine(spec, engine, carried)
     if spec.fault == "fail-transfer" and spec.fault_here:
         elastic = FailingExport(elastic)
     return elastic, online
 
 
-def run_rank(spec: RankRollout, engine: RolloutEngine, *, pool: Callable[[bool], Any] | None = None,
-             stream: ResponseStream | None = None, carried: dict | None = None):
-    """Carry the plan out on this rank; returns its `RankOutcome`. `pool(fault_here)` builds the
-    idle pool of a detached rank (None: it idles); `carried` maps a request's key to per-token
-    values recorded beside the engine that move with it when it migrates."""
-    from elastic.runtime.runtime import DecodeHooks, ElasticRuntime
+@dataclass(frozen=True)
+class RankRollout:
+    """What one rank's rollout is: its plan and place, and how it runs."""
 
-    elastic, online = elastic_engine(spec, engine, carried)
-    hooks = DecodeHooks(progress=spec.progress, after_step=None if stream is None else stream.flush,
-                        stop=None if spec.stop is None else spec.stop(engine))
-    runtime = ElasticRuntime(elastic, spec.plan, spec.rank, spec.store, status_interval=spec.status_interval,
-                             pool=None if pool is None else pool(spec.fault_here),
-                             predicted_ticks=spec.predicted_ticks, online=online, hooks=hooks)
-    try:
-        outcome = runtime.run()
-    except BaseException:
+    plan: Plan
+    rule: Any  # `adaptive`: the online rule (`elastic.planning.online.rule.OnlineRule`), else None
+    ctx: ParallelContext  # this rank, the world, the job's key-value store (the runtime's restore message)
+    # The run's `megatron_rl.backends.Backend`, handed down by the command or the trainer: which
+    # elastic engine runs (`Backend.elastic_engine`).
+    backend: Any
+    transport: str = "direct"  # `elastic.runtime.transport.TRANSPORTS`
+    # Run tokens per trace token (a trace replayed at a length scale); the plan and rule reason in
+    # trace tokens.
+    token_scale: float = 1.0
+    status_interval: int = 1
+    fault: str | None = None  # `fail-transfer`: the plan's fault rank fails its expert exports
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world(self) -> int:
+        return self.ctx.world
+
+    @property
+    def fault_here(self) -> bool:
+        """Whether this rank is the one an injected fault hits (the first to leave)."""
+        return self.rank == fault_rank(self.plan)
+
+    @property
+    def predicted_ticks(self) -> float | None:
+        """The plan's longest predicted response in this run's tokens, plus one tick of prefill:
+        the predicted restoration tick that caps every lease."""
+        predicted = self.plan.meta.get("predicted_max_len")
+        return None if predicted is None else 1 + predicted * self.token_scale
+
+    def mine(self, requests: list[Request]) -> list[Request]:
+        """This rank's requests of the plan, in its order, fresh (the engine appends tokens to them,
+        and the caller's may be shared between rollouts)."""
+        by_key = {r.key: r for r in requests}
+        return [replace(by_key[a.prompt_id, a.sample], tokens=[]) for a in self.plan.assignments if a.rank == self.rank]
+
+    def run(self, engine: RolloutEngine, requests: list[Request], hooks: RankHooks | None = None,
+            to: int | None = None) -> RolloutResult | None:
+        """Carry the plan out on this rank with its part of `requests` (every request of the rollout)
+        on `engine`, then gather every rank's result: on every rank (`to` None), or on rank `to`
+        only (the others get None)."""
+        hooks = hooks or RankHooks()
+        engine.add(self.mine(requests))
+        leases = None if hooks.leases is None else hooks.leases(engine.finished, self.fault_here)
+        outcome = self._carry_out(engine, hooks, leases)
+        return self._gather(self._result(engine, outcome, hooks.records, leases), to)
+
+    def _carry_out(self, engine: RolloutEngine, hooks: RankHooks, leases: RolloutLeases | None) -> RankOutcome:
+        """The elastic runtime over `engine`; finished responses stream to the sink, and on failure
+        the ledger so far (and the leases' verdicts) stay beside them."""
+        records = hooks.records
+        elastic, online = elastic_engine(self, engine, None if records is None else records.carried)
+        stream = None
+        if hooks.sink is not None:
+            kept = {} if leases is None else {"lease_rewards": lambda: [
+                [pid, s, o] for (pid, s), o in sorted(leases.outcome().scored.items())]}
+            stream = ResponseStream(hooks.sink, self.rank, engine, lambda r: response_row(
+                r, None if records is None else records.logprobs(r.key)), kept=kept)
+        decode = DecodeHooks(progress=hooks.progress, after_step=None if stream is None else stream.flush,
+                             stop=hooks.stop)
+        runtime = ElasticRuntime(elastic, self.plan, self.rank, self.ctx.store, status_interval=self.status_interval,
+                                 pool=None if leases is None else leases.pool, predicted_ticks=self.predicted_ticks,
+                                 online=online, hooks=decode)
+        try:
+            outcome = runtime.run()
+        except BaseException:
+            if stream is not None:
+                stream.keep(runtime.ledger)
+            raise
         if stream is not None:
-            stream.keep(runtime.ledger)
-        raise
-    if stream is not None:
-        stream.close()
-    return outcome
+            stream.close()
+        return outcome
 
+    @staticmethod
+    def _result(engine: RolloutEngine, outcome: RankOutcome, records: Records | None,
+                leases: RolloutLeases | None) -> RankResult:
+        unfinished = engine.live + engine.pending
+        routes = {} if records is None else records.routes(unfinished)  # one host read
 
-@dataclass
-class GatheredRollout:
-    """Every rank's outcome and payload (in rank order), and the rollout's checked ledger."""
+        def generated(r: Request, finished: bool) -> Generated:
+            return Generated(r.prompt_id, r.sample, r.tokens, finished,
+                             [] if records is None else records.logprobs(r.key), routes.get(r.key))
+        return RankResult(outcome, [generated(r, True) for r in engine.finished],
+                          [generated(r, False) for r in unfinished], engine.kv_report(),
+                          LeaseOutcome() if leases is None else leases.outcome())
 
-    outcomes: list
-    payloads: list
-    ledger: Any  # `elastic.ledger.Ledger`
-    tokens: int  # tokens generated over all ranks
-
-    def summary(self) -> dict:
-        """The ledger's summary with the stage transitions (`transitions_of`)."""
-        from elastic.runtime.runtime import transitions_of
-
-        out = self.ledger.summary(self.tokens)
-        out.update(transitions_of(self.outcomes))
-        return out
-
-
-def gather_rollout(spec: RankRollout, engine: RolloutEngine, outcome, payload: Any = None,
-                   to: int | None = None) -> GatheredRollout | None:
-    """Collect (outcome, tokens, payload) of every rank: on every rank (`to` None), or on rank `to`
-    only (the others get None)."""
-    from elastic.runtime.runtime import ledger_of
-
-    # Every request's tokens: a partial rollout ends with some still live.
-    mine = (outcome, sum(len(r.tokens) for r in engine.finished + engine.live + engine.pending), payload)
-    if to is None:
-        gathered: list | None = [None] * spec.world
-        dist.all_gather_object(gathered, mine)
-    else:
-        gathered = [None] * spec.world if spec.rank == to else None
-        dist.gather_object(mine, gathered, dst=to)
-        if spec.rank != to:
-            return None
-    outcomes = [g[0] for g in gathered]
-    ledger = ledger_of(outcomes)
-    ledger.check()
-    return GatheredRollout(outcomes, [g[2] for g in gathered], ledger, sum(g[1] for g in gathered))
+    def _gather(self, mine: RankResult, to: int | None) -> RolloutResult | None:
+        if to is None:
+            ranks: list | None = [None] * self.world
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [None] * self.world if self.rank == to else None
+            dist.gather_object(mine, ranks, dst=to)
+            if self.rank != to:
+                return None
+        ledger = ledger_of([r.outcome for r in ranks])
+        ledger.check()
+        return RolloutResult(ranks, ledger)

@@ -1,8 +1,9 @@
-"""The plan of one rollout, as both `flexfloor rollout` and `train` ask for it: the model's config
-(a checkpoint's headers checked before any rank starts), the plan of a policy with the model's shape
-it was priced on, and the online rule of an `adaptive` plan; `RolloutSetup` builds them once for
-`flexfloor rollout`, with its device and memory budget. The rank rollout (`rank_rollout.py`) carries
-the plan out.
+"""How a run plans its rollouts, as both `flexfloor rollout` and `train` ask for it: the model's
+config (a checkpoint's headers checked before any rank starts), and `RolloutPlanner`, built once per
+run from the command's config (the policy, the layout, the floor, the model's shape priced against
+the memory budget, the step costs), whose `setup` makes each rollout's `RolloutSetup`: the plan of
+the policy and, for an `adaptive` plan, its online rule. The rank rollout (`rank_rollout.py`)
+carries the plan out.
 """
 from __future__ import annotations
 
@@ -13,20 +14,21 @@ import torch
 
 from elastic.planning.choices import PlanChoices
 from elastic.planning.dims import ParallelDims
-from elastic.planning.memory.kv_unit import TOKENS, KVUnit
-from elastic.planning.online.rule import RuleConfig
+from elastic.planning.lengths.remaining import OnlineOptions
+from elastic.planning.memory.kv_unit import KVUnit
+from elastic.planning.online.rule import OnlineRule, RuleConfig
 from elastic.planning.plan import Plan
+from elastic.planning.planner import PlanError
 from elastic.planning.platform import Platform
-from elastic.planning.policies import PolicyError, policy_kind
+from elastic.planning.policies import PolicyError, PolicyKind, policy_kind
 from elastic.planning.shape import MemoryBudget, ModelShape
+from elastic.planning.step_cost import ShapeCost, StepCost
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import DTYPES
-from megatron_rl.parallel.device import resolve_device
 from megatron_rl.parallel.dims import parallel_dims
-from megatron_rl.parallel.launch import driver_process
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.engine_cost import engine_cost
+from megatron_rl.rollout.engine_cost import EngineCost, engine_cost
 from megatron_rl.rollout.memory import memory_budget
 
 
@@ -48,36 +50,110 @@ def model_config(cfg: RolloutConfig) -> tuple[MoEModelConfig, ParallelDims]:
 
 @dataclass(frozen=True)
 class RolloutSetup:
-    """What `flexfloor rollout` decides before any rank starts, each once: the device its ranks
-    compute on, the model's shape priced against that device's memory, the plan, and the online
-    rule of an `adaptive` plan (None otherwise)."""
+    """One rollout's plan and, for an `adaptive` plan that shrinks, its online rule (None
+    otherwise), made together by `RolloutPlanner.setup`."""
 
     plan: Plan
-    rule: object | None
+    rule: OnlineRule | None
+
+
+def plan_cost(shape: ModelShape, device: str, length_scale: float = 1.0,
+              shrink_cost_s: float | None = None) -> StepCost:
+    """What the planner prices chains with: on CPU this engine's measured step and shrink
+    (`engine_cost`, the run decoding `length_scale` of each trace length), on GPU the shape's cost
+    model; `shrink_cost_s` instead prices a shrink at that fixed cost on the shape's model."""
+    if shrink_cost_s is not None:
+        return ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
+    return engine_cost(length_scale) if device == "cpu" else ShapeCost(shape)
+
+
+@dataclass
+class RolloutPlanner:
+    """What a run decides once about planning its rollouts; `setup` plans each one.
+
+    `floor`: the floor the policy plans to (every rank if it never shrinks); `shape`: the model's
+    shape priced against `budget` (`rollout/memory.py`), whose `kv` is how the run's KV cache holds
+    a request; `plan_cost`: `plan_cost`'s; `rule_cost`: what the online rule prices with, this
+    engine's. The rule reasons in trace tokens (the driver divides the run's by the length scale)
+    and checks every `check_every` trace tokens. On this engine a step costs the same in any group,
+    so a shrink can only lengthen the rollout: the rule runs without its latency guard and, like
+    `planned`, shrinks when the objective's occupied rank-seconds say it pays. `max_response_len`:
+    the responses' cap (`train`'s); None for a replayed trace, whose batch's longest response
+    bounds its KV when there is no earlier epoch to learn a cap from. `max_batch`: the requests an
+    engine rank holds at once. `migrate`: whether the rule moves live requests."""
+
+    kind: PolicyKind
+    dims: ParallelDims
+    floor: int
+    tailguard: bool
+    budget: MemoryBudget
     shape: ModelShape
-    device: str
+    plan_cost: StepCost
+    rule_cost: EngineCost
+    check_every: int
+    max_batch: int
+    max_response_len: int | None = None
+    migrate: bool = True
 
     @classmethod
-    def build(cls, cfg: RolloutConfig, mcfg: MoEModelConfig, dims: ParallelDims, batch, history,
-              device: str | None = None) -> RolloutSetup:
-        """`mcfg`, `dims`: `model_config`'s; `device`: the config's resolved device where the caller
-        has it (`resolve_device`)."""
-        device = device or resolve_device(cfg.device)
-        # Every rank computes on that device; one GPU (or this host's RAM over the ranks on it)
-        # stands for each rank's budget.
-        budget = memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(device), dims.ranks_per_node,
+    def for_rollout(cls, cfg: RolloutConfig, mcfg: MoEModelConfig, dims: ParallelDims, device: str) -> RolloutPlanner:
+        """`flexfloor rollout`'s: `mcfg`, `dims` are `model_config`'s, `device` the config's resolved
+        device. Every rank computes on that device; one GPU (or this host's RAM over the ranks on
+        it) stands for each rank's budget."""
+        dtype_bytes, scale, kind = DTYPES[cfg.dtype].itemsize, cfg.batch.length_scale, policy_kind(cfg.policy)
+        budget = memory_budget(mcfg, dtype_bytes, torch.device(device), dims.ranks_per_node,
                                kv=KVUnit(cfg.kv, cfg.kv_page_size))
-        plan, shape = plan_rollout(batch, history, policy=cfg.policy, dims=dims, floor=cfg.floor,
-                                   tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
-                                   budget=budget, length_scale=cfg.batch.length_scale, device=device,
-                                   # A replayed response has its traced length: with no earlier epoch to
-                                   # learn a cap from, that is the bound on its KV (a one-epoch trace).
-                                   max_response_len=None if len(history) else max(r.response_len for r in batch))
-        if driver_process():
-            say_plan_notes(plan)
-        rule = online_rule(plan, batch, history, policy=cfg.policy, shape=shape, status_interval=cfg.status_interval,
-                           max_batch=cfg.max_batch_per_rank, length_scale=cfg.batch.length_scale, kv=budget.kv)
-        return cls(plan, rule, shape, device)
+        shape = mcfg.shape(dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
+        return cls(kind, dims, kind.floor(dims.world, cfg.floor), cfg.tailguard, budget, shape,
+                   plan_cost=plan_cost(shape, device, scale), rule_cost=engine_cost(scale),
+                   check_every=max(1, round(cfg.status_interval / scale)), max_batch=cfg.max_batch_per_rank)
+
+    def setup(self, batch, history, known_prefix: dict | None = None) -> RolloutSetup:
+        """The plan of one rollout of `batch` (its responses' `prompt_id`, `sample`, `prompt_len`;
+        a replayed trace's `response_len`) after `history`, and its online rule. `known_prefix`:
+        tokens so far of resumed responses (partial rollouts), by key."""
+        plan = self.plan(batch, history, known_prefix)
+        return RolloutSetup(plan, self.rule(plan, batch, history, known_prefix))
+
+    def plan(self, batch, history, known_prefix: dict | None = None) -> Plan:
+        """The policy's plan on the command's layout, its memory checks priced against the budget.
+        When a shrinking policy keeps every rank, the plan's meta says why (`say_plan_notes`)."""
+        W = self.dims.world
+        cap = self.max_response_len
+        if cap is None and not len(history):
+            cap = max(r.response_len for r in batch)
+        try:
+            # A plan that keeps every rank predicts no gain: `adaptive` then takes the vanilla path too (one
+            # stage, no online rule: no per-response status collective, no re-planning, no ladder's groups).
+            plan = self.kind.plan(batch, history, platform=Platform(self.dims, self.shape, self.plan_cost, self.budget),
+                                  choices=PlanChoices(self.floor, self.tailguard), max_response_len=cap,
+                                  known_prefix=known_prefix)
+        except PolicyError as e:
+            raise FlexFloorError(f"policy {self.kind.name}: {e}") from None
+        except PlanError as e:
+            raise FlexFloorError(f"planner: {e}") from None
+        if len(plan.stages) == 1 and self.floor < W and "kv_queued" not in plan.meta:
+            m, path = plan.meta, " (the vanilla path)" if self.kind.online else ""
+            m["every_rank_stays"] = (
+                f"{self.kind.name} floor {self.floor}: every rank stays{path}: "
+                f"of {m['chains_priced']} chains priced "
+                f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
+                f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
+                f"{m['predicted_rollout_s']:.3g} s, a shrink {self.plan_cost.shrink_s(1, W):.3g} s)")
+        return plan
+
+    def rule(self, plan: Plan, batch, history, known_prefix: dict | None = None) -> OnlineRule | None:
+        """The online rule of an `adaptive` plan, priced on this engine, or None for the other
+        policies and for a plan that keeps every rank (the vanilla path); `batch` in
+        `plan.assignments` order."""
+        config = RuleConfig(check_every=self.check_every, max_slowdown=None, max_batch=self.max_batch,
+                            kv=self.budget.kv)
+        rule = self.kind.rule(plan, batch, history, cost=self.rule_cost, shape=self.shape,
+                              options=OnlineOptions(migrate=self.migrate), config=config,
+                              max_response_len=self.max_response_len, known_prefix=known_prefix)
+        if rule is not None:
+            plan.meta["online"]["migrate"] = self.migrate
+        return rule
 
 
 def say_plan_notes(plan: Plan) -> None:
@@ -86,70 +162,3 @@ def say_plan_notes(plan: Plan) -> None:
     for key in ("floor_raised", "kv_queued", "every_rank_stays"):
         if key in plan.meta:
             print(f"[plan] {plan.meta[key]}", file=sys.stderr, flush=True)
-
-
-def plan_rollout(batch, history, *, policy: str, dims: ParallelDims, floor: int | None, tailguard: bool,
-                 mcfg: MoEModelConfig, dtype_bytes: int, budget: MemoryBudget,
-                 max_response_len: int | None = None, shrink_cost_s: float | None = None,
-                 length_scale: float = 1.0, device: str = "cpu",
-                 known_prefix: dict | None = None) -> tuple[Plan, ModelShape]:
-    """The plan of one rollout under `policy` on the command's layout `dims` (its ranks and the
-    backend's expert ownership, `megatron_rl.parallel.dims.parallel_dims`), its memory checks priced
-    against `budget` (`rollout/memory.py`); `max_response_len` bounds KV when history is empty. On
-    CPU, chains are priced on this CPU engine's measured step and shrink (`engine_cost`, the run
-    decoding `length_scale` of each trace length); on GPU on the shape's cost model; `shrink_cost_s`
-    instead prices a shrink at that fixed cost on the shape's model. When a shrinking policy keeps
-    every rank, stderr says why. `known_prefix`: tokens so far of resumed responses (partial
-    rollouts, `make_plan`'s). Returns the plan and the model's shape it was priced on."""
-    from elastic.planning.planner import PlanError
-    from elastic.planning.step_cost import ShapeCost
-
-    kind, W = policy_kind(policy), dims.world
-    floor = kind.floor(W, floor)
-    shape = mcfg.shape(dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
-    if shrink_cost_s is not None:
-        cost = ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
-    else:
-        cost = engine_cost(length_scale) if device == "cpu" else ShapeCost(shape)
-    try:
-        # A plan that keeps every rank predicts no gain: `adaptive` then takes the vanilla path too (one
-        # stage, no online rule: no per-response status collective, no re-planning, no ladder's groups).
-        plan = kind.plan(batch, history, platform=Platform(dims, shape, cost, budget),
-                         choices=PlanChoices(floor, tailguard), max_response_len=max_response_len,
-                         known_prefix=known_prefix)
-    except PolicyError as e:
-        raise FlexFloorError(f"policy {policy}: {e}") from None
-    except PlanError as e:
-        raise FlexFloorError(f"planner: {e}") from None
-    if len(plan.stages) == 1 and floor < W and "kv_queued" not in plan.meta:
-        m = plan.meta
-        m["every_rank_stays"] = (
-            f"{policy} floor {floor}: every rank stays{' (the vanilla path)' if kind.online else ''}: "
-            f"of {m['chains_priced']} chains priced "
-            f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
-            f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
-            f"{m['predicted_rollout_s']:.3g} s, a shrink {cost.shrink_s(1, W):.3g} s)")
-    return plan, shape
-
-
-def online_rule(plan: Plan, batch, history, *, policy: str, shape: ModelShape, status_interval: int,
-                max_batch: int, length_scale: float = 1.0, max_response_len: int | None = None,
-                migrate: bool = True, known_prefix: dict | None = None, kv: KVUnit = TOKENS):
-    """The online rule of an `adaptive` plan, priced on this engine (`engine_cost`), or None for
-    the other policies and for a plan that keeps every rank (`plan_rollout`: the vanilla path);
-    `batch` in `plan.assignments` order. It reasons in trace tokens: the driver divides the run's
-    by `length_scale`. On this engine a step costs the same in any group, so a shrink can only
-    lengthen the rollout: the rule runs without its latency guard and, like `planned`, shrinks
-    when the objective's occupied rank-seconds say it pays. `kv`: how the run's KV cache holds a
-    request (the memory budget's), what the rule checks its moves' receivers in."""
-    from elastic.planning.lengths.remaining import OnlineOptions
-
-    config = RuleConfig(check_every=max(1, round(status_interval / length_scale)), max_slowdown=None,
-                        max_batch=max_batch, kv=kv)
-    rule = policy_kind(policy).rule(plan, batch, history, cost=engine_cost(length_scale), shape=shape,
-                                    options=OnlineOptions(migrate=migrate), config=config,
-                                    max_response_len=max_response_len, known_prefix=known_prefix)
-    if rule is not None:
-        plan.meta["online"]["migrate"] = migrate
-    return rule
-

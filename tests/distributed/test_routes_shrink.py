@@ -33,7 +33,7 @@ def _measure(policy, trainer):
     from test_train_migration import _capture
 
     if policy == "natural":
-        trainer.rollout.plan = _shrinking(trainer.rollout.plan)
+        trainer.rollout.planner.plan = _shrinking(trainer.rollout.planner.plan)
     rollouts = _capture(trainer.rollout)
     m = trainer_step(trainer, 1)
     return {"routes": [r.routes.tolist() for r in rollouts[0].responses], "final_stage": m["final_stage"],

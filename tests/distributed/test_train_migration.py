@@ -48,8 +48,8 @@ class _Moving:
 
 
 def _moving(real, rules: list):
-    def make(*args):
-        rules.append(_Moving(real(*args)))
+    def make(*args, **kwargs):
+        rules.append(_Moving(real(*args, **kwargs)))
         return rules[-1]
     return make
 
@@ -65,8 +65,9 @@ def _measure(policy, trainer):
     rules: list[_Moving] = []
     routes = _capture(trainer.rollout)
     if policy == "adaptive":
-        trainer.rollout.plan = laddered(trainer.rollout.plan)
-        trainer.rollout._online_rule = _moving(trainer.rollout._online_rule, rules)
+        planner = trainer.rollout.planner
+        planner.plan = laddered(planner.plan)
+        planner.rule = _moving(planner.rule, rules)
     m = trainer_step(trainer, 1)
     return {"steps": [{k: m[k] for k in ("reward_mean", "loss", "grad_norm", "response_len_mean")}],
             "weights": weights(trainer), "moves": sum(r.moves for r in rules),

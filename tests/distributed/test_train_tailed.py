@@ -16,7 +16,7 @@ STEPS = 2
 
 def _measure(policy, trainer):
     if policy == "adaptive":  # a random policy's lengths carry no per-prompt signal: the
-        trainer.rollout.plan = laddered(trainer.rollout.plan)  # offline plan would keep every rank
+        trainer.rollout.planner.plan = laddered(trainer.rollout.planner.plan)  # offline plan would keep every rank
     steps = []
     for step in range(1, STEPS + 1):
         m = trainer_step(trainer, step)

@@ -125,19 +125,27 @@ def test_block_shrinks_move_more_experts_than_the_fewest_moves_shrink():
 
 
 def test_runtime_refuses_plans_megatron_cannot_hold(trace):
+    from elastic.planning.policies import policy_kind
     from megatron_rl.models import MoEModelConfig
+    from megatron_rl.rollout.engine_cost import engine_cost
     from megatron_rl.rollout.megatron_elastic_engine import check_plan
     from megatron_rl.rollout.memory import memory_budget
-    from megatron_rl.rollout.rollout_plan import plan_rollout
+    from megatron_rl.rollout.rollout_plan import RolloutPlanner, plan_cost
 
     ep = trace.epochs[-1]
     mcfg = MoEModelConfig(num_moe_experts=12)
-    kw = dict(policy="planned", floor=1, tailguard=False, mcfg=mcfg, dtype_bytes=4,
-              max_response_len=4096, budget=memory_budget(mcfg, 4, torch.device("cpu"), 6))
-    plan, _ = plan_rollout(trace.epoch(ep), trace.before(ep), dims=ParallelDims(6, 12, "blocks"), **kw)
-    check_plan(plan)
-    _assert_blocks(plan)
-    balanced, _ = plan_rollout(trace.epoch(ep), trace.before(ep), dims=ParallelDims(6, 12), **kw)
+    budget = memory_budget(mcfg, 4, torch.device("cpu"), 6)
+    shape = mcfg.shape(4, budget, ranks_per_node=6)
+
+    def plan(dims):
+        planner = RolloutPlanner(policy_kind("planned"), dims, 1, False, budget, shape, plan_cost(shape, "cpu"),
+                                 engine_cost(), check_every=1, max_batch=64, max_response_len=4096)
+        return planner.plan(trace.epoch(ep), trace.before(ep))
+
+    plan_blocks = plan(ParallelDims(6, 12, "blocks"))
+    check_plan(plan_blocks)
+    _assert_blocks(plan_blocks)
+    balanced = plan(ParallelDims(6, 12))
     with pytest.raises(FlexFloorError, match="expected a plan owning experts in megatron-core's contiguous blocks"):
         check_plan(balanced)
     balanced.ownership = "blocks"

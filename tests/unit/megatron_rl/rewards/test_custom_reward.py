@@ -65,10 +65,9 @@ def test_same_rewards_through_a_scoring_lease(reward_cfg):
     prompts = [Prompt("a", "1+1=", "2", data_source="s"), Prompt("b", "2+2=", "4", data_source="s")]
     finished = [Request("a", 0, [], 4, tokens=tok.encode("2")[1:]), Request("b", 0, [], 4, tokens=tok.encode("5")[1:]),
                 Request("b", 1, [], 4, tokens=tok.encode("4")[1:])]
-    leases = TrainingLeases(TrainerConfig(reward=reward_cfg, ranks=2), tok, 0, 1)
-    leases.pool(finished, prompts, fault_here=False)
+    leases = TrainingLeases(TrainerConfig(reward=reward_cfg, ranks=2), tok, 0, 1).rollout(finished, prompts, False)
     leases.rewards.run(lambda: False)
-    verdicts = leases.outcomes()
+    verdicts = leases.outcome().scored
     assert all(isinstance(v, Verdict) for v in verdicts.values())
     phase = Scorer(reward_cfg)
     direct = [phase(tok.decode(r.tokens), {"a": "2", "b": "4"}[r.prompt_id], "s") for r in finished]

@@ -17,7 +17,7 @@ def _two_steps(ctx, cfg, out_dir):
     for step in (1, 2):
         batch = trainer.iterator.next_batch()
         result = trainer.rollout.run(step, [trainer.data[i] for i in batch.indices], trainer.history)
-        reports.append(result.ledger["engine"])
+        reports.append(result.figures.ledger["engine"])
         engines.append(id(trainer.rollout.engine))
         assert len(result.responses) == cfg.prompts_per_step * cfg.grpo.group_size
     return {"reports": reports, "same_engine": engines[0] == engines[1], "builds": trainer.rollout.builds}
