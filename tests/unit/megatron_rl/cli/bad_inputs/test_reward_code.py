@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from megatron_rl.cli import main
 from megatron_rl.rewards import RewardConfig, RewardErrors, Scorer, check_error_share
 from megatron_rl.user_code.pool import close_shared_pools
+from tests.helpers.cli import cli
 from tests.process_tree import live_children
 from tests.tiny_train import tiny_train_config
 
@@ -196,7 +196,7 @@ def test_scoring_leases_use_the_same_workers(tmp_path):
     assert _pid(phase) == _pid(leases.scorer)
 
 
-def test_a_step_with_too_many_errors_stops_before_its_update(tmp_path, capfd):
+def test_a_step_with_too_many_errors_stops_before_its_update(tmp_path):
     """Step 1 scores; from step 2 every call raises SystemExit(0): the run stops in one line naming
     step 2 (exit status 2, not the 0 a `sys.exit` in user code used to give), before step 2's update,
     and `latest` stays step 1."""
@@ -215,10 +215,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
     cfg = _train_cfg(tmp_path, reward, checkpoint={"every": 1, "export_hf": False}, steps=3)
     out = tmp_path / "out"
-    rc = main(["train", "--config", cfg, "--out", str(out), "logging.wandb_mode=disabled"])
-    err = capfd.readouterr().err  # the ranks' lines too
+    # A process of its own: ranks a forkserver starts write to the stderr it was started with, which
+    # in this test process may be an earlier test's capture.
+    proc = cli("train", "--config", cfg, "--out", out, "logging.wandb_mode=disabled")
+    err = proc.stderr  # the ranks' lines too
     lines = [line for line in err.strip().splitlines() if not line.startswith("[")]
-    assert rc == 2 and len(lines) == 1, err[-3000:]
+    assert proc.returncode == 2 and len(lines) == 1, err[-3000:]
     assert "step 2: 16 of 16 responses scored error" in lines[0] and "above reward.max_error_share 0.5" in lines[0]
     assert err.count("compute_score: SystemExit: 0 (counted as reward/outcomes/error") == 2  # once a rank
     assert (out / "checkpoints" / "latest").read_text() == "step_000001"
