@@ -65,8 +65,7 @@ def _rank_main(ctx: ParallelContext, job: RolloutJob, quiet: bool):
     mine = [replace(r, tokens=[]) for r, a in zip(job.requests, plan.assignments) if a.rank == rank]
     max_len = max([len(r.prompt) + r.max_new_tokens for r in job.requests] + [1])
     # After the weights: the KV cache takes what the device has left (all of max_batch_per_rank on CPU).
-    engine = rank_engine(model, cfg.sampling, max_batch=cfg.max_batch_per_rank, max_len=max_len, kv=cfg.kv,
-                         page_size=cfg.kv_page_size, kv_reserve=cfg.kv_reserve, kv_pages=cfg.kv_pages,
+    engine = rank_engine(model, cfg.sampling, cfg.kv_kind, max_batch=cfg.max_batch_per_rank, max_len=max_len,
                          memory_fraction=cfg.kv_memory_fraction)
     engine.add(mine)
     spec = RankRollout(plan, rank, ctx.world, ctx.store, backend=moe, transport=cfg.transport,
@@ -158,7 +157,7 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None =
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
     # What the paged KV cache admits each response by: its length as the planner reserves it.
-    reserved = reserved_lengths(batch, history, tailguard=cfg.tailguard) if cfg.kv == "paged" else None
+    reserved = reserved_lengths(batch, history, tailguard=cfg.tailguard) if cfg.kv_kind.predicts else None
     setup = RolloutSetup.build(cfg, mcfg, dims, batch, history, device)
     plan = setup.plan
     backend(cfg.backend).check_plan(plan)

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic.planning.kv_unit import KVUnit
 from elastic.timeline import Timeline
 from elastic.trace import Trace, TraceRecord
 from megatron_rl.data.prompts import Prompt
@@ -131,7 +130,7 @@ class RolloutPhase:
         weight = self.model.embedding.word_embeddings.weight
         budget = memory_budget(self.cfg.model, weight.element_size(), weight.device,
                                self.dims.ranks_per_node, resident_bytes, record_routes=True,
-                               kv=KVUnit(self.cfg.generation.kv, self.cfg.generation.kv_page_size))
+                               kv=self.cfg.generation.kv_kind.unit)
         if self.world > 1:
             worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64,
                                  device=weight.device)
@@ -234,9 +233,8 @@ class RolloutPhase:
         rounded up to a multiple of 64, so prompts of a few tokens more do not rebuild it."""
         cfg = self.cfg
         if self.engine is None or self.engine.cache.max_len < max_len:
-            self.engine = rank_engine(self.model, sampling, max_batch=cfg.generation.max_batch_per_rank,
-                                      max_len=-(-max_len // 64) * 64, kv=cfg.generation.kv,
-                                      page_size=cfg.generation.kv_page_size, kv_reserve=cfg.generation.kv_reserve,
+            self.engine = rank_engine(self.model, sampling, cfg.generation.kv_kind,
+                                      max_batch=cfg.generation.max_batch_per_rank, max_len=-(-max_len // 64) * 64,
                                       engine_cls=RecordingEngine, eos_id=self.tok.eos_id,
                                       temperature=cfg.generation.temperature)
             self.builds += 1

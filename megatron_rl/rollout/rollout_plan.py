@@ -62,7 +62,7 @@ class RolloutSetup:
         # Every rank computes on that device; one GPU (or this host's RAM over the ranks on it)
         # stands for each rank's budget.
         budget = memory_budget(mcfg, DTYPES[cfg.dtype].itemsize, torch.device(device), dims.ranks_per_node,
-                               kv=KVUnit(cfg.kv, cfg.kv_page_size))
+                               kv=cfg.kv_kind.unit)
         plan, shape = plan_rollout(batch, history, policy=cfg.policy, dims=dims, floor=cfg.floor,
                                    tailguard=cfg.tailguard, mcfg=mcfg, dtype_bytes=DTYPES[cfg.dtype].itemsize,
                                    budget=budget, length_scale=cfg.batch.length_scale, device=device,
