@@ -170,7 +170,7 @@ class DecodeRunner:
         """The lazily made tensors a graph reads: the RoPE tables, the routers' fp32 copies."""
         cfg = self.model.config
         held = list(rope_tables(cfg.kv_channels, cfg.rotary_base, self.model.dtype, self.cache.max_len, self.device))
-        return held + [m.router._fp32 for m in self._moe_layers() if getattr(m.router, "_fp32", None) is not None]
+        return held + [m.router._fp32 for m in self._moe_layers() if m.router._fp32 is not None]
 
     def _key(self) -> tuple:
         layers = tuple((id(m), id(m.dispatcher), m.experts.generation) for m in self._moe_layers())
