@@ -11,12 +11,11 @@ says what runs, a `Prefill` or a `Decode`; `execute` runs its forward (the cache
 kv/batch.py, through the attention, kv/attention.py) and samples, returning the chosen tokens
 (`StepOutput`); `update` appends them and retires the finished requests.
 
-A request ends at its `fixed_len` when set (trace replay: ignore EOS, stop at the traced length),
-else at EOS or `max_new_tokens`.
+What a request is, and when it ends, is request.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,38 +26,9 @@ from megatron_rl.rollout.kv.attention import Attention, KVForward, decode_kernel
 from megatron_rl.rollout.kv.batch import DecodeBatch, PrefillBatch
 from megatron_rl.rollout.kv.cache import KVLayout
 from megatron_rl.rollout.kv.kind import SLOTS, KVKind
+from megatron_rl.rollout.request import Request
 from megatron_rl.rollout.sampling import SamplingParams, choose_tokens, draws
 from megatron_rl.rollout.scheduler import Decode, Prefill, Scheduler
-
-
-@dataclass
-class Request:
-    prompt_id: str
-    sample: int
-    prompt: list[int]
-    max_new_tokens: int
-    fixed_len: int | None = None
-    tokens: list[int] = field(default_factory=list)
-    slot: int = -1
-    # The planner's predicted response length (paged KV admission); None: the cap (fixed_len or max_new_tokens).
-    predicted_len: int | None = None
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.prompt_id, self.sample)
-
-    def done(self, eos_id: int | None) -> bool:
-        if self.fixed_len is not None:
-            return len(self.tokens) >= self.fixed_len
-        if eos_id is not None and self.tokens and self.tokens[-1] == eos_id:
-            return True
-        return len(self.tokens) >= self.max_new_tokens
-
-    def predicted_positions(self) -> int:
-        """KV positions it is expected to end with: prompt + predicted response, at least what it holds."""
-        cap = self.fixed_len if self.fixed_len is not None else self.max_new_tokens
-        want = cap if self.predicted_len is None else min(cap, self.predicted_len)
-        return len(self.prompt) + max(len(self.tokens) + 1, want)
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,8 @@ A prefill comes first whenever a request is admissible.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the engine's request type; engine.py imports this module
-    from megatron_rl.rollout.engine import Request
+from megatron_rl.rollout.request import Request
 
 
 @dataclass(frozen=True)
