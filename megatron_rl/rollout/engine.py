@@ -179,7 +179,9 @@ class RolloutEngine:
                     self.cache.fork(admit[rows[u]].slot, admit[b].slot)
                     self._forked(admit[rows[u]].slot, admit[b].slot, lens[b])
             logits_BV = logits_BV[to_device(torch.tensor(work.src), self.device)]
-        return self._sample(admit, logits_BV, dev[:, S + 1], dev[:, S + 2])
+        # Each row's draw: its slot's row at its count of tokens (sampling only).
+        u_B = None if self._draws is None else self._draws[dev[:, S + 1], dev[:, S + 2]]
+        return self._sample(admit, logits_BV, u_B)
 
     def _decode(self, work: Decode) -> StepOutput:
         batch = work.requests
@@ -189,13 +191,13 @@ class RolloutEngine:
                                      [len(r.tokens) for r in batch])
         for s in slots:
             lengths[s] += 1
-        inputs = self.runner.inputs
-        return self._sample(batch, logits_BV, inputs[: len(batch), 1], inputs[: len(batch), 3])
+        inputs, B = self.runner.inputs, len(batch)
+        u_B = None if self._draws is None else self._draws[inputs[:B, 1], inputs[:B, 3]]  # as in `_prefill`
+        return self._sample(batch, logits_BV, u_B)
 
-    def _sample(self, batch: list[Request], logits_BV: torch.Tensor, slot_B: torch.Tensor,
-                ntok_B: torch.Tensor) -> StepOutput:
-        """Each row's token: its draw is its slot's row (`slot_B`) at its count of tokens (`ntok_B`)."""
-        toks_B = choose_tokens(logits_BV, self.sampling, None if self._draws is None else self._draws[slot_B, ntok_B])
+    def _sample(self, batch: list[Request], logits_BV: torch.Tensor, u_B: torch.Tensor | None) -> StepOutput:
+        """Each row's token (`u_B`: its uniform draw, None when greedy), read back with what rides along."""
+        toks_B = choose_tokens(logits_BV, self.sampling, u_B)
         rides_R = self._rides_with_tokens(logits_BV, toks_B)
         # The step's one read of device data: the tokens, what a subclass records of them, and the
         # misrouted count, in one copy.
