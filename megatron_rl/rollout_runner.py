@@ -78,8 +78,7 @@ def _engine(job: RolloutJob, model) -> RolloutEngine:
     max_batch_per_rank on CPU) for the longest request's positions."""
     cfg = job.cfg
     max_len = max([len(r.prompt) + r.max_new_tokens for r in job.requests] + [1])
-    return rank_engine(model, cfg.sampling, max_batch=cfg.max_batch_per_rank, max_len=max_len, kv=cfg.kv,
-                       page_size=cfg.kv_page_size, kv_reserve=cfg.kv_reserve, kv_pages=cfg.kv_pages,
+    return rank_engine(model, cfg.sampling, cfg.kv_kind, max_batch=cfg.max_batch_per_rank, max_len=max_len,
                        memory_fraction=cfg.kv_memory_fraction)
 
 
@@ -160,7 +159,7 @@ def prepare(cfg: RolloutConfig, out_dir: str | None = None, device: str | None =
     trace = load_trace(cfg.batch, cfg.seed)
     batch, history = select_epoch(trace, cfg.batch.epoch)
     # What the paged KV cache admits each response by: its length as the planner reserves it.
-    reserved = reserved_lengths(batch, history, tailguard=cfg.tailguard) if cfg.kv == "paged" else None
+    reserved = reserved_lengths(batch, history, tailguard=cfg.tailguard) if cfg.kv_kind.predicts else None
     setup = RolloutPlanner.for_rollout(cfg, mcfg, dims, device or resolve_device(cfg.device)).setup(batch, history)
     plan = setup.plan
     if driver_process():

@@ -27,8 +27,8 @@ from megatron_rl.parallel.device import DeviceChoice
 from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rewards import RewardConfig
+from megatron_rl.rollout.kv.kind import KV_CACHES, kv_kind
 from megatron_rl.rollout.lease_jobs import LeaseConfig
-from megatron_rl.rollout.paged_kv import require_kv
 
 
 @dataclass
@@ -99,14 +99,15 @@ class GenerationConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_batch_per_rank: int = 64
-    # The KV cache: `slots` or `paged` (rollout/paged_kv.py; pages of kv_page_size positions,
-    # GRPO group prefix sharing, kv_reserve of the pages kept free at admission).
-    kv: Literal["slots", "paged"] = "paged"
+    # The KV cache: `slots` or `paged` (rollout/kv/; pages of kv_page_size positions, GRPO group
+    # prefix sharing, kv_reserve of the pages kept free at admission).
+    kv: Literal[KV_CACHES] = "paged"
     kv_page_size: int = 16
     kv_reserve: float = 0.1
 
     def __post_init__(self):
-        require_kv(self.kv, self.kv_page_size, self.kv_reserve, "generation.")
+        # The KV kind, decided once here (not a field) and handed down: rollout/kv/kind.py.
+        self.kv_kind = kv_kind(self.kv, self.kv_page_size, None, self.kv_reserve, "generation.")
         require(self.max_response_len > 0, "generation.max_response_len: expected > 0")
         require(self.temperature > 0, f"generation.temperature: expected > 0, got {self.temperature}")
         require(0 < self.top_p <= 1, f"generation.top_p: expected in (0, 1], got {self.top_p}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rl.rollout.paged_kv import KV_KINDS  # noqa: E402
+from megatron_rl.rollout.kv.kind import KV_CACHES, kv_kind  # noqa: E402
 from tools.tool_args import add_decode_args, add_model_args  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")  # torch dtype names
@@ -52,7 +52,7 @@ def ours_generate(model, prompts, new_tokens, kv="slots"):
     from megatron_rl.rollout.sampling import SamplingParams
 
     eng = RolloutEngine(model, SamplingParams(greedy=True), max_batch=len(prompts),
-                        max_len=len(prompts[0]) + new_tokens, kv=kv)
+                        max_len=len(prompts[0]) + new_tokens, kv=kv_kind(kv))
     eng.add([Request(f"p{i}", 0, p, max_new_tokens=new_tokens, fixed_len=new_tokens)
              for i, p in enumerate(prompts)])
     while eng.has_work():
@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda (both engines on it)")
     p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--kv", default="slots", choices=KV_KINDS, help="our engine's KV cache (rollout/paged_kv.py)")
+    p.add_argument("--kv", default="slots", choices=KV_CACHES, help="our engine's KV cache (rollout/kv/)")
     return p
 
 

@@ -7,7 +7,7 @@
 
 Check (c) of tools/gpu_check.sh. Three engines on the same random weights (an HF
 `Qwen3MoeForCausalLM` built on the device, converted in memory to ours), the same prompts, greedy,
-exactly `--new-tokens` new tokens: ours eager (`cuda_graphs=False`), ours graphed (CUDA graphs per
+exactly `--new-tokens` new tokens: ours eager (`DecodeOptions(graphs=False)`), ours graphed (CUDA graphs per
 batch bucket, captured at construction) and HF `generate`. Two models: `small` (check (a)'s: 4
 layers, hidden 512, 64 experts top-8) and `30b-slice` (Qwen3-30B-A3B's shapes: hidden 2048, 128
 experts top-8, moe_ffn 768, 32 query / 4 KV heads of 128, vocab 151936; 4 layers), where reading
@@ -93,10 +93,12 @@ class Ours:
     """One engine reused across runs (its graphs are captured once, at construction)."""
 
     def __init__(self, model, batch: int, max_len: int, graphs: bool):
+        from megatron_rl.rollout.decode_step import DecodeOptions
         from megatron_rl.rollout.engine import RolloutEngine
         from megatron_rl.rollout.sampling import SamplingParams
 
-        self.engine = RolloutEngine(model, SamplingParams(greedy=True), batch, max_len, cuda_graphs=graphs)
+        self.engine = RolloutEngine(model, SamplingParams(greedy=True), batch, max_len,
+                                    decode=DecodeOptions(graphs=graphs))
         self.engine.capture_graphs()
 
     def add(self, prompts, new_tokens: int) -> None:

@@ -71,19 +71,20 @@ def run(model, reqs, max_len: int, args, kv: str) -> dict:
     from dataclasses import replace
 
     from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.kv.kind import PagedKV
     from megatron_rl.rollout.sampling import SamplingParams
 
     if kv == "slots":
         engine = RolloutEngine(model, SamplingParams(), args.budget_slots, max_len)
     else:  # the same bytes in pages (the slot cache's scratch slot aside), a handle per request
         pages = args.budget_slots * math.ceil(max_len / args.page_size)
-        engine = RolloutEngine(model, SamplingParams(), len(reqs), max_len, kv="paged", kv_pages=pages,
-                               page_size=args.page_size, kv_reserve=args.reserve)
+        engine = RolloutEngine(model, SamplingParams(), len(reqs), max_len,
+                               kv=PagedKV(page_size=args.page_size, pages=pages, reserve=args.reserve))
     engine.add([replace(r, tokens=[]) for r in reqs])
     peak = steps = decode_tokens = 0
     decode_s = 0.0
     while engine.has_work():
-        decoding = not (engine.pending and engine._admissible())
+        decoding = not (engine.pending and engine.scheduler.admissible())
         t0 = time.perf_counter()
         n = engine.step()
         if decoding:

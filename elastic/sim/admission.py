@@ -4,7 +4,7 @@ a cap on the requests a rank decodes at once.
 The simulator's default (`tokens`) starts every request of a rank at the prefill and prices its KV
 at its real tokens: the planner's KV-safe placement already keeps their sum within the rank's budget
 (docs/planner.md). A real engine holds the KV in a cache of a fixed size and admits a request only
-when its share fits (megatron_rl/rollout/kv_cache.py, paged_kv.py):
+when its share fits (megatron_rl/rollout/kv/slots.py, paged.py):
 - `slots`: every request holds a slot of the longest sequence, `kv_unit.slot_len` positions, whatever its
   length; a rank runs `budget // slot_len` requests at once.
 - `paged`: a request holds pages of `page_size` positions for its real length (prompt + response,
@@ -12,7 +12,7 @@ when its share fits (megatron_rl/rollout/kv_cache.py, paged_kv.py):
   and preempts when a prediction falls short; the simulator reserves the true length, so no
   request is ever preempted here. The samples of one GRPO group that a rank admits at the same
   step share their prompt's full pages, as the engine's prefill does (engine.py `_prefill`,
-  paged_kv.py `fork`): the first holds all its pages, each other only its pages beyond the shared
+  paged.py `fork`): the first holds all its pages, each other only its pages beyond the shared
   ones, and the shared pages return to the budget when the last of those sharers ends (the
   engine's refcounted pages). A sample admitted at a later step than its group's first shares
   nothing: it prefills its own pages. The groups are `kv_unit.share_groups`.

@@ -34,7 +34,7 @@ import numpy as np
 
 from elastic.ledger import Ledger
 from elastic.planning.busiest import busiest_load
-from elastic.planning.memory.kv_unit import KV_KINDS, KVUnit, share_groups, slot_len
+from elastic.planning.memory.kv_unit import KV_KINDS, KVUnit, kv_unit, share_groups, slot_len
 from elastic.planning.online.rule import OnlineRule
 from elastic.planning.plan import Plan
 from elastic.planning.shape import ModelShape
@@ -83,7 +83,7 @@ class SimConfig:
     @property
     def unit(self) -> KVUnit:
         """How a request holds KV positions: what admission, the plan and every move are checked in."""
-        return KVUnit(self.kv, self.kv_page_size)
+        return kv_unit(self.kv, self.kv_page_size)
 
     @property
     def admits(self) -> bool:

@@ -27,6 +27,7 @@ the step's tokens and raises then (`check_routing`).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 import torch
@@ -73,6 +74,36 @@ class Expert(nn.Module):
 
 
 
+@dataclass
+class StackedExperts:
+    """A bank's held expert weights stacked for `_grouped_mm` (`ExpertBank.stacked`), and the
+    indices its grouping reads; built for one set of held modules on one device (`of`)."""
+
+    of: tuple  # the device and the held expert modules it was built from
+    params: list[torch.Tensor]  # the fc1 weights, then the fc2 weights, in `held()` order
+    fc1_E2FD: torch.Tensor  # the copies, written in place by `refresh`
+    fc2_EDF: torch.Tensor
+    local_E: torch.Tensor  # global expert (and the null expert) -> local group
+    group_ids: torch.Tensor  # 0..n: the n held experts' groups and the null rows'
+    version: int = -1  # the params' version sum the copies hold
+    # fc1 as [E, D, 2F] and fc2 as [E, F, D]: transposed views of the copies, what `_grouped_mm` takes.
+    views: tuple[torch.Tensor, torch.Tensor] = field(init=False)
+
+    def __post_init__(self):
+        self.views = (self.fc1_E2FD.transpose(1, 2), self.fc2_EDF.transpose(1, 2))
+
+    def refresh(self) -> None:
+        """Copy the params in again if any was written since (their version counters only grow)."""
+        version = sum(w._version for w in self.params)
+        if self.version != version:
+            n = len(self.params) // 2
+            with torch.no_grad():
+                if n:
+                    torch.stack(self.params[:n], out=self.fc1_E2FD)
+                    torch.stack(self.params[n:], out=self.fc2_EDF)
+            self.version = version
+
+
 class ExpertBank(nn.Module):
     """The experts one rank holds, by global index."""
 
@@ -86,6 +117,7 @@ class ExpertBank(nn.Module):
         # Rows that reached this rank for an expert it does not hold (the null expert's are expected).
         self.register_buffer("misrouted", torch.zeros(1, dtype=torch.long), persistent=False)
         self.generation = 0
+        self._stacked: StackedExperts | None = None  # built by the first `stacked()` of a rollout
 
     def held(self) -> list[int]:
         return sorted(int(k) for k in self.local_experts.keys())
@@ -106,11 +138,12 @@ class ExpertBank(nn.Module):
     def drop(self, e: int) -> None:
         del self.local_experts[str(e)]
         # The stacked copy refers to the dropped weights: forget it, or their memory stays held.
-        self._stacked_of = self._stacked_params = self._stacked = None
+        self._stacked = None
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The held experts' weights stacked in `held()` order, laid out for `_grouped_mm`:
-        fc1 as [E, D, 2F] and fc2 as [E, F, D] (transposed views of [E, 2F, D] / [E, D, F]).
+    def stacked(self) -> StackedExperts:
+        """The held experts' weights stacked in `held()` order, laid out for `_grouped_mm`
+        (`StackedExperts.views`: fc1 as [E, D, 2F] and fc2 as [E, F, D], transposed views of
+        [E, 2F, D] / [E, D, F]).
 
         A copy of the parameters (they stay the truth for training, checkpoints and expert moves).
         Rebuilt, as new tensors, when the held modules change (`generation` counts those rebuilds:
@@ -123,10 +156,9 @@ class ExpertBank(nn.Module):
         while a rollout runs.
         """
         modules = (self.device, *self.local_experts._modules.values())
-        if getattr(self, "_stacked_of", None) != modules:
-            self._stacked_of = modules
+        if self._stacked is None or self._stacked.of != modules:
             held = [self.get(e) for e in self.held()]
-            self._stacked_params = [ex.linear_fc1.weight for ex in held] + [ex.linear_fc2.weight for ex in held]
+            params = [ex.linear_fc1.weight for ex in held] + [ex.linear_fc2.weight for ex in held]
             n, dev = len(held), self.device
             # Normal tensors even when built inside a rollout's inference mode: a later refresh
             # may run under plain no_grad (log-prob recomputation), which may not write inference tensors.
@@ -138,19 +170,10 @@ class ExpertBank(nn.Module):
                 local_E = torch.full((self.num_experts + 1,), n + 1, dtype=torch.long)
                 local_E[self.held()] = torch.arange(n)
                 local_E[self.num_experts] = n
-            self._local_E, self._group_ids = local_E.to(dev), torch.arange(n + 1, device=dev)
-            self._stacked = (fc1_E2FD.transpose(1, 2), fc2_EDF.transpose(1, 2))
-            self._buffers_EE = (fc1_E2FD, fc2_EDF)
-            self._stacked_version = -1
+            self._stacked = StackedExperts(modules, params, fc1_E2FD, fc2_EDF, local_E.to(dev),
+                                           torch.arange(n + 1, device=dev))
             self.generation += 1
-        version = sum(w._version for w in self._stacked_params)
-        if self._stacked_version != version:
-            n = len(self._stacked_params) // 2
-            with torch.no_grad():
-                if n:
-                    torch.stack(self._stacked_params[:n], out=self._buffers_EE[0])
-                    torch.stack(self._stacked_params[n:], out=self._buffers_EE[1])
-            self._stacked_version = version
+        self._stacked.refresh()
         return self._stacked
 
     @property
@@ -169,15 +192,16 @@ class ExpertBank(nn.Module):
         """
         if x_TD.shape[0] == 0:
             return torch.empty_like(x_TD)
-        fc1_ED2F, fc2_EFD = self.stacked()
+        stacked = self.stacked()
+        fc1_ED2F, fc2_EFD = stacked.views
         n = fc1_ED2F.shape[0]
         T = x_TD.shape[0]
         # Sorted by local group: the n held experts', then the null rows (n), then the misrouted
         # rows (n + 1); the groups' ends come from the sorted keys on the device. A bank holding
         # every expert has local = global index and no misrouted rows: no lookup, no count.
         full = n == self.num_experts
-        local_T, order_T = torch.sort(expert_T if full else self._local_E[expert_T], stable=True)
-        end_G = torch.searchsorted(local_T, self._group_ids, right=True, out_int32=True)
+        local_T, order_T = torch.sort(expert_T if full else stacked.local_E[expert_T], stable=True)
+        end_G = torch.searchsorted(local_T, stacked.group_ids, right=True, out_int32=True)
         if not full:
             self.misrouted.add_(T - end_G[n])
         x_TD = x_TD.index_select(0, order_T)
@@ -240,6 +264,8 @@ class TorchRouter(nn.Module):
         self.pre_softmax = config.moe_router_pre_softmax
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size, dtype=dtype))
         self.tap = None  # a `models.routes.RouteTap` once a rollout records or training replays
+        self._fp32: torch.Tensor | None = None  # the kept fp32 copy (`weight_fp32`), made by its first call
+        self._fp32_version: int | None = None  # the weight's version the copy holds
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The gating product itself in fp32 (inputs and weight upcast), as megatron-core's router
@@ -265,7 +291,7 @@ class TorchRouter(nn.Module):
         if torch.is_grad_enabled():
             return self.weight.float()
         w = self.weight
-        kept = getattr(self, "_fp32", None)
+        kept = self._fp32
         if kept is None or kept.device != w.device:
             with torch.inference_mode(False), torch.no_grad():
                 kept = self._fp32 = torch.empty(w.shape, dtype=torch.float32, device=w.device)

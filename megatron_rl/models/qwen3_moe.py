@@ -9,8 +9,9 @@ each head's q and k (Megatron `qk_layernorm`) and rotate-half RoPE; an MoE block
 group's H/G query heads, then its key head, then its value head.
 
 Two ways in: `forward(input_ids)` (full causal pass, for training and oracles) and
-`forward(input_ids, positions=..., cache=..., token_mask=...)` for the rollout engine, whose KV cache
-implements `KVCacheLike` (it stores the keys and runs the attention over each sequence's own length).
+`forward(input_ids, positions=..., kv=..., token_mask=...)` for the rollout engine, whose `kv` is one
+forward through its KV cache (`KVForwardLike`: rollout/kv/attention.py's `KVForward`; it stores the keys
+and runs the attention over each sequence's own length).
 `token_mask` marks real (non-padding) tokens: only those reach an expert.
 """
 from __future__ import annotations
@@ -30,7 +31,9 @@ from megatron_rl.models.moe import MoELayer, widens
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-class KVCacheLike(Protocol):
+class KVForwardLike(Protocol):
+    """One forward through a KV cache."""
+
     max_len: int  # positions per sequence: the RoPE table covers them all, built once
 
     def attend(self, layer: int, q_BHSC: torch.Tensor, k_BGSC: torch.Tensor,
@@ -105,7 +108,7 @@ class SelfAttention(nn.Module):
         self.k_layernorm = RMSNorm(c, config.layernorm_epsilon, dtype)
         self.linear_proj = nn.Linear(config.num_attention_heads * c, config.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x_BSD, cos_BS11C, sin_BS11C, cache: KVCacheLike | None):
+    def forward(self, x_BSD, cos_BS11C, sin_BS11C, kv: KVForwardLike | None):
         cfg = self.cfg
         B, S, _ = x_BSD.shape
         c, g, hpg = cfg.kv_channels, cfg.num_query_groups, cfg.heads_per_group
@@ -120,12 +123,12 @@ class SelfAttention(nn.Module):
         q_BHSC = qk_BSGNC[:, :, :, :hpg].reshape(B, S, g * hpg, c).transpose(1, 2)
         k_BGSC = qk_BSGNC[:, :, :, hpg].transpose(1, 2)
         v_BGSC = qkv_BSGNC[:, :, :, hpg + 1].transpose(1, 2)
-        if cache is None:
+        if kv is None:
             # GQA: query head h reads KV group h // (H/G), as HF's repeat_kv lays them out
             # (`enable_gqa`). The CPU kernel accumulates the softmax in fp32 for half types, as HF does.
             out_BHSC = F.scaled_dot_product_attention(q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=True)
         else:
-            out_BHSC = cache.attend(self.layer, q_BHSC, k_BGSC, v_BGSC)
+            out_BHSC = kv.attend(self.layer, q_BHSC, k_BGSC, v_BGSC)
         out_BSHC = out_BHSC.transpose(1, 2)
         return F.linear(out_BSHC.reshape(B, S, -1), self.linear_proj.weight)
 
@@ -138,8 +141,8 @@ class DecoderLayer(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon, dtype)
         self.mlp = MoELayer(config, experts, dtype)
 
-    def forward(self, x_BSD, cos, sin, cache, token_mask_BS):
-        x_BSD = x_BSD + self.self_attention(self.input_layernorm(x_BSD), cos, sin, cache)
+    def forward(self, x_BSD, cos, sin, kv, token_mask_BS):
+        x_BSD = x_BSD + self.self_attention(self.input_layernorm(x_BSD), cos, sin, kv)
         h_BSD = self.pre_mlp_layernorm(x_BSD)
         if token_mask_BS is not None and isinstance(self.mlp, MoELayer):
             # Padding rows go to the null expert: no GEMM, no all-to-all bytes, zeros out, and no
@@ -222,7 +225,7 @@ class Qwen3MoeModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def hidden_states(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None,
-                      cache: KVCacheLike | None = None,
+                      kv: KVForwardLike | None = None,
                       token_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
         """The final-norm hidden states [B, S, D] that the output layer turns into logits.
 
@@ -232,24 +235,24 @@ class Qwen3MoeModel(nn.Module):
         B, S = input_ids_BS.shape
         if positions_BS is None:
             positions_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
-        n_positions = cache.max_len if cache is not None else S if positions_BS is None else int(positions_BS.max()) + 1
+        n_positions = kv.max_len if kv is not None else S if positions_BS is None else int(positions_BS.max()) + 1
         cos_BSC, sin_BSC = rope_cos_sin(positions_BS, self.config.kv_channels, self.config.rotary_base, self.dtype,
                                         n_positions)
         cos, sin = cos_BSC[:, :, None, None], sin_BSC[:, :, None, None]  # against [B, S, G, N, C]
         x_BSD = self.embedding.word_embeddings(input_ids_BS)
-        recompute = self.recompute_activations and cache is None and torch.is_grad_enabled()
+        recompute = self.recompute_activations and kv is None and torch.is_grad_enabled()
         for layer in self.decoder.layers:
             if recompute:
                 x_BSD = checkpoint(layer, x_BSD, cos, sin, None, token_mask_BS, use_reentrant=False)
             else:
-                x_BSD = layer(x_BSD, cos, sin, cache, token_mask_BS)
+                x_BSD = layer(x_BSD, cos, sin, kv, token_mask_BS)
         return self.decoder.final_layernorm(x_BSD)
 
     def forward(self, input_ids_BS: torch.Tensor, positions_BS: torch.Tensor | None = None,
-                cache: KVCacheLike | None = None, token_mask_BS: torch.Tensor | None = None,
+                kv: KVForwardLike | None = None, token_mask_BS: torch.Tensor | None = None,
                 logits_at_B: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, S, V]; with `logits_at_B`, only at those positions: [B, V]."""
-        x_BSD = self.hidden_states(input_ids_BS, positions_BS, cache, token_mask_BS)
+        x_BSD = self.hidden_states(input_ids_BS, positions_BS, kv, token_mask_BS)
         if logits_at_B is not None:
             x_BSD = x_BSD[torch.arange(x_BSD.shape[0], device=x_BSD.device), logits_at_B]
         return F.linear(x_BSD, self.output_weight())

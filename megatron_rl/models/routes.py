@@ -10,8 +10,9 @@ One object per MoE layer's router, `RouteTap`, does every job, on both backends 
 `TorchRouter` calls `tap.route`; megatron-core's `TopKRouter` calls it through its `router_replay`
 hook, `get_replay_topk`):
 - in the rollout it writes the layer's top-k into a `RouteSink` (a device buffer per KV slot,
-  `[slots x max_len, L, K]`): no host read; the engine reads a finished response's rows back with
-  the rollout's results (rl/rollout_phase.py);
+  `[slots x max_len, L, K]`) at the rows of the forward in flight (`recording`, one forward at a
+  time): no host read; the engine reads a finished response's rows back with the rollout's results
+  (rl/rollout_phase.py);
 - in training (`RouteReplay`) it compares the layer's own top-k with the recorded one (router
   agreement), and with `grpo.routing_replay` uses the recorded ids instead; the gate weights are
   the current router's scores gathered at those ids, so the router keeps its gradient (as R3,
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import base64
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -49,17 +52,24 @@ def _rows_for(full: torch.Tensor, T: int, mask_T: torch.Tensor | None) -> torch.
     return full[mask_T]
 
 
+class RouteRows(Protocol):
+    def of(self, T: int) -> torch.Tensor:
+        """Where a forward's T rows go in the sink: flat (slot x max_len + position) indices
+        (rollout/kv/route_rows.py)."""
+
+
 class RouteSink:
     """The rollout's route buffer: one row per (KV slot, position) of the engine's KV cache,
-    `[(slots + 1) x max_len, L, K]`. A layer's rows are the cache's rows of the forward in flight
-    (`SlotKVCache.route_rows`: computed on the device from the decode step's static inputs, so a
-    captured CUDA graph writes them too)."""
+    `[(slots + 1) x max_len, L, K]`."""
 
     def __init__(self, cache, layers: int, topk: int, num_experts: int):
-        self.cache, self.max_len = cache, cache.max_len
+        self.device, self.max_len = cache.device, cache.max_len
         self.shape = ((cache.slots + 1) * cache.max_len, layers, topk)
         self.dtype = route_dtype(num_experts)
-        self.reclaim_memory()
+        self.buf_RLK = self._zeros()
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
     def release_memory(self) -> int:
         """Free the buffer with the KV cache (a detached rank holds no live request); the bytes freed."""
@@ -68,12 +78,7 @@ class RouteSink:
         return freed
 
     def reclaim_memory(self) -> None:
-        self.buf_RLK = torch.zeros(self.shape, dtype=self.dtype, device=self.cache.device)
-
-    def write(self, layer: int, expert_TK: torch.Tensor) -> None:
-        T = expert_TK.shape[0]
-        if T:
-            self.buf_RLK[self.cache.route_rows(T), layer] = expert_TK.to(self.buf_RLK.dtype)
+        self.buf_RLK = self._zeros()
 
     def copy(self, src: int, dst: int, positions: int) -> None:
         """Slot `dst` continues `src`'s first `positions` (a paged cache's shared group prefix)."""
@@ -115,19 +120,33 @@ class RouteReplay:
         return torch.where(has_T[:, None], target_TK, own_TK)
 
 
+@dataclass(frozen=True)
+class RouteWrite:
+    """One rollout forward's route recording: into `sink`, at the forward's `rows` (its batch's)."""
+
+    sink: RouteSink
+    rows: RouteRows
+
+    def __call__(self, layer: int, expert_TK: torch.Tensor) -> None:
+        T = expert_TK.shape[0]
+        if T:
+            buf_RLK = self.sink.buf_RLK
+            buf_RLK[self.rows.of(T), layer] = expert_TK.to(buf_RLK.dtype)
+
+
 class RouteTap:
     """One MoE layer's route hook (set on its router as `tap`; megatron's as `router_replay`)."""
 
     def __init__(self, layer: int):
         self.layer = layer
-        self.sink: RouteSink | None = None
+        self.write: RouteWrite | None = None
         self.replay: RouteReplay | None = None
 
     def route(self, scores_TE: torch.Tensor, top_TK: torch.Tensor, expert_TK: torch.Tensor):
         """The (scores, ids) the layer uses: its own top-k, recorded; or the recorded ids with the
         router's current scores at them."""
-        if self.sink is not None:
-            self.sink.write(self.layer, expert_TK)
+        if self.write is not None:
+            self.write(self.layer, expert_TK)
         if self.replay is None:
             return top_TK, expert_TK
         used_TK = self.replay.route(self.layer, expert_TK)
@@ -156,9 +175,18 @@ def taps(model) -> list[RouteTap]:
     return out
 
 
-def install_sink(model, sink: RouteSink | None) -> None:
-    for tap in taps(model):
-        tap.sink = sink
+@contextmanager
+def recording(model, write: RouteWrite):
+    """Every MoE layer records its routes by `write` inside the block (one rollout forward; a
+    shrink may rebuild megatron-core's layers between forwards, so the taps are found each time)."""
+    layers = taps(model)
+    for tap in layers:
+        tap.write = write
+    try:
+        yield write
+    finally:
+        for tap in layers:
+            tap.write = None
 
 
 @contextmanager

@@ -10,9 +10,11 @@ import struct
 
 import torch
 
-from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.engine import Request, RolloutEngine, StepOutput
+from megatron_rl.rollout.kv.batch import DecodeBatch, PrefillBatch
 from megatron_rl.rollout.route_record import RouteRecorder
 from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.rollout.scheduler import Decode, Prefill
 
 
 class RecordingEngine(RolloutEngine):
@@ -26,13 +28,12 @@ class RecordingEngine(RolloutEngine):
         self.tokens_done = 0
         self.recorder = RouteRecorder(self.model, self.cache)
 
-    def step(self) -> int:
-        # Only the engine's own forwards write routes (the sink's rows are its KV cache's).
-        self.recorder.attach()
-        try:
-            return super().step()
-        finally:
-            self.recorder.detach()
+    def _forward(self, batch: PrefillBatch | DecodeBatch, ids_BS: torch.Tensor, pos_BS: torch.Tensor,
+                 mask_BS: torch.Tensor | None, logits_at_B: torch.Tensor | None = None) -> torch.Tensor:
+        # Only the engine's own forwards write routes, at their batch's rows (the sink's rows are
+        # its KV cache's); a captured decode graph replays the writes it was captured with.
+        with self.recorder.recording(batch.rows):
+            return super()._forward(batch, ids_BS, pos_BS, mask_BS, logits_at_B)
 
     def release_memory(self) -> int:
         return super().release_memory() + self.recorder.sink.release_memory()
@@ -41,23 +42,14 @@ class RecordingEngine(RolloutEngine):
         super().reclaim_memory()  # a new KV generation: decode graphs are captured again, with the new buffer
         self.recorder.sink.reclaim_memory()
 
-    def capture_graphs(self) -> None:
-        # A captured decode graph replays the route writes it was captured with.
-        self.recorder.attach()
-        try:
-            super().capture_graphs()
-        finally:
-            self.recorder.detach()
-
     def _forked(self, src: int, dst: int, positions: int) -> None:
         self.recorder.sink.copy(src, dst, positions)
 
-    def _emit(self, batch: list[Request], logits_BV: torch.Tensor) -> int:
-        n = super()._emit(batch, logits_BV)
-        for r in batch:
+    def update(self, work: Prefill | Decode, out: StepOutput) -> None:
+        super().update(work, out)
+        for r in work.requests:
             if r.done(self.eos_id):
                 self.recorder.keep(r)
-        return n
 
     def _rides_with_tokens(self, logits_BV: torch.Tensor, toks_B: torch.Tensor) -> torch.Tensor:
         # On the device, as float64 bits: the host reads them with the tokens, not once per row.
@@ -71,10 +63,7 @@ class RecordingEngine(RolloutEngine):
         self.tokens_done += len(batch)
 
     def reset(self, sampling: SamplingParams) -> None:
-        """Ready for the next step's rollout with the same KV cache and graphs: that step's sampling,
-        no requests (a stopped step's live ones give their slots back), no draws, no log-probs."""
-        for r in self.live:
-            self.cache.release(r.slot)
-        self.sampling, self.pending, self.live, self.finished = sampling, [], [], []
-        self.logprobs, self._drawn = {}, {}
+        """Ready for the next step's rollout (`RolloutEngine.reset`), and no log-probs."""
+        super().reset(sampling)
+        self.logprobs = {}
         self.tokens_done = 0

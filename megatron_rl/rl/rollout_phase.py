@@ -24,7 +24,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from elastic.planning.memory.kv_unit import KVUnit
 from elastic.planning.plan import Plan
 from elastic.planning.policies import policy_kind
 from elastic.planning.shape import MemoryBudget
@@ -154,7 +153,7 @@ def worst_budget(cfg: TrainerConfig, model: Qwen3MoeModel, world: int, resident_
     state of any rank."""
     weight = model.embedding.word_embeddings.weight
     budget = memory_budget(cfg.model, weight.element_size(), weight.device, cfg.dims.ranks_per_node, resident_bytes,
-                           record_routes=True, kv=KVUnit(cfg.generation.kv, cfg.generation.kv_page_size))
+                           record_routes=True, kv=cfg.generation.kv_kind.unit)
     if world > 1:
         worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64, device=weight.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MIN)
@@ -250,9 +249,8 @@ class RolloutPhase:
                                   greedy=False, seed=step_seed(cfg.seed, step))
         max_len = max(len(w.prompt) + w.max_new for w in work)
         if self.engine is None or self.engine.cache.max_len < max_len:
-            self.engine = rank_engine(self.model, sampling, max_batch=cfg.generation.max_batch_per_rank,
-                                      max_len=-(-max_len // 64) * 64, kv=cfg.generation.kv,
-                                      page_size=cfg.generation.kv_page_size, kv_reserve=cfg.generation.kv_reserve,
+            self.engine = rank_engine(self.model, sampling, cfg.generation.kv_kind,
+                                      max_batch=cfg.generation.max_batch_per_rank, max_len=-(-max_len // 64) * 64,
                                       engine_cls=RecordingEngine, eos_id=self.tok.eos_id,
                                       temperature=cfg.generation.temperature)
             self.builds += 1

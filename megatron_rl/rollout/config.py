@@ -14,8 +14,8 @@ from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice, TransportChoice
 from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
+from megatron_rl.rollout.kv.kind import KV_CACHES, kv_kind
 from megatron_rl.rollout.lease_jobs import LeaseConfig
-from megatron_rl.rollout.paged_kv import require_kv
 from megatron_rl.rollout.sampling import SamplingParams
 
 
@@ -74,11 +74,11 @@ class RolloutConfig:
     # the weights are loaded (nano-vllm's rule), up to max_batch_per_rank slots; on CPU it has
     # max_batch_per_rank slots.
     kv_memory_fraction: float = 0.9
-    # The KV cache (rollout/paged_kv.py): `slots` (one per request at the longest length) or
-    # `paged` (pages of kv_page_size positions: as many bytes as the slots, or kv_pages pages per
-    # rank; GRPO group prefix sharing; admission by predicted length keeping kv_reserve of the
-    # pages free for requests that outlive their prediction, else preemption and recompute).
-    kv: Literal["slots", "paged"] = "paged"
+    # The KV cache (rollout/kv/): `slots` (one per request at the longest length) or `paged`
+    # (pages of kv_page_size positions: as many bytes as the slots, or kv_pages pages per rank;
+    # GRPO group prefix sharing; admission by predicted length keeping kv_reserve of the pages
+    # free for requests that outlive their prediction, else preemption and recompute).
+    kv: Literal[KV_CACHES] = "paged"
     kv_page_size: int = 16
     kv_pages: int | None = None
     kv_reserve: float = 0.1
@@ -103,10 +103,8 @@ class RolloutConfig:
         require_seed(self.sampling.seed, "sampling.seed")
         require(0 < self.kv_memory_fraction <= 1,
                 f"kv_memory_fraction: expected in (0, 1], got {self.kv_memory_fraction}")
-        require_kv(self.kv, self.kv_page_size, self.kv_reserve, "")
-        if self.kv_pages is not None:
-            require(self.kv == "paged", f"kv_pages: expected with kv: paged (a pool of pages), got kv: {self.kv}")
-            require_size(self.kv_pages, "kv_pages")
+        # The KV kind, decided once here as the layout is (not a field) and handed down: rollout/kv/kind.py.
+        self.kv_kind = kv_kind(self.kv, self.kv_page_size, self.kv_pages, self.kv_reserve)
         if self.floor is not None:
             require_floor(self.floor, self.ranks)
         require_policy(self.policy, self.backend)

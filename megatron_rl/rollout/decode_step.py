@@ -2,8 +2,10 @@
 
 A decode step's inputs are four int64 fields per request (token id, KV slot, position, tokens so
 far) written into one host buffer (pinned on CUDA) and copied to the device without blocking; the
-positions, the attention mask and the MoE routing are derived from them on the device. The only
-read back is the chosen tokens (with the device-side count of misrouted rows, in the same copy).
+step's batch (the cache's `decode_batch`: rollout/kv/batch.py) views them, and the positions, the
+attention mask and the MoE routing are derived from them on the device. The only read back is the
+chosen tokens (with the device-side count of misrouted rows, in the same copy: `HostReadback`).
+How the step runs is decided once per engine (`DecodeOptions`).
 
 Buckets (nano-vllm's `capture_cudagraph`): the batch is padded up to 1, 2, 4, 8, then a multiple
 of 16 (up to `max_batch`). A padding row decodes in the KV cache's scratch slot at position 0 and
@@ -22,12 +24,62 @@ key changes exactly when the addresses a graph reads do).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
 import numpy as np
 import torch
 
 from megatron_rl.models.moe import LocalDispatcher, MoELayer, widens
 from megatron_rl.models.qwen3_moe import rope_tables
-from megatron_rl.rollout.kv_cache import SlotKVCache
+from megatron_rl.rollout.kv.batch import DecodeBatch
+from megatron_rl.rollout.kv.cache import KVCache
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How an engine's decode steps run, decided when it is built."""
+
+    graphs: bool | None = None  # a CUDA graph per batch bucket (CUDA only); None: on CUDA
+    pad: bool = False  # pad to the buckets when running eagerly (what the graphs compute, on CPU for tests)
+    attention: Literal["auto", "triton", "torch"] = "auto"  # rollout/kv/attention.py `decode_kernel`
+
+
+AUTO_DECODE = DecodeOptions()  # graphs on CUDA, the Triton kernel where it runs
+
+
+class Forward(Protocol):
+    def __call__(self, batch: DecodeBatch, ids_BS: torch.Tensor, pos_BS: torch.Tensor,
+                 mask_BS: torch.Tensor | None) -> torch.Tensor:
+        """One rollout forward of the model through the KV cache as `batch` says: logits [B, S, V]
+        (the engine's `_forward`)."""
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied through pinned memory without blocking on CUDA."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class HostReadback:
+    """The values of a step's device tensor on the host: on CUDA through a pinned buffer of
+    `size` values and an event, so the wait is for this copy alone, not a stream or device
+    synchronisation (`set_sync_debug_mode` passes)."""
+
+    def __init__(self, device: torch.device, size: int):
+        cuda = device.type == "cuda"
+        self._host = torch.empty(size, dtype=torch.long, pin_memory=True) if cuda else None
+        self._copied = torch.cuda.Event() if cuda else None
+
+    def read(self, t: torch.Tensor) -> list[int]:
+        if self._host is None:
+            return t.tolist()
+        out = self._host[: t.numel()]
+        out.copy_(t, non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()
+        return out.tolist()
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -37,14 +89,14 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeRunner:
-    """`graphs`: capture CUDA graphs (CUDA only); `pad`: pad to buckets even when running eagerly
-    (what the graphs compute, run on CPU for the tests)."""
+    """The decode steps of `model` over `cache`, as `options` say, each forward through `forward`."""
 
-    def __init__(self, model, cache: SlotKVCache, max_batch: int, graphs: bool, pad: bool = False):
-        self.model, self.cache, self.device = model, cache, cache.device
+    def __init__(self, model, cache: KVCache, forward: Forward, options: DecodeOptions):
+        self.model, self.cache, self.device, self.forward = model, cache, cache.device, forward
+        graphs = self.device.type == "cuda" if options.graphs is None else options.graphs
         self.graphs_wanted = graphs and self.device.type == "cuda"
-        self.pad = pad or self.graphs_wanted
-        self.buckets = batch_buckets(max_batch)
+        self.pad = options.pad or self.graphs_wanted
+        self.buckets = batch_buckets(cache.slots)
         n_max = self.buckets[-1]
         pinned = self.device.type == "cuda"
         # [row, field]: a batch's rows are one contiguous block (a strided pinned slice would be
@@ -57,6 +109,7 @@ class DecodeRunner:
         self._logits = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_key = None
+        self._kept: list[torch.Tensor] = []  # what the graphs read, alive as long as they are
         self.captures = 0  # how many times the graphs were captured (tests, the bench)
         # Rows of no request: scratch slot, position 0, no expert.
         self._pad_row = [0, cache.scratch, 0, 0]
@@ -95,10 +148,10 @@ class DecodeRunner:
 
     def _forward(self, n: int, L: int, run: slice | None, masked: bool) -> torch.Tensor:
         ids_n, slot_n, pos_n = self._dev[:n, 0], self._dev[:n, 1], self._dev[:n, 2]
-        pos_n1 = self.cache.decode(slot_n, pos_n, L, run)
+        batch = self.cache.decode_batch(slot_n, pos_n, L, run)
         # Padding rows: their position says nothing; the slot does (the scratch slot is the last).
         valid_n1 = (slot_n != self.cache.scratch)[:, None] if masked else None
-        return self.model(ids_n[:, None], pos_n1, self.cache, valid_n1)[:, 0]
+        return self.forward(batch, ids_n[:, None], pos_n[:, None], valid_n1)[:, 0]
 
     def _moe_layers(self) -> list:
         return self.model.moe_layers
@@ -117,7 +170,7 @@ class DecodeRunner:
         """The lazily made tensors a graph reads: the RoPE tables, the routers' fp32 copies."""
         cfg = self.model.config
         held = list(rope_tables(cfg.kv_channels, cfg.rotary_base, self.model.dtype, self.cache.max_len, self.device))
-        return held + [m.router._fp32 for m in self._moe_layers() if getattr(m.router, "_fp32", None) is not None]
+        return held + [m.router._fp32 for m in self._moe_layers() if m.router._fp32 is not None]
 
     def _key(self) -> tuple:
         layers = tuple((id(m), id(m.dispatcher), m.experts.generation) for m in self._moe_layers())

@@ -14,7 +14,7 @@ from megatron_rl.models.moe import LocalDispatcher
 from megatron_rl.models.params import is_expert_param, tensor_digest
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import RolloutEngine
-from megatron_rl.rollout.kv_cache import kv_numel
+from megatron_rl.rollout.kv.budget import kv_numel
 
 
 class ElasticRolloutEngine:

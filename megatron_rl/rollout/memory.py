@@ -22,7 +22,7 @@ from elastic.planning.memory.kv_unit import TOKENS, KVUnit
 from elastic.planning.shape import MemoryBudget
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.routes import route_bytes_per_token
-from megatron_rl.rollout.kv_cache import kv_numel
+from megatron_rl.rollout.kv.budget import kv_numel
 
 
 def weight_bytes(mcfg: MoEModelConfig, dtype_bytes: int) -> tuple[int, int]:

@@ -37,6 +37,8 @@ from elastic.runtime.runtime import DecodeHooks, ElasticRuntime, RankOutcome, le
 from megatron_rl.parallel.launch import ParallelContext
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.faults import FailingExport, fault_rank
+from megatron_rl.rollout.kv.cache import KVLayout
+from megatron_rl.rollout.kv.kind import KVKind
 from megatron_rl.rollout.lease_jobs import LeaseOutcome, RolloutLeases
 
 Key = tuple[str, int]  # (prompt_id, sample)
@@ -184,27 +186,15 @@ class ResponseStream:
             (self.folder / f"{name}.rank{self.rank}.json").write_text(json.dumps(what()))
 
 
-def rank_engine(model, sampling, *, max_batch: int, max_len: int, kv: str = "slots", page_size: int = 16,
-                kv_reserve: float = 0.1, kv_pages: int | None = None, memory_fraction: float | None = None,
+def rank_engine(model, sampling, kv: KVKind, *, max_batch: int, max_len: int, memory_fraction: float | None = None,
                 engine_cls: type[RolloutEngine] = RolloutEngine, **extra) -> RolloutEngine:
-    """This rank's engine over `model` (its weights loaded), the one home of its KV sizing, for
-    `flexfloor rollout` and the trainer (`engine_cls`, `extra`: its recording engine and arguments).
-    `slots`: `max_batch` slots of `max_len` positions, fewer on a GPU whose `memory_fraction` less
-    what is in use cannot hold them (nano-vllm's rule; None: all of them). `paged`: `kv_pages`
-    pages, else with a `memory_fraction` the slot rule's budget in pages, else the engine's default."""
-    from megatron_rl.rollout.kv_cache import kv_cache_slots, slot_bytes
-
-    mcfg = model.config
-    if kv == "paged":
-        if kv_pages is None and memory_fraction is not None:
-            per_page = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, page_size, mcfg.kv_channels, model.dtype)
-            kv_pages = kv_cache_slots(model.device, per_page, memory_fraction, max_batch * -(-max_len // page_size))
-        return engine_cls(model, sampling, max_batch, max_len, kv="paged", kv_pages=kv_pages, page_size=page_size,
-                          kv_reserve=kv_reserve, **extra)
+    """This rank's engine over `model` (its weights loaded) with the run's KV kind `kv`, for
+    `flexfloor rollout` and the trainer (`engine_cls`, `extra`: its recording engine and arguments):
+    `max_batch` sequences of `max_len` positions at most, the cache sized to a GPU's
+    `memory_fraction` less what is in use (`KVKind.within`: nano-vllm's rule; None: as configured)."""
     if memory_fraction is not None:
-        per_slot = slot_bytes(mcfg.num_layers, mcfg.num_query_groups, max_len, mcfg.kv_channels, model.dtype)
-        max_batch = kv_cache_slots(model.device, per_slot, memory_fraction, max_batch)
-    return engine_cls(model, sampling, max_batch, max_len, **extra)
+        kv = kv.within(KVLayout.of(model.config, model.dtype, model.device), max_batch, max_len, memory_fraction)
+    return engine_cls(model, sampling, max_batch, max_len, kv=kv, **extra)
 
 
 def elastic_engine(spec: RankRollout, engine: RolloutEngine, carried: Any = None):

@@ -15,7 +15,6 @@ import torch
 from elastic.planning.choices import PlanChoices
 from elastic.planning.dims import ParallelDims
 from elastic.planning.lengths.remaining import OnlineOptions
-from elastic.planning.memory.kv_unit import KVUnit
 from elastic.planning.online.rule import OnlineRule, RuleConfig
 from elastic.planning.plan import Plan
 from elastic.planning.planner import PlanError
@@ -102,7 +101,7 @@ class RolloutPlanner:
         it) stands for each rank's budget."""
         dtype_bytes, scale, kind = DTYPES[cfg.dtype].itemsize, cfg.batch.length_scale, policy_kind(cfg.policy)
         budget = memory_budget(mcfg, dtype_bytes, torch.device(device), dims.ranks_per_node,
-                               kv=KVUnit(cfg.kv, cfg.kv_page_size))
+                               kv=cfg.kv_kind.unit)
         shape = mcfg.shape(dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
         return cls(kind, dims, kind.floor(dims.world, cfg.floor), cfg.tailguard, budget, shape,
                    plan_cost=plan_cost(shape, device, scale), rule_cost=engine_cost(scale),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.models.routes import RouteSink, install_sink
+from megatron_rl.models.routes import RouteRows, RouteSink, RouteWrite, recording
 
 
 def read_positions(r) -> int:
@@ -36,13 +36,10 @@ class RouteRecorder:
         """A rollout begins: the requests' routes recorded before it (by key)."""
         self.prefix, self.kept = dict(prefix), {}
 
-    def attach(self) -> None:
-        """Every MoE layer writes into the sink, for one engine step (a shrink may rebuild
-        megatron-core's layers between steps; `detach` after the step)."""
-        install_sink(self.model, self.sink)
-
-    def detach(self) -> None:
-        install_sink(self.model, None)
+    def recording(self, rows: RouteRows):
+        """Every MoE layer writes into the sink at `rows`, one engine forward's (its batch's), inside
+        the block."""
+        return recording(self.model, RouteWrite(self.sink, rows))
 
     def _slot_rows(self, r) -> torch.Tensor:
         start = len(self.prefix.get(r.key, ()))

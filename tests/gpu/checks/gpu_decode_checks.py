@@ -28,11 +28,12 @@ def _requests(n: int, vocab: int, new: int = 24):
 
 
 def _engine(model, graphs: bool, batch: int, max_len: int = 64, pad: bool | None = None):
+    from megatron_rl.rollout.decode_step import DecodeOptions
     from megatron_rl.rollout.engine import RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
-    return RolloutEngine(model, SamplingParams(greedy=True), batch, max_len, cuda_graphs=graphs,
-                         pad_to_buckets=graphs if pad is None else pad)
+    return RolloutEngine(model, SamplingParams(greedy=True), batch, max_len,
+                         decode=DecodeOptions(graphs=graphs, pad=graphs if pad is None else pad))
 
 
 NEAR_TIE = 0.05  # logit standard deviations: bf16 rounds a logit by about 1% of its spread

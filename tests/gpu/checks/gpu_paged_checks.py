@@ -58,15 +58,16 @@ def _decode_rate(eng, reqs, device) -> tuple[dict, float]:
 def paged_vs_slot(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bfloat16, batch: int = 64,
                   new: int = 120, max_len: int = 138, page_size: int = 16) -> dict:
     from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.kv.kind import kv_kind
     from megatron_rl.rollout.sampling import SamplingParams
 
     model = _model(mcfg, 0, dtype, device)
     reqs = _requests(batch, mcfg.vocab_size, new)
     out, rate = {}, {}
     for kv in ("slots", "paged"):
-        eng = RolloutEngine(model, SamplingParams(greedy=True), batch, max_len, kv=kv, page_size=page_size,
-                            kv_reserve=0.0)
-        kernel = eng.cache.kernel is not None  # the paged engine's, the last
+        eng = RolloutEngine(model, SamplingParams(greedy=True), batch, max_len,
+                            kv=kv_kind(kv, page_size=page_size, reserve=0.0))
+        kernel = eng.attention.kernel is not None  # the paged engine's, the last
         out[kv], rate[kv] = _decode_rate(eng, [replace(r, tokens=[]) for r in reqs], device)
     same = sum(out["paged"][k] == t for k, t in out["slots"].items())
     prompts = {r.key: r.prompt for r in reqs}

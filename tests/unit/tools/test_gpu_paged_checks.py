@@ -14,11 +14,12 @@ def test_paged_vs_slot_on_cpu():
 
 
 def test_paged_vs_slot_fails_when_the_paged_responses_differ(monkeypatch):
-    """Negative control: a paged attention that reads the wrong keys parts from the slot tokens."""
-    from megatron_rl.rollout.paged_kv import PagedKVCache
+    """Negative control: a paged attention that reads another row's values parts from the slot tokens."""
+    from megatron_rl.rollout.kv.paged import PageRead
 
-    attend = PagedKVCache.attend
-    monkeypatch.setattr(PagedKVCache, "attend", lambda self, layer, q, k, v: attend(self, layer, q, k, v) * 1.5)
+    gather = PageRead.gather
+    monkeypatch.setattr(PageRead, "gather", lambda self, K, V, L: (gather(self, K, V, L)[0],
+                                                                   gather(self, K, V, L)[1].roll(1, 0)))
     out = gpu_paged_checks.paged_vs_slot(TINY_QWEN3_MOE, device="cpu", dtype=torch.float32, batch=6, new=6,
                                          max_len=24, page_size=4)
     assert not out["ok"] and out["same"] < out["responses"], out

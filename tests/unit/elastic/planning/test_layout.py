@@ -16,7 +16,7 @@ from elastic.planning.chains.schedule import contiguous_owners, held_counts
 from elastic.planning.choices import PlanChoices
 from elastic.planning.dims import planned_dims
 from elastic.planning.layout import LAYOUTS, layout_kind, natural
-from elastic.planning.memory.kv_unit import KVUnit
+from elastic.planning.memory.kv_unit import kv_unit
 from elastic.planning.plan import PlanError
 from elastic.planning.planner import make_plan
 from elastic.planning.platform import Platform
@@ -157,8 +157,8 @@ def test_kv_that_cannot_fit_is_rejected():
     _check_safe(plan, batch, shape, 1, 2, lengths)
 
 
-@pytest.mark.parametrize("kv,ranks", [(KVUnit("tokens"), 2), (KVUnit("paged", 16), 1), (KVUnit("slots"), 2),
-                                      (KVUnit("paged", 4096), 4)])
+@pytest.mark.parametrize("kv,ranks", [(kv_unit("tokens"), 2), (kv_unit("paged", 16), 1), (kv_unit("slots"), 2),
+                                      (kv_unit("paged", 4096), 4)])
 def test_kv_is_priced_in_the_positions_the_runs_cache_holds(kv, ranks):
     # Four samples of one 5,000-token prompt with empty responses, 12,000 positions a rank. Tokens
     # and slots (5,002 positions each) fit two a rank; pages of 16 hold the prompt's 312 full pages
@@ -186,7 +186,7 @@ def test_kv_is_priced_in_the_positions_the_runs_cache_holds(kv, ranks):
     assert len(plan.assignments) == 4 and "kv_queued" not in plan.meta
 
 
-@pytest.mark.parametrize("kv", [KVUnit("slots"), KVUnit("paged", 16)])
+@pytest.mark.parametrize("kv", [kv_unit("slots"), kv_unit("paged", 16)])
 def test_a_response_no_rank_holds_alone_is_refused_even_by_a_queueing_cache(kv):
     batch = [TraceRecord("a", 0, 0, 13_000, 0)]  # 13,000 positions; a rank has 12,000
     shape = tiny_shape(8, 8, 12_000)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from elastic.planning.memory.kv_unit import KVUnit, share_groups
+from elastic.planning.memory.kv_unit import kv_unit, share_groups
 from elastic.planning.shape import ModelShape
 from elastic.sim.admission import admit, start_steps
 from elastic.sim.costmodel import DEFAULT_COST
@@ -24,7 +24,7 @@ def _peak(start, length, held=None):
 def _admit(kv, tokens, slots=10):
     tokens = np.asarray(tokens, dtype=np.int64)
     prompt = np.full(len(tokens), PROMPT, dtype=np.int64)
-    held = KVUnit(kv, 16).held(prompt, tokens, SLOT)
+    held = kv_unit(kv, 16).held(prompt, tokens, SLOT)
     length = np.maximum(tokens - 1, 0)
     start = admit(np.zeros(len(tokens), dtype=np.int64), length, held, {0: slots * SLOT})
     return start, length, held
@@ -56,7 +56,7 @@ def test_a_request_larger_than_its_ranks_budget_is_named():
         admit(np.zeros(2, dtype=np.int64), np.array([5, 9]), np.array([100, 4096]), {0: 4000})
 
 
-PAGED = KVUnit("paged", 16)
+PAGED = kv_unit("paged", 16)
 
 
 def _paged(groups, tokens, length, budget, prompt=32):
@@ -115,7 +115,7 @@ def test_slots_and_tokens_share_nothing(kind, cap):
     rank, length = np.tile([0, 1], 32), tokens - 1
     groups = share_groups([(f"p{i // 8}", i % 8) for i in range(64)])
     shape, owned, budget = _Budget(3000), np.zeros(2), {0: 3000, 1: 3000}
-    unit = KVUnit(kind, 16)
+    unit = kv_unit(kind, 16)
     held = unit.held(prompt, tokens, int(prompt.max() + tokens.max()))
     alone = admit(rank, length, held, budget if unit.queues else None, max_batch=cap)
     assert alone.max() > 0  # the budget binds
@@ -189,7 +189,7 @@ def test_under_tokens_only_a_cap_binds():
     # A budget of 10 positions that every request exceeds: `tokens` admits them all at the prefill
     # (no budget), and with a cap only as slots free.
     rank, prompt, tokens = np.zeros(3, dtype=np.int64), np.full(3, 50), np.array([20, 30, 40])
-    args = (KVUnit("tokens"), _Budget(10), np.zeros(1), rank, prompt, tokens, tokens - 1, ["a", "b", "c"])
+    args = (kv_unit("tokens"), _Budget(10), np.zeros(1), rank, prompt, tokens, tokens - 1, ["a", "b", "c"])
     assert start_steps(*args).tolist() == [0, 0, 0]
     assert start_steps(*args, max_batch=1).tolist() == [0, 19, 48]
 
@@ -261,7 +261,7 @@ def test_straggler_migration_moves_only_onto_a_free_slot(kv):
     trace, shape = _capped_trace(), ModelShape()
     batch = trace.epoch(1)
     plan = make_policy_plan(Policy("planned", 2), batch, trace.before(1), ranks=4, shape=shape, cost=DEFAULT_COST,
-                            kv=KVUnit(kv, 16))
+                            kv=kv_unit(kv, 16))
     moved = {}
     for cap in (16, 24):
         sim = _Rollout(plan, batch, DEFAULT_COST, shape, SimConfig(kv=kv, max_batch=cap, migrate_max=16))

@@ -5,7 +5,9 @@ import torch
 
 from megatron_rl.models import MoEModelConfig
 from megatron_rl.models.moe import ExpertBank
-from megatron_rl.rollout.kv_cache import SlotKVCache
+from megatron_rl.rollout.kv.attention import Attention, KVForward
+from megatron_rl.rollout.kv.cache import KVLayout
+from megatron_rl.rollout.kv.slots import SlotKVCache
 
 CFG = MoEModelConfig()
 
@@ -90,7 +92,7 @@ def test_kv_cache_view_path_equals_gather_path():
     row masked) agrees to rounding (CPU SDPA blocks the longer key axis differently)."""
     G, C, H, layers = 2, 4, 4, 1
     g = torch.Generator().manual_seed(0)
-    caches = {name: SlotKVCache(layers, 4, G, 16, C, torch.float64) for name in ("run", "gather", "graph")}
+    caches = {name: SlotKVCache(KVLayout(layers, G, C, torch.float64), 4, 16) for name in ("run", "gather", "graph")}
     order = {"run": [1, 2, 3], "gather": [3, 1, 2], "graph": [2, 3, 1]}
     lens = {1: 3, 2: 5, 3: 2}
     for name, cache in caches.items():
@@ -99,9 +101,10 @@ def test_kv_cache_view_path_equals_gather_path():
         for s in order[name]:  # prefill each slot alone, with the same keys everywhere
             gs = torch.Generator().manual_seed(s)
             k = torch.randn(1, G, lens[s], C, generator=gs, dtype=torch.float64)
-            cache.prefill([s], [lens[s]])
-            cache.attend(0, torch.randn(1, H, lens[s], C, dtype=torch.float64), k, k.clone())
-            cache.commit()
+            batch = cache.prefill_batch([s], [lens[s]])
+            q = torch.randn(1, H, lens[s], C, dtype=torch.float64)
+            KVForward(Attention(cache), batch).attend(0, q, k, k.clone())
+            cache.commit(batch)
     for _ in range(3):
         q = torch.randn(3, H, 1, C, generator=g, dtype=torch.float64)
         k = torch.randn(3, G, 1, C, generator=g, dtype=torch.float64)
@@ -111,8 +114,8 @@ def test_kv_cache_view_path_equals_gather_path():
             perm = [order["run"].index(s) for s in order[name]]
             pos = torch.tensor([cache.lengths[s] for s in order[name]])
             L = {"run": int(pos.max()) + 1, "gather": int(pos.max()) + 1, "graph": 16}[name]
-            cache.decode(torch.tensor(order[name]), pos, L, slice(1, 4) if name == "run" else None)
-            o = cache.attend(0, q[perm], k[perm], v[perm])
+            batch = cache.decode_batch(torch.tensor(order[name]), pos, L, slice(1, 4) if name == "run" else None)
+            o = KVForward(Attention(cache), batch).attend(0, q[perm], k[perm], v[perm])
             out[name] = {s: o[i] for i, s in enumerate(order[name])}
             for s in order[name]:
                 cache.lengths[s] += 1

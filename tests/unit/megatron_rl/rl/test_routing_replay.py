@@ -9,6 +9,7 @@ from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.models.routes import RouteReplay, encode, replaying, route_bytes_per_token, route_dtype
 from megatron_rl.rl.recording_engine import RecordingEngine
 from megatron_rl.rollout.engine import Request
+from megatron_rl.rollout.kv.kind import PagedKV
 from megatron_rl.rollout.route_record import CarriedValues
 from megatron_rl.rollout.sampling import SamplingParams
 
@@ -96,8 +97,9 @@ def test_a_paged_cache_records_the_slot_caches_routes_also_for_a_shared_group_pr
 
     model = _model(TINY, torch.float64)
     slots, want = _generate(model, requests=group())
-    paged, got = _generate(model, requests=group(), kv="paged", page_size=4)
-    assert paged.prefill_computed < paged.prefill_requested  # the prefix was shared
+    paged, got = _generate(model, requests=group(), kv=PagedKV(page_size=4))
+    report = paged.kv_report()
+    assert report["prefill_tokens_computed"] < report["prefill_tokens_requested"]  # the prefix was shared
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 

@@ -10,8 +10,10 @@ import torch
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel, qwen3_moe
 from megatron_rl.models.moe import grouped_mm_ok
+from megatron_rl.rollout.decode_step import DecodeOptions
 from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.kv.kind import kv_kind
 from megatron_rl.rollout.sampling import SamplingParams
 from tools import capture_safety
 
@@ -21,7 +23,7 @@ CFG = MoEModelConfig(num_layers=2, hidden_size=64, num_moe_experts=8, moe_router
 def engine(dtype=torch.bfloat16, batch=20, kv="slots"):
     m = Qwen3MoeModel(CFG, dtype=dtype)
     m.init_weights(0)
-    return RolloutEngine(m.eval(), SamplingParams(), batch, 40, pad_to_buckets=True, kv=kv)
+    return RolloutEngine(m.eval(), SamplingParams(), batch, 40, kv=kv_kind(kv), decode=DecodeOptions(pad=True))
 
 
 @pytest.mark.parametrize("kv", ["slots", "paged"])
@@ -72,7 +74,7 @@ def test_the_graph_key_changes_exactly_when_what_the_graph_reads_does():
         qwen3_moe._rope_table.cache_clear()
 
     def move_router():  # the weight moved: its fp32 copy is made anew
-        del eng.model.moe_layers[0].router._fp32
+        eng.model.moe_layers[0].router._fp32 = None
 
     def expert_out_and_back():  # the stacked copies are rebuilt
         flat = el.export_expert(3).clone()
@@ -121,7 +123,7 @@ def test_the_graphed_forward_traces_in_bf16_on_meta_at_every_bucket(monkeypatch,
     calls = []
     grouped = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or grouped(*a, **k))
-    eng = RolloutEngine(m, SamplingParams(), 256, 48, pad_to_buckets=True, attention="torch")
+    eng = RolloutEngine(m, SamplingParams(), 256, 48, decode=DecodeOptions(pad=True, attention="torch"))
     for n in eng.runner.buckets:
         with torch.inference_mode():
             logits = eng.runner._forward(n, eng.cache.max_len, None, masked=True)

@@ -54,6 +54,7 @@ def test_engine_with_the_kernel_gives_the_torch_path_tokens():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
     from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+    from megatron_rl.rollout.decode_step import DecodeOptions
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
@@ -61,8 +62,8 @@ def test_engine_with_the_kernel_gives_the_torch_path_tokens():
     m.init_weights(0)
     out = {}
     for attention in ("torch", "triton"):
-        eng = RolloutEngine(m.eval(), SamplingParams(), 4, 16, attention=attention, pad_to_buckets=True)
-        assert (eng.cache.kernel is not None) == (attention == "triton")
+        eng = RolloutEngine(m.eval(), SamplingParams(), 4, 16, decode=DecodeOptions(pad=True, attention=attention))
+        assert (eng.attention.kernel is not None) == (attention == "triton")
         eng.add([Request(f"p{i}", 0, [i + 1] * (2 + i), 4, fixed_len=2 + i) for i in range(3)])
         while eng.has_work():
             eng.step()
@@ -126,16 +127,18 @@ def test_engine_on_the_paged_cache_with_the_kernel_gives_the_slot_cache_tokens()
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
     from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+    from megatron_rl.rollout.decode_step import DecodeOptions
     from megatron_rl.rollout.engine import Request, RolloutEngine
+    from megatron_rl.rollout.kv.kind import kv_kind
     from megatron_rl.rollout.sampling import SamplingParams
 
     m = Qwen3MoeModel(MoEModelConfig(num_layers=1), dtype=torch.float32)
     m.init_weights(0)
     out = {}
     for kv, attention in (("slots", "torch"), ("paged", "torch"), ("paged", "triton")):
-        eng = RolloutEngine(m.eval(), SamplingParams(), 4, 24, attention=attention, pad_to_buckets=True, kv=kv,
-                            page_size=4)
-        assert (eng.cache.kernel is not None) == (attention == "triton")
+        eng = RolloutEngine(m.eval(), SamplingParams(), 4, 24, kv=kv_kind(kv, page_size=4),
+                            decode=DecodeOptions(pad=True, attention=attention))
+        assert (eng.attention.kernel is not None) == (attention == "triton")
         eng.add([Request("p0", i, [5, 6, 7, 8, 9, 3], 9 - i, fixed_len=9 - i) for i in range(2)]
                 + [Request("p1", 0, [2] * 3, 12, fixed_len=12)])
         while eng.has_work():

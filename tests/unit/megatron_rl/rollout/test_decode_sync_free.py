@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.moe import LocalDispatcher
-from megatron_rl.rollout.decode_step import batch_buckets
+from megatron_rl.rollout.decode_step import DecodeOptions, batch_buckets
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
 
@@ -115,7 +115,7 @@ def test_float64_per_expert_loop_reads_its_counts_once_per_layer():
 
 
 def run(m, reqs, max_batch, pad):
-    eng = RolloutEngine(m, SamplingParams(), max_batch, 48, pad_to_buckets=pad)
+    eng = RolloutEngine(m, SamplingParams(), max_batch, 48, decode=DecodeOptions(pad=pad))
     eng.add(reqs)
     sizes = []
     while eng.has_work():

@@ -9,7 +9,7 @@ from elastic.planning.chains.schedule import FINE_SPAN, MAX_CANDIDATES, build_st
 from elastic.planning.layout import natural
 from elastic.planning.lengths.predict import LengthDist
 from elastic.planning.lengths.remaining import OnlineModel, OnlineOptions, SiblingFit
-from elastic.planning.memory.kv_unit import KVUnit
+from elastic.planning.memory.kv_unit import kv_unit
 from elastic.planning.online.ladder import ladder_plan
 from elastic.planning.online.place import Decision, LiveState, check_decision, deal, place
 from elastic.planning.online.rule import OnlineRule, RuleConfig
@@ -162,8 +162,8 @@ def test_shrinks_are_priced_with_the_leaving_requests_dealt_to_members():
     assert out[2] != out[3]
 
 
-@pytest.mark.parametrize("kv,fits", [(KVUnit("tokens"), True), (KVUnit("paged", 16), True),
-                                     (KVUnit("paged", 256), False), (KVUnit("slots"), False)])
+@pytest.mark.parametrize("kv,fits", [(kv_unit("tokens"), True), (kv_unit("paged", 16), True),
+                                     (kv_unit("paged", 256), False), (kv_unit("slots"), False)])
 def test_a_move_is_checked_in_the_receivers_positions_slots_or_pages(kv, fits):
     # Two requests of 100 prompt + 100 tokens + up to 100 more, one on the rank that stays, one on
     # the rank that leaves, and 700 positions of room: 2 x 300 tokens fit, as do 2 x 304 in pages of

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 class PoolExhausted(RuntimeError):
-    """No free page: the engine preempts a request (rollout/engine.py), it never drops one."""
+    """No free page: the engine preempts a request (rollout/scheduler.py), it never drops one."""
 
 
 class PageAllocator:

@@ -1,12 +1,14 @@
-"""The torch path's decode attention (`CacheTensors._attend_keys`): each row's query heads over its
+"""The torch path's decode attention (kv/attention.py `attend_keys`): each row's query heads over its
 own keys up to its position, as SDPA computes it over that row's keys alone (no mask, no other
-row). The paged cache runs the same method on its gathered pages (test_paged_kv.py: its tokens
+row). The paged cache runs the same function on its gathered pages (test_paged.py: its tokens
 are the slot cache's bit for bit)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.rollout.kv_cache import SlotKVCache
+from megatron_rl.rollout.kv.attention import Attention, KVForward
+from megatron_rl.rollout.kv.cache import KVLayout
+from megatron_rl.rollout.kv.slots import SlotKVCache
 
 LAYERS, SLOTS, G, L_MAX, C, H = 1, 6, 2, 40, 16, 4
 
@@ -21,7 +23,7 @@ def reference(q_BHC, K_SGLC, V_SGLC, slots, positions):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_each_row_attends_to_its_own_keys_up_to_its_position(dtype):
-    cache = SlotKVCache(LAYERS, SLOTS, G, L_MAX, C, dtype)
+    cache = SlotKVCache(KVLayout(LAYERS, G, C, dtype), SLOTS, L_MAX)
     for _ in range(SLOTS):
         cache.alloc()
     g = torch.Generator().manual_seed(0)
@@ -35,8 +37,8 @@ def test_each_row_attends_to_its_own_keys_up_to_its_position(dtype):
     k_new = torch.randn(B, G, 1, C, generator=g, dtype=torch.float64).to(dtype)
     v_new = torch.randn(B, G, 1, C, generator=g, dtype=torch.float64).to(dtype)
     slot_B, pos_B = torch.tensor(slots), torch.tensor(positions)
-    cache.decode(slot_B, pos_B, max(positions) + 1, None)
-    got = cache.attend(0, q_BHC[:, :, None], k_new, v_new)[:, :, 0]
+    batch = cache.decode_batch(slot_B, pos_B, max(positions) + 1, None)
+    got = KVForward(Attention(cache), batch).attend(0, q_BHC[:, :, None], k_new, v_new)[:, :, 0]
     # The new key and value are in place before the row attends to them.
     for b, (s, p) in enumerate(zip(slots, positions)):
         K[s, :, p], V[s, :, p] = k_new[b, :, 0], v_new[b, :, 0]

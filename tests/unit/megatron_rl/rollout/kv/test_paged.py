@@ -6,9 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+from megatron_rl.rollout.decode_step import DecodeOptions
 from megatron_rl.rollout.elastic_engine import MigratingRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.pages import PageAllocator, PoolExhausted
+from megatron_rl.rollout.kv.cache import KVLayout
+from megatron_rl.rollout.kv.kind import PagedKV, kv_kind
+from megatron_rl.rollout.kv.paged import PagedKVCache
+from megatron_rl.rollout.kv.pages import PageAllocator, PoolExhausted
 from megatron_rl.rollout.sampling import SamplingParams
 
 # (op, sequence, count): 0 grows a sequence by `count` pages, 1 forks it into a new one (sharing its
@@ -81,7 +85,7 @@ def run(engine, reqs):
 def test_paged_tokens_equal_slots_and_the_group_prefills_once(model, pad):
     want = run(RolloutEngine(model, SAMPLING, 9, 32), group_requests())
     # `pad`: decode buckets' padding rows write the scratch page, as CUDA graphs would.
-    paged = RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4, pad_to_buckets=pad)
+    paged = RolloutEngine(model, SAMPLING, 9, 32, kv=PagedKV(page_size=4), decode=DecodeOptions(pad=pad))
     assert run(paged, group_requests()) == want
     report = paged.kv_report()
     assert report["prefill_tokens_requested"] == 3 * (3 + 6 + 9)
@@ -93,14 +97,14 @@ def test_paged_tokens_equal_slots_and_the_group_prefills_once(model, pad):
 def test_pool_exhaustion_preempts_the_newest_and_recomputes_identically(model):
     want = run(RolloutEngine(model, SAMPLING, 9, 32), group_requests())
     # Predictions far too short and no reserve: admission overcommits, decode runs out of pages.
-    paged = RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4, kv_pages=10, kv_reserve=0.0)
+    paged = RolloutEngine(model, SAMPLING, 9, 32, kv=PagedKV(page_size=4, pages=10, reserve=0.0))
     assert run(paged, group_requests(predicted_len=1)) == want
     assert paged.kv_report()["preemptions"] > 0 and len(paged.finished) == 9
     assert paged.cache.peak_pages <= 10
 
 
 def test_a_request_longer_than_the_pool_is_refused(model):
-    paged = RolloutEngine(model, SAMPLING, 4, 64, kv="paged", page_size=4, kv_pages=3)
+    paged = RolloutEngine(model, SAMPLING, 4, 64, kv=PagedKV(page_size=4, pages=3))
     with pytest.raises(ValueError, match="needs 15 positions, the KV cache has 12"):
         paged.add([Request("long", 0, [1, 2, 3], 20, fixed_len=12)])
 
@@ -108,7 +112,7 @@ def test_a_request_longer_than_the_pool_is_refused(model):
 @pytest.mark.parametrize("kinds", [("paged", "paged"), ("slots", "paged"), ("paged", "slots")])
 def test_a_migrated_request_with_shared_pages_continues_identically(model, kinds):
     def engine(kv):
-        e = MigratingRolloutEngine(RolloutEngine(model, SAMPLING, 9, 32, kv=kv, page_size=4), 1)
+        e = MigratingRolloutEngine(RolloutEngine(model, SAMPLING, 9, 32, kv=kv_kind(kv, page_size=4)), 1)
         e.use_group(None, {x: 0 for x in range(model.config.num_moe_experts)})
         return e
 
@@ -132,9 +136,9 @@ def test_a_migrated_request_keeps_its_prediction_and_waits_for_room_on_a_full_re
     receiver whose pages are promised to its live request queues the migrated one (it re-prefills
     its tokens so far when admitted, as a preempted request does) instead of overcommitting."""
     want = run(RolloutEngine(model, SAMPLING, 9, 32), group_requests())
-    src = MigratingRolloutEngine(RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4), 1)
-    dst = MigratingRolloutEngine(RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4, kv_pages=6,
-                                               kv_reserve=0.0), 1)
+    src = MigratingRolloutEngine(RolloutEngine(model, SAMPLING, 9, 32, kv=PagedKV(page_size=4)), 1)
+    dst = MigratingRolloutEngine(RolloutEngine(model, SAMPLING, 9, 32, kv=PagedKV(page_size=4, pages=6, reserve=0.0)),
+                                 1)
     for e in (src, dst):
         e.use_group(None, {x: 0 for x in range(model.config.num_moe_experts)})
     src.engine.add(group_requests(predicted_len=8))
@@ -164,21 +168,18 @@ def test_carried_over_responses_reprefill_beside_their_fresh_siblings(model):
         return reqs
 
     want = run(RolloutEngine(model, SAMPLING, 9, 32), batch())
-    paged = RolloutEngine(model, SAMPLING, 9, 32, kv="paged", page_size=4)
+    paged = RolloutEngine(model, SAMPLING, 9, 32, kv=PagedKV(page_size=4))
     assert run(paged, batch()) == want
     report = paged.kv_report()
     assert report["prefill_tokens_computed"] < report["prefill_tokens_requested"] and report["pages_shared"] > 0
 
 
 def test_a_detached_rank_frees_the_pool_and_reclaims_it_zeroed():
-    from megatron_rl.rollout.paged_kv import PagedKVCache
-
-    cache = PagedKVCache(2, 4, 6, 4, 2, 16, 8, torch.float64)  # 6 pages and the scratch page
+    cache = PagedKVCache(KVLayout(2, 2, 8, torch.float64), 4, 16, pages=6, page_size=4)  # and the scratch page
     per = 2 * 2 * 7 * 2 * 4 * 8 * 8
     assert cache.nbytes == per
     s = cache.alloc()
-    cache.prefill([s], [5])
-    cache.commit()
+    cache.commit(cache.prefill_batch([s], [5]))
     assert cache.pool.used == 2
     with pytest.raises(RuntimeError, match="1 live sequences"):
         cache.release_memory()
@@ -189,9 +190,7 @@ def test_a_detached_rank_frees_the_pool_and_reclaims_it_zeroed():
 
 
 def test_admission_counts_a_groups_shared_prompt_pages_once():
-    from megatron_rl.rollout.paged_kv import PagedKVCache
-
-    cache = PagedKVCache(1, 4, 6, 4, 1, 16, 2, torch.float64, reserve=0.0)
+    cache = PagedKVCache(KVLayout(1, 1, 2, torch.float64), 4, 16, pages=6, page_size=4, reserve=0.0)
     # Three samples of an 8-token prompt predicted to end at 12 positions: 3 pages alone, 1 more
     # each for the samples that share the prompt's two full pages.
     assert cache.admissible([8, 8, 8], [12, 12, 12], 0, [0, 8, 8]) == 3
@@ -202,12 +201,10 @@ def test_a_pool_of_the_slots_bytes_admits_every_slot_whatever_the_reserve():
     """The default pool (the slots' bytes) holds every sequence at max_len: requests predicted to
     reach their cap all start at once, as in the slot cache (with a 10% reserve, 7 of 8 did and
     the eighth decoded alone afterwards, doubling the decode steps)."""
-    from megatron_rl.rollout.paged_kv import build_kv_cache
-
     mcfg = MoEModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1)
-    cache = build_kv_cache("paged", mcfg, 8, 64, torch.float64, torch.device("cpu"), page_size=16, reserve=0.1)
+    layout = KVLayout.of(mcfg, torch.float64, "cpu")
+    cache = PagedKV(page_size=16, reserve=0.1).cache(layout, 8, 64)
     assert cache.admissible([16] * 8, [64] * 8, 0, [0] * 8) == 8
     # A pool of 24 pages holds 6 such sequences at max_len (4 pages each): 6 start (5 did).
-    small = build_kv_cache("paged", mcfg, 8, 64, torch.float64, torch.device("cpu"), pages=24, page_size=16,
-                           reserve=0.1)
+    small = PagedKV(page_size=16, pages=24, reserve=0.1).cache(layout, 8, 64)
     assert small.admissible([16] * 8, [64] * 8, 0, [0] * 8) == 6

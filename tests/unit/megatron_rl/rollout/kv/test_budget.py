@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from megatron_rl.errors import FlexFloorError
-from megatron_rl.rollout.kv_cache import SlotKVCache, kv_budget_slots, kv_cache_slots, slot_bytes
+from megatron_rl.rollout.kv.budget import kv_budget_slots, kv_cache_slots, slot_bytes
+from megatron_rl.rollout.kv.cache import KVLayout
+from megatron_rl.rollout.kv.slots import SlotKVCache
 
 GIB = 2**30
 
@@ -37,7 +39,7 @@ def test_cpu_keeps_the_configured_slots():
 
 
 def test_detached_cache_frees_its_bytes_and_reallocates_zeroed():
-    cache = SlotKVCache(2, 4, 2, 16, 8, torch.float64)  # 4 slots and the scratch slot
+    cache = SlotKVCache(KVLayout(2, 2, 8, torch.float64), 4, 16)  # 4 slots and the scratch slot
     assert cache.nbytes == 2 * 2 * 5 * 2 * 16 * 8 * 8
     s = cache.alloc()
     with pytest.raises(RuntimeError, match="1 live sequences"):

@@ -2,7 +2,7 @@
 sequence (vLLM's PagedAttention, nano-vllm's `BlockManager`).
 
 Shapes: per layer, K and V of [pages + 1, G, P, C] (the last page is scratch, where the padding
-rows of a decode bucket write). A sequence is a handle (`slot`, as in the slot cache, so the engine
+rows of a decode bucket write; kv/cache.py). A sequence is a handle (`slot`, as in the slot cache, so the engine
 and the decode step see one interface) with a block table: page j holds its positions
 jP..(j+1)P-1. Pages are taken as a sequence grows (`grow`, before each decode step) and given back
 when it ends; the samples of one GRPO group hold their prompt's full pages together (`fork`: the
@@ -11,76 +11,97 @@ last, partial page is copied, as each sample writes its own tokens there next).
 Decode attention reads each row's pages. On CUDA, the Triton split-K kernel of the slot cache
 with the block table (rollout/decode_attention.py): each key's page looked up in the kernel, over
 the row's own length, in the same chunks and order as the slot cache's, and the block table a
-static device tensor updated in place as pages are taken, so the decode CUDA graphs capture it. The
-torch path gathers the block table's first ceil(L/P) entries of each row (entries past a row's
+static device tensor updated in place as pages are taken, so the decode CUDA graphs capture it
+(`PageRead`). The torch path gathers the block table's first ceil(L/P) entries of each row (entries past a row's
 pages name the zeroed scratch page) and masks the keys past a row's length, over the same L key
 positions as the slot cache's torch path, so every score and sum is the slot cache's, bit for bit.
 
 Admission (`admissible`): a request is admitted while its predicted KV (prompt + predicted
 response, in pages) fits in the free pages, less the growth promised to the live sequences and
 less a reserve for those that outlive their prediction; when the pool still runs out, the engine
-preempts its newest request and recomputes it later (rollout/engine.py).
+preempts its newest request and recomputes it later (rollout/scheduler.py).
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from megatron_rl.config import require, require_size
-from megatron_rl.rollout.kv_cache import CacheTensors, SlotKVCache
-from megatron_rl.rollout.pages import PageAllocator
-
-KV_KINDS = ("slots", "paged")
+from megatron_rl.rollout.kv.batch import DecodeBatch, PrefillBatch
+from megatron_rl.rollout.kv.cache import KVCache, KVLayout
+from megatron_rl.rollout.kv.pages import PageAllocator
+from megatron_rl.rollout.kv.route_rows import DecodeRows, PrefillRows
 
 
-def require_kv(kind: str, page_size: int, reserve: float, where: str) -> None:
-    """The KV fields of a config (`where`: their prefix, e.g. `generation.`)."""
-    require(kind in KV_KINDS, f"{where}kv: expected one of {', '.join(KV_KINDS)}, got {kind!r}")
-    require_size(page_size, f"{where}kv_page_size")
-    require(0 <= reserve < 1, f"{where}kv_reserve: expected in [0, 1), got {reserve}")
+@dataclass(frozen=True)
+class PageRows:
+    """A prefill's keys go position by position into its sequences' pages: real position `s_M[m]`
+    of row `b_M[m]` at offset `off_M[m]` of page `page_M[m]` (padding positions are not written)."""
+
+    b_M: torch.Tensor
+    s_M: torch.Tensor
+    page_M: torch.Tensor
+    off_M: torch.Tensor
+
+    def store(self, K, V, k_BGSC, v_BGSC) -> None:
+        K[self.page_M, :, self.off_M] = k_BGSC.permute(0, 2, 1, 3)[self.b_M, self.s_M]
+        V[self.page_M, :, self.off_M] = v_BGSC.permute(0, 2, 1, 3)[self.b_M, self.s_M]
 
 
-def build_kv_cache(kind: str, mcfg, slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                   pages: int | None = None, page_size: int = 16, reserve: float = 0.1):
-    """The engine's KV cache: `slots` sequences at most; paged, `pages` pages (default: the
-    slots' bytes, `slots x ceil(max_len / page_size)` pages)."""
-    if kind == "slots":
-        return SlotKVCache(mcfg.num_layers, slots, mcfg.num_query_groups, max_len, mcfg.kv_channels, dtype, device)
-    if kind != "paged":
-        raise ValueError(f"kv: expected one of {KV_KINDS}, got {kind!r}")
-    pages = slots * math.ceil(max_len / page_size) if pages is None else pages
-    return PagedKVCache(mcfg.num_layers, slots, pages, page_size, mcfg.num_query_groups, max_len,
-                        mcfg.kv_channels, dtype, device, reserve)
+@dataclass(frozen=True)
+class PageRead:
+    """A decode row's keys are in the pages of its block table: `table_BJ`, the rows' tables (the
+    kernel looks each key's page up in the cache's whole `table_SJ`, a static device tensor)."""
+
+    table_BJ: torch.Tensor
+    table_SJ: torch.Tensor
+    groups_G1: torch.Tensor
+    L: int
+    page_size: int
+    max_len: int
+
+    @functools.cached_property
+    def blocks_R(self) -> torch.Tensor:
+        """Row b's first ceil(L / P) pages, each KV group's P positions one contiguous block of K
+        viewed [pages x G, P x C], in attention's [B, G, n] order: every layer gathers them with
+        one index_select per tensor, straight into the layout attention reads. (One index per
+        position takes P times the indices; a page gather then a permuting copy moves the bytes
+        twice.) Made once per forward, by the torch path's first layer."""
+        n = -(-self.L // self.page_size)
+        return (self.table_BJ[:, None, :n] * self.groups_G1.shape[0] + self.groups_G1).reshape(-1)
+
+    def gather(self, K, V, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        G, P, C = K.shape[1:]
+        shape_BGLC = (self.table_BJ.shape[0], G, -1, C)  # n x P positions, the first L attended
+        K_BGLC = K.view(-1, P * C).index_select(0, self.blocks_R).view(shape_BGLC)[:, :, :L]
+        V_BGLC = V.view(-1, P * C).index_select(0, self.blocks_R).view(shape_BGLC)[:, :, :L]
+        return K_BGLC, V_BGLC
+
+    def kernel(self, kernel: Callable, q_BHC, K, V, slot_B, len_B) -> torch.Tensor:
+        return kernel(q_BHC, K, V, slot_B, len_B, table_SJ=self.table_SJ, max_len=self.max_len)
 
 
-class PagedKVCache(CacheTensors):
+class PagedKVCache(KVCache):
     shares_prefix = True
 
-    def __init__(self, num_layers: int, slots: int, pages: int, page_size: int, groups: int, max_len: int,
-                 channels: int, dtype: torch.dtype, device: torch.device | str = "cpu", reserve: float = 0.1):
-        self.num_layers, self.page_size, self.max_len = num_layers, page_size, max_len
-        self.shape = (pages + 1, groups, page_size, channels)
-        self.slots, self.scratch, self.scratch_page = slots, slots, pages
-        self.dtype, self.device = dtype, torch.device(device)
+    def __init__(self, layout: KVLayout, slots: int, max_len: int, pages: int, page_size: int = 16,
+                 reserve: float = 0.1):
+        super().__init__(layout, slots, max_len, blocks=pages, positions=page_size)
+        self.page_size, self.scratch_page = page_size, pages
         self.pages_per_seq = math.ceil(max_len / page_size)
         self.reserve_pages = math.ceil(reserve * pages)
         self.pool = PageAllocator(pages)
         self.tables: list[list[int]] = [[] for _ in range(slots)]
-        # Each sequence's predicted positions (admission's promise), and its current length.
+        # Each sequence's predicted positions (admission's promise); its length is `lengths`.
         self.predicted = [0] * slots
-        self.lengths = [0] * slots
-        self.free = list(range(slots - 1, -1, -1))
         # Every row's page ids on the device; unused entries (and the scratch sequence's) name the scratch page.
         self.block_table = torch.full((slots + 1, self.pages_per_seq), pages, dtype=torch.long, device=self.device)
-        self.generation = 0
-        self.reclaim_memory()
         self.pages_shared = 0  # pages a sequence got from its group instead of computing them
         self.peak_pages = 0
-        self.kernel = None  # the decode-attention kernel, set by the engine where one runs
-        self._decode_constants()
-        self._groups_G1 = torch.arange(groups, device=self.device)[:, None]
+        self.groups_G1 = torch.arange(layout.groups, device=self.device)[:, None]
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page_size)
@@ -187,50 +208,25 @@ class PagedKVCache(CacheTensors):
 
     # -- one forward ---------------------------------------------------------------------------
 
-    def prefill(self, slots: list[int], new_tokens: list[int]) -> torch.Tensor:
-        """Fresh `slots` get pages for their `new_tokens` positions; returns the queries' positions [B, S]."""
-        if any(self.lengths[s] or self.tables[s] for s in slots):
+    def prefill_batch(self, slots: list[int], new_tokens: list[int]) -> PrefillBatch:
+        """Fresh `slots` get pages for their `new_tokens` positions: a forward writing them."""
+        if any(self.tables[s] for s in slots):
             raise RuntimeError("prefill of a sequence that already holds keys")
         S = max(new_tokens)
-        if S > self.max_len:
-            raise RuntimeError(f"sequence longer than the KV cache's {self.max_len} positions")
-        self._slots, self._new, self._decode = list(slots), list(new_tokens), None
-        self._S, self._route_rows = S, None
+        self._check_prefill(slots, S)
         where = []  # (row, position, page, offset) of every real position
         for b, (s, n) in enumerate(zip(slots, new_tokens)):
             self._cover(s, n)
             where += [(b, p, self.tables[s][p // self.page_size], p % self.page_size) for p in range(n)]
-        self._b_M, self._s_M, self._page_M, self._off_M = torch.tensor(where, device=self.device).T
-        return torch.arange(S, device=self.device).expand(len(slots), S)
+        b_M, s_M, page_M, off_M = torch.tensor(where, device=self.device).T
+        return PrefillBatch(list(slots), list(new_tokens), S, PageRows(b_M, s_M, page_M, off_M),
+                            PrefillRows(list(slots), list(new_tokens), S, self.max_len, self.device))
 
-    def decode(self, slot_B: torch.Tensor, pos_B: torch.Tensor, L: int, run: slice | None) -> torch.Tensor:
-        """As the slot cache's: row b appends at `pos_B[b]` of sequence `slot_B[b]` (pages taken by `grow`)."""
-        self._decode, self._L = (slot_B, pos_B), L
+    def decode_batch(self, slot_B: torch.Tensor, pos_B: torch.Tensor, L: int, run: slice | None) -> DecodeBatch:
+        """As the slot cache's: row b appends at `pos_B[b]` of sequence `slot_B[b]` (pages taken by
+        `grow`); `run` is not needed, a row's keys being wherever its pages are."""
         table_BJ = self.block_table.index_select(0, slot_B)
         page_B = table_BJ.gather(1, (pos_B // self.page_size)[:, None])[:, 0]
-        self._decode_inputs(page_B, pos_B % self.page_size, pos_B, L)
-        if self.kernel is None:
-            # Row b's first pages_for(L) pages, each KV group's P positions one contiguous block of
-            # K viewed [pages x G, P x C], in attention's [B, G, n] order: every layer gathers them
-            # with one index_select per tensor, straight into the layout attention reads. (One index
-            # per position takes P times the indices; a page gather then a permuting copy moves
-            # the bytes twice.)
-            self._blocks_R = (table_BJ[:, None, :self.pages_for(L)] * self.shape[1] + self._groups_G1).reshape(-1)
-        return pos_B[:, None]
-
-    def attend(self, layer: int, q_BHSC: torch.Tensor, k_BGSC: torch.Tensor, v_BGSC: torch.Tensor) -> torch.Tensor:
-        K, V = self.k[layer], self.v[layer]
-        if self._decode is None:
-            K[self._page_M, :, self._off_M] = k_BGSC.permute(0, 2, 1, 3)[self._b_M, self._s_M]
-            V[self._page_M, :, self._off_M] = v_BGSC.permute(0, 2, 1, 3)[self._b_M, self._s_M]
-            return F.scaled_dot_product_attention(q_BHSC, k_BGSC, v_BGSC, is_causal=True, enable_gqa=True)
-        self._append(K, V, k_BGSC, v_BGSC)
-        slot_B, pos_B = self._decode
-        if self.kernel is not None:
-            return self.kernel(q_BHSC[:, :, 0], K, V, slot_B, pos_B + 1, table_SJ=self.block_table,
-                               max_len=self.max_len)[:, :, None]
-        G, P, C = self.shape[1:]
-        shape_BGLC = (slot_B.shape[0], G, -1, C)  # n x P positions, the first L attended
-        K_BGLC = K.view(-1, P * C).index_select(0, self._blocks_R).view(shape_BGLC)[:, :, : self._L]
-        V_BGLC = V.view(-1, P * C).index_select(0, self._blocks_R).view(shape_BGLC)[:, :, : self._L]
-        return self._attend_keys(q_BHSC, K_BGLC, V_BGLC)
+        read = PageRead(table_BJ, self.block_table, self.groups_G1, L, self.page_size, self.max_len)
+        return DecodeBatch(slot_B, pos_B, L, self._write_rows(page_B, pos_B % self.page_size), read, self.zero,
+                           DecodeRows(slot_B, pos_B, self.max_len))
