@@ -19,6 +19,8 @@ from tests.unit.megatron_rl.rollout.test_decode_attention import paged
 
 C = 128
 ULPS = 2.0
+# About 30 s of CPU for batch 64; a loaded 2-core machine stretches that several times.
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(autouse=True)
