@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
-from tools.gpu_env import MEGATRON_DIST_BACKEND, needs_megatron_device
+from tools.gpu_env import MEGATRON_DIST_BACKEND, needs_megatron_device, sized
 
 try:
     import transformer_engine.pytorch  # noqa: F401
@@ -24,8 +24,9 @@ EXPERTS = "TEGroupedMLP" if HAVE_TE else "GroupedMM"
 pytestmark = [needs_megatron_device, pytest.mark.timeout(300)]
 
 DIST_BACKEND = MEGATRON_DIST_BACKEND  # for the one_rank_group fixture (tests/conftest.py)
-CONFIG = MoEModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4, kv_channels=32,
-                        num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=128, vocab_size=1024)
+# On the GPU as written; in the dry run (CPU, through the megatron-core harness) at tiny shapes.
+CONFIG = sized(MoEModelConfig(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4, kv_channels=32,
+                              num_moe_experts=16, moe_router_topk=4, moe_ffn_hidden_size=128, vocab_size=1024))
 
 
 def _models(ep_group, dispatcher, device: str):
