@@ -135,7 +135,7 @@ run_stage() {  # the stage NAME of a profile
             else
                 record "$1" skip "not the H100 image (FLEXFLOOR_IMAGE unset): TransformerEngine is optional here" 0
             fi ;;
-        "w: carried wheels")  # tools/gpu_wheels.sh records the row, with the wheels and imports as evidence
+        "w: carried wheels")  # tools/gpu_wheels.sh records the row, the modules it imported and used as evidence
             stage "$1" 60 bash tools/gpu_wheels.sh --install "$FF_GPU_WHEELS" ;;
         "tests/gpu (c engine, b bf16)")
             stage "$1" 180 "${pyt[@]}" -m gpu tests/gpu/test_decode_engine_gpu.py ;;
