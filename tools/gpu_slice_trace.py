@@ -3,9 +3,10 @@ Qwen3-30B-A3B's real widths (hidden 2048, 128 experts top-8, expert FFN 768, 32 
 of 128, vocab 151936) and few layers, in bf16, under torch's FakeTensorMode: shapes and dtypes are
 computed, no memory is touched. The memory each step allocates is counted op by op (live bytes,
 freed when the last tensor on a storage goes) and held against tools/memory_table.py's arithmetic
-(megatron_rl/rollout/memory.py, elastic/planning/train_memory.py): within +-20%.
+(megatron_rl/rollout/memory.py's weight and KV bytes, the training table's `activation_bytes`): within
++-20%.
 
-    python tools/gpu_slice_trace.py [--layers 2] [--batch 64] [--context 1024] [--rows 4 --seq 1024]
+    python tools/gpu_slice_trace.py [--layers 2] [--batch 64] [--context 1024] [--rows 2 --seq 8192] [--no-recompute] [--chunk 1024]
 
 Fake implementations, where the real code cannot run on fake tensors:
 - the Triton decode kernels (rollout/decode_attention.py): their launches do nothing; the buffers
@@ -18,8 +19,9 @@ Fake implementations, where the real code cannot run on fake tensors:
 Figures (one `check` per line, `ok` when every ratio is within the tolerance):
 - decode: the weights (memory.weight_bytes), the KV cache of `batch` sequences of `context` +
   the new token (memory.kv_bytes_per_token x slots x positions), the step's logits [B, V] bf16;
-- training: the weights, and the activations the micro-step keeps for its backward (live bytes
-  after the forward, weights excluded) against train_memory.activation_bytes, and the gradients.
+- the stacked expert copies `ExpertBank.stacked` keeps (against the experts' bytes: no table has them);
+- training: the weights, the activations at the update's peak (less the weights, the stacked
+  copies and the gradients accumulated by then) against `activation_bytes`, and the gradients.
 """
 from __future__ import annotations
 
@@ -39,14 +41,13 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastic.planning.train_memory import activation_bytes  # noqa: E402
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel, qwen3_moe  # noqa: E402
 from megatron_rl.models.moe import ExpertBank  # noqa: E402
-from megatron_rl.rl.grpo import policy_loss  # noqa: E402
 from megatron_rl.rl.train_step import Packed, sequence_logprobs  # noqa: E402
 from megatron_rl.rollout import decode_attention  # noqa: E402
 from megatron_rl.rollout.kv_cache import SlotKVCache  # noqa: E402
 from megatron_rl.rollout.memory import kv_bytes_per_token, weight_bytes  # noqa: E402
+from tools.memory_table import activation_bytes  # noqa: E402  the table's own activation arithmetic
 
 TOLERANCE = 0.2
 SLICE = MoEModelConfig(num_layers=2, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
@@ -209,10 +210,10 @@ def decode_step(mcfg: MoEModelConfig, batch: int, context: int) -> list[Figure]:
 
 
 def training_micro_step(mcfg: MoEModelConfig, rows: int, seq: int, recompute: bool, chunk: int) -> list[Figure]:
-    """Forward and backward of the GRPO loss over `rows` sequences of `seq` tokens (one micro-batch),
+    """Forward and backward of a policy-gradient loss over `rows` sequences of `seq` tokens (one micro-batch),
     with the trainer's `recompute_activations` and `logprob_chunk_tokens`. The activations are the
     update's peak of live bytes less the weights, the stacked copies and the gradients accumulated
-    by then, against train_memory.activation_bytes (saved tensors, under recompute one layer's full
+    by then, against the table's `activation_bytes` (saved tensors, under recompute one layer's full
     set, the fp32 logits and their gradient). Reported, with the ratio; judged like the others."""
     dtype, tokens = torch.bfloat16, rows * seq
     dense, expert = weight_bytes(mcfg, 2)
@@ -225,8 +226,9 @@ def training_micro_step(mcfg: MoEModelConfig, rows: int, seq: int, recompute: bo
         ids = torch.zeros(rows, seq + 1, dtype=torch.long)
         packed = Packed(ids[:, :-1], ids[:, 1:], torch.ones(rows, seq), torch.ones(rows, seq, dtype=torch.bool))
         logp = sequence_logprobs(model, packed, chunk_tokens=chunk)
-        loss, _ = policy_loss(logp, logp.detach(), torch.ones(rows, dtype=torch.float64), packed.loss_mask,
-                              clip_low=0.2, clip_high=0.2, normalizer=tokens)
+        # A policy-gradient surrogate over the response tokens: the GRPO loss's [B, S] terms add
+        # kilobytes here, against the gigabytes of the model's activations.
+        loss = -(logp * packed.loss_mask).sum() / tokens
         loss.backward()
         kept = mem.peak_less - weights - stacked[0]
         grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
