@@ -6,7 +6,8 @@ freed when the last tensor on a storage goes) and held against tools/memory_tabl
 (megatron_rl/rollout/memory.py's weight and KV bytes, the training table's `activation_bytes`): within
 +-20%.
 
-    python tools/gpu_slice_trace.py [--layers 2] [--batch 64] [--context 1024] [--rows 2 --seq 8192] [--no-recompute] [--chunk 1024]
+    python tools/gpu_slice_trace.py [--layers 2] [--batch 64] [--context 1024]
+                                    [--rows 2 --seq 8192] [--no-recompute] [--chunk 1024]
 
 Fake implementations, where the real code cannot run on fake tensors:
 - the Triton decode kernels (rollout/decode_attention.py): their launches do nothing; the buffers
