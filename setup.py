@@ -48,6 +48,12 @@ setup(
             # use with ninja (a dependency of deepspeed) and the system C++ compiler.
             "deepspeed>=0.17,<0.20",
             "reasoning-gym==0.1.25",  # tests/e2e/test_reasoning_gym.py
+            # The Triton decode kernel (the default attention on CUDA) runs in CI in the Triton
+            # interpreter on CPU (tests/triton_interpreter.py), and compiles for sm90 without a GPU:
+            # the CPU wheel of torch does not bring triton. The kernel is proven under both tritons
+            # it meets (docs/gpu.md): 3.6.0, the bare H200's and a clean clone's, and 3.5.1, which the
+            # H100 image's torch 2.9.1 pins exactly (an exact 3.6.0 here would fail that install).
+            "triton>=3.5.1,<3.7; platform_system == 'Linux'",
         ],
         # Real tasks from a package (tools/prepare_reasoning_gym.py; pure Python, works offline).
         "tasks": ["reasoning-gym==0.1.25"],

@@ -8,6 +8,12 @@ capture (`DecodeRunner._forward` of one bucket, rollout/decode_step.py) must not
 - copy host data to the device (`torch.tensor(...)` inside the region: `lift_fresh`; a CPU tensor
   copied to the device): a graph replays the address, not the host values.
 
+A Triton kernel run by the interpreter (`TRITON_INTERPRET=1`, the decode attention's on CPU) is
+traced as one entry per launch, its tensors as what the region reads; the interpreter's own host
+copies of those tensors (`.cpu()`, `set_`, `copy_` back), which a compiled kernel never makes, are
+not traced. What the Python around the launch does is traced as ever: a planted `.item()` is still
+a host read.
+
 Two traces of the same bucket with different inputs must be the same op, shape and argument
 sequence (a value read from the inputs into Python would show as a different argument), and the
 storages the region reads but did not make (weights, KV cache, RoPE tables, fp32 router copies)
@@ -17,8 +23,11 @@ tools/gpu_check.sh records it as the row `c: capture safety` (tests/gpu/checks/g
 """
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
 _HOST_READS = {"_local_scalar_dense", "item", "tolist"}
@@ -67,6 +76,36 @@ class CaptureTrace(TorchDispatchMode):
                          tuple(repr(a) for a in flat if not isinstance(a, torch.Tensor))))
         return out
 
+    def kernel(self, name: str, args: tuple, kwargs: dict) -> None:
+        """One Triton kernel launch: an entry of the trace; its tensors not made here are read."""
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        for t in tensors:
+            if _storage(t) not in self.made:
+                self.read.setdefault(_storage(t), t.dtype)
+        self.ops.append((f"triton:{name}", tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in tensors),
+                         tuple(repr(a) for a in flat if not isinstance(a, torch.Tensor))))
+
+
+@contextlib.contextmanager
+def interpreted_launches(trace: CaptureTrace):
+    """While inside, each launch of a Triton kernel in the interpreter is `trace.kernel`, and the
+    interpreter's own ops are not traced (the module docstring). Without triton, nothing to do."""
+    try:
+        from triton.runtime.interpreter import GridExecutor  # optional: the CPU wheel of torch has no triton
+    except ImportError:
+        yield
+        return
+    launch = GridExecutor.__call__
+
+    def traced(executor, *args, **kwargs):
+        trace.kernel(executor.fn.__name__, args, kwargs)
+        with _disable_current_modes():
+            return launch(executor, *args, **kwargs)
+
+    with mock.patch.object(GridExecutor, "__call__", traced):
+        yield
+
 
 def _argument(func, args, kwargs, names: tuple[str, ...], default):
     """The value of the first of `names` that `func`'s schema has, as called; `default` without one."""
@@ -91,7 +130,7 @@ def trace_bucket(runner, n: int, rows: list[list[int]] | None = None) -> Capture
         runner._dev[:n].copy_(runner._host[:n])
     runner._refresh_copies()
     trace = CaptureTrace(runner.device)
-    with torch.inference_mode(), trace:
+    with torch.inference_mode(), trace, interpreted_launches(trace):
         runner._forward(n, runner.cache.max_len, None, masked=True)
     return trace
 

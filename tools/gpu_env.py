@@ -1,7 +1,7 @@
 """Where tools/gpu_check.sh's checks run: on CUDA, or in its dry run (`FF_GPU_DRYRUN=1`) on CPU at
 tiny shapes, through the same Python paths (tests/gpu/, tools/bench_gpu.py, the megatron tools).
 
-    from tools.gpu_env import DRYRUN, DEVICE, needs_cuda, needs_gpu, sized
+    from tools.gpu_env import DRYRUN, DEVICE, needs_cuda, needs_gpu, needs_megatron_device, sized
 """
 from __future__ import annotations
 
@@ -17,8 +17,14 @@ DEVICE = "cpu" if DRYRUN else "cuda"
 # A tests/gpu module's skip: without CUDA, unless this is the dry run (which runs it on CPU).
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() or DRYRUN),
                                reason="needs a CUDA GPU (tools/gpu_check.sh; FF_GPU_DRYRUN=1 runs it on CPU)")
-# A megatron-core check's skip: its layers are built on a CUDA device, so the dry run skips it too.
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's layers need CUDA")
+# A check that needs CUDA even in the dry run (two GPUs, TransformerEngine).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# A megatron-core check's skip: without CUDA, unless this is the dry run, which builds megatron-core's
+# layers on CPU through the test harness (tests/gpu/conftest.py: `megatron_device`) over gloo.
+needs_megatron_device = pytest.mark.skipif(
+    not (torch.cuda.is_available() or DRYRUN),
+    reason="megatron-core's layers need CUDA (FF_GPU_DRYRUN=1 runs them on CPU through tests/megatron_harness.py)")
+MEGATRON_DIST_BACKEND = "gloo" if DRYRUN else "nccl"  # for tests/conftest.py's one_rank_group fixture
 
 
 def sized(mcfg):

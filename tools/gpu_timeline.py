@@ -8,6 +8,7 @@ run, copy the `seconds` of its stage rows here and mark them measured.
 
     python tools/gpu_timeline.py default [--budget 285]     # the projected timeline; exit 1 without 20% margin
     python tools/gpu_timeline.py --rows "tests/gpu (a, b)"   # the rows a stage reports
+    python tools/gpu_timeline.py --visit [--budget 285]       # start + profile + rerun, within 900 s
 """
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ PROFILES = {
     "slice": ["w: carried wheels", "c: bench 30B slice + step table"],
 }
 MARGIN = 0.2  # the share of the budget a profile leaves free: estimates err, a stage's start costs
+# Rows of figures against targets (tools/gpu_summary.py lists them after the correctness rows, with
+# a verdict of their own: a run that fails only these exits 3, not 1).
+SPEED_ROWS = frozenset({
+    "c: decode tokens/s, batch 1", "c: decode tokens/s, batch 64", "c: 30B-A3B slice step vs roofline, batch 64",
+    "c: slice step-time table", "m: decode tokens/s, GroupedMM", "m: decode tokens/s, SequentialMLP",
+    "m: decode tokens/s, TEGroupedMLP", "o: offloaded optimizer step"})
+# A lent GPU: 15 minutes of device time, a start of up to 4 minutes (docs/gpu.md, "A 15-minute visit").
+VISIT_S, START_S = 900, 240
 
 
 def timeline(profile: str, budget_s: float) -> tuple[str, bool]:
@@ -64,15 +73,30 @@ def timeline(profile: str, budget_s: float) -> tuple[str, bool]:
     return "\n".join(lines), fits
 
 
+def worst_case(budget_s: float) -> tuple[str, bool]:
+    """(the visit's worst case, whether it fits): a slow start, the profile cut at its budget, and
+    a rerun of the failed stages cut at the same budget."""
+    total = START_S + 2 * budget_s
+    return (f"worst case of a {VISIT_S}-s GPU visit: start {START_S} s + profile {budget_s:.0f} s (its cap) + rerun "
+            f"of failed stages {budget_s:.0f} s (FF_GPU_STAGES, the same cap) = {total:.0f} s, "
+            + (f"{VISIT_S - total:.0f} s to spare" if total <= VISIT_S else f"OVER by {total - VISIT_S:.0f} s")), \
+        total <= VISIT_S
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("profile", nargs="?", choices=sorted(PROFILES))
     p.add_argument("--budget", type=float, default=285.0)
     p.add_argument("--rows", metavar="STAGE", help="print the rows STAGE reports, one a line")
+    p.add_argument("--visit", action="store_true", help="print the visit's worst case; exit 1 if over 900 s")
     args = p.parse_args(argv)
     if args.rows:
         print("\n".join(STAGES[args.rows][2]))
         return 0
+    if args.visit:
+        line, fits = worst_case(args.budget)
+        print(line)
+        return 0 if fits else 1
     table, fits = timeline(args.profile, args.budget)
     print(table)
     return 0 if fits else 1

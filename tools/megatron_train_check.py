@@ -1,7 +1,9 @@
 """tools/gpu_check.sh's row `m: train backend=megatron, checkpoint + resume`: `flexfloor train` with
 `backend=megatron device=cuda` for one GRPO step with a checkpoint, then a resume to step 2, as a
-user runs it; the row holds both steps' loss and grad norm. Needs CUDA and megatron-core (its CPU
-twin is tests/e2e/test_megatron_cli_harness.py on the test harness).
+user runs it; the row holds both steps' loss and grad norm. Needs CUDA and megatron-core; in
+tools/gpu_check.sh's dry run (FF_GPU_DRYRUN=1) the same two runs go on CPU at tiny shapes, megatron-core's
+layers through the test harness (tests/megatron_harness.py; its CPU twin in CI is
+tests/e2e/test_megatron_cli_harness.py).
 
     python tools/megatron_train_check.py [--ranks 1] [--dtype bfloat16]
 """
@@ -33,16 +35,16 @@ CONFIG = {
 }
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    """CONFIG as dotted overrides (load_dataclass's form)."""
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+# The dry run's shapes: the same config, a model and batch for seconds on CPU.
+DRYRUN_CONFIG = {"model": {**CONFIG["model"], "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+                           "kv_channels": 16, "num_moe_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 32},
+                 "grpo": {**CONFIG["grpo"], "group_size": 2, "micro_batch": 4}, "prompts_per_step": 2,
+                 "device": "cpu"}
 
 
 def main() -> int:
     from megatron_rl.data.arith import make_problems, write_jsonl
+    from tools.gpu_env import DRYRUN, dryrun_detail
     from tools.gpu_summary import record
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -50,28 +52,22 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     a = p.parse_args()
     name, t0 = "m: train backend=megatron, checkpoint + resume", time.perf_counter()
-    from tools.gpu_env import DRYRUN
-
-    if DRYRUN:  # tools/gpu_check.sh's CPU dry run: the config and the training modules, not the CUDA run
-        import megatron_rl.rl.megatron_train  # noqa: F401
-        from megatron_rl.config import load_dataclass
-        from megatron_rl.trainer_config import TrainerConfig
-
-        load_dataclass(TrainerConfig, None, {**_flat(CONFIG), "device": "cpu", "dtype": a.dtype,
-                                             "data.path": str(ROOT / "examples" / "data" / "arith_train.jsonl")})
-        record(name, "pass", "dry run (cpu): the config loads and the megatron training modules import; "
-               "megatron-core's forward needs CUDA", time.perf_counter() - t0)
-        return 0
+    env = None
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         write_jsonl(make_problems(64, seed=0, max_operand=9, ops="+"), tmp / "arith.jsonl")
         cfg = {**CONFIG, "dtype": a.dtype, "data": {"path": str(tmp / "arith.jsonl")}}
+        if DRYRUN:  # on CPU at tiny shapes, each run's processes under the megatron-core test harness
+            from tests.megatron_harness import site_env  # tests only: the product never imports it
+
+            cfg.update(DRYRUN_CONFIG)
+            env = site_env()
         (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
         runs = []
         for steps in (1, 2):
             r = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(tmp / "cfg.yaml"),
                                 "--out", str(tmp / "out"), "--ranks", str(a.ranks), "--steps", str(steps)],
-                               cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
             runs.append(r)
             if r.returncode != 0:
                 tail = r.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
@@ -88,7 +84,8 @@ def main() -> int:
         detail = (f"{a.dtype}, {a.ranks} rank(s): " + "; ".join(
             f"step {r['step']} loss {r['actor/loss']:+.4f} grad norm {r['actor/grad_norm']:.3g}" for r in rows)
             + f"; resumed: {'resuming from' in runs[1].stderr}; optimizer shards {shards} in checksums")
-        record(name, "pass" if ok else "fail", detail, time.perf_counter() - t0)
+        record(name, "pass" if ok else "fail", dryrun_detail(detail), time.perf_counter() - t0,
+               evidence={"training runs": len(runs), "steps logged": len(rows)})
         print(detail)
         return 0 if ok else 1
 

@@ -16,11 +16,12 @@ each, one program per (row, KV group, chunk) covering the group's H/G query head
 blocks depend on the row's length and the cache's longest sequence only, so the slot and the paged
 cache of one `max_len` add the same numbers in the same order: the same result, bit for bit.
 
-Tested on CPU under `TRITON_INTERPRET=1` in fp32 and fp16 against SDPA
-(tests/unit/megatron_rl/rollout/test_decode_attention.py, skipped where triton is not installed), and
+Tested on CPU under `TRITON_INTERPRET=1` (triton is in the dev extras) in fp32 and fp16 against SDPA
+and in bf16, with the interpreter's bf16 made exact (tests/triton_bf16.py), against float64
+(tests/unit/megatron_rl/rollout/test_decode_attention.py, test_decode_attention_bf16.py), and
 compiled for sm90 without a GPU for every constant set the GPU checks use
 (tests/unit/megatron_rl/rollout/test_decode_attention_sm90.py); the rollout engine uses it on CUDA
-(`available`), and the torch path (a masked key range, `_attend_keys` in kv_cache.py) everywhere else.
+(`available`), and the torch path (a masked key range, `attend_keys` in rollout/kv/attention.py) everywhere else.
 """
 from __future__ import annotations
 
@@ -115,16 +116,21 @@ if triton is not None:
         offs_s = tl.arange(0, SPLITS)
         offs_c = tl.arange(0, C)
         lse = tl.load(MidL + b * s_lb + h * s_lh + offs_s)
-        w = tl.exp(lse - tl.max(lse, 0))
+        # An empty chunk weighs 0. A zero-length row has only empty chunks (every lse -inf, where
+        # exp(lse - max) would be exp(-inf + inf) = NaN): its output is zeros, not NaN. Other rows
+        # get the weights and sum they always had, bit for bit.
+        w = tl.where(lse > float("-inf"), tl.exp(lse - tl.max(lse, 0)), 0.0)
+        den = tl.sum(w, 0)
         o = tl.load(MidO + b * s_ob + h * s_oh + offs_s[:, None] * s_os + offs_c[None, :])
-        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+        out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
         tl.store(Out + b * s_xb + h * s_xh + offs_c, out.to(Out.dtype.element_ty))
 
 
 def splits_for(max_len: int) -> int:
-    """Chunks per row: enough programs to fill the device at small batch, each chunk at least a few
-    blocks long; a power of two (the merge spans it with `tl.arange`)."""
-    return max(1, min(16, 1 << max(0, (max_len // 256 - 1).bit_length())))
+    """Chunks per row: the power of two at or above max_len // 256, at most 16 (the merge spans it
+    with `tl.arange`): each chunk holds at least 128 positions (4 blocks of 32), a longer cache never
+    gets fewer chunks, and more chunks fill the device at small batch. Below 512 positions: one."""
+    return min(16, 1 << (max(1, max_len // 256) - 1).bit_length())
 
 
 def constants(H: int, G: int, C: int, max_len: int, splits: int | None = None, block_n: int = 32,

@@ -2,8 +2,9 @@
 profile on CPU at tiny shapes, under the import blocker of the bare H200 image (tools/gpu_dryrun/),
 with the carried wheels' names standing for them. A change that would break the first GPU run (an
 import the image lacks, a row that never reports, results outside $OUT, a profile over its budget,
-a captured region that reads the host) breaks this test. Negative controls: the wheels folder
-without math-verify fails the run; a budget too small turns stages into SKIP rows, not FAIL."""
+a captured region that reads the host, a row that passes without evidence of what ran, a
+megatron-core row that did not run) breaks this test. Negative controls: the wheels folder without
+math-verify fails the run; a budget too small turns stages into SKIP rows, not FAIL."""
 import json
 import os
 import re
@@ -51,6 +52,13 @@ def test_the_dry_run_records_every_row_of_every_profile_under_out(tmp_path):
     assert want <= set(got), sorted(want - set(got))
     assert got["c: capture safety"]["status"] == "pass"  # judged in the dry run too
     assert got["s: sglang lease"]["status"] == "skip" and got["o: offloaded optimizer step"]["status"] == "skip"
+    # Every pass carries evidence of what ran; the megatron-core rows ran on CPU through the harness,
+    # and the paged row's kernel ran in the interpreter.
+    passed = {c: r for c, r in got.items() if r["status"] == "pass"}
+    assert all(r.get("evidence") and min(r["evidence"].values()) > 0 for r in passed.values()), passed
+    assert {c for c in want if c.startswith("m: ")} <= set(passed), {c: got[c]["status"] for c in got}
+    assert got["k: paged vs slot KV, decode batch 64"]["evidence"]["paged kernel launches"] > 0
+    assert "= 810 s, 90 s to spare" in res.stdout
     for name in ("results.jsonl", "gpu_check.log", "gpu_step_times.json", "gpu_md_section.md"):
         assert (out / name).stat().st_size > 0, name
     # The default profile fits 285 s with 20% margin, and the last lines are the compact table.

@@ -2,12 +2,18 @@
 its paged KV cache against the slot one. The bodies are tests/gpu/checks/gpu_decode_checks.py
 and gpu_paged_checks.py (their CPU side: tests/unit/tools/test_gpu_decode_checks.py and
 test_gpu_paged_checks.py); each
-records its row for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set."""
+records its row for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set. In the dry
+run the paged check runs in fp32 with the Triton kernel in the interpreter (tests/triton_interpreter.py),
+so that its evidence, the kernel's launches, is real there too."""
+import contextlib
+
 import pytest
+import torch
 
 from tests.gpu.checks import gpu_decode_checks, gpu_paged_checks
 from tests.gpu.checks.gpu_checks import SMALL_QWEN3_MOE
 from tests.gpu.test_gpu_path import _check
+from tests.triton_interpreter import interpreted
 from tools.gpu_env import DEVICE, DRYRUN, needs_gpu, sized
 
 pytestmark = [
@@ -43,6 +49,8 @@ def test_b_bf16_identical_responses_per_policy():
 
 
 def test_k_paged_decode_gives_the_slot_tokens_at_batch_64():
-    out = _check("k: paged vs slot KV, decode batch 64", lambda: gpu_paged_checks.paged_vs_slot(
-        sized(SMALL_QWEN3_MOE), device=DEVICE, **({"batch": 8, "new": 8, "max_len": 24} if DRYRUN else {})))
+    small = {"batch": 4, "new": 6, "max_len": 24, "dtype": torch.float32} if DRYRUN else {}
+    with interpreted() if DRYRUN else contextlib.nullcontext():
+        out = _check("k: paged vs slot KV, decode batch 64", lambda: gpu_paged_checks.paged_vs_slot(
+            sized(SMALL_QWEN3_MOE), device=DEVICE, **small))
     assert out["ok"], out

@@ -1,6 +1,7 @@
 """Checks (a) and (b) of tools/gpu_check.sh on one CUDA GPU (skipped without one). The bodies are
 tests/gpu/checks/gpu_checks.py, whose CPU side tests/unit/tools/test_gpu_checks.py runs; each check here records its
-figures for the summary table (tools/gpu_summary.py) when $FF_GPU_RESULTS is set. The dry run of
+figures and its evidence (counts of what ran) for the summary table (tools/gpu_summary.py) when
+$FF_GPU_RESULTS is set. The dry run of
 tools/gpu_check.sh (FF_GPU_DRYRUN=1) runs them on CPU at tiny shapes (tools/gpu_env.py), not judged
 (but for capture safety, which means the same on CPU)."""
 import time
@@ -25,9 +26,12 @@ def _check(name: str, fn):
     except Exception as e:
         record(name, "fail", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", time.perf_counter() - t0)
         raise
+    # The dry run checks paths, not tiny-model verdicts (capture safety is judged there too); in
+    # both, a row passes only with evidence of what ran (gpu_summary.judged turns it into a failure).
     judged = out["ok"] or (DRYRUN and name != "c: capture safety")
-    record(name, "pass" if judged else "fail", dryrun_detail(out["summary"]), time.perf_counter() - t0)
-    # The dry run checks paths, not tiny-model verdicts; capture safety is judged there too.
+    record(name, "pass" if judged else "fail", dryrun_detail(out["summary"]), time.perf_counter() - t0,
+           evidence=out["evidence"])
+    assert out["evidence"] and min(out["evidence"].values()) > 0, f"{name}: no evidence of what ran: {out}"
     return {**out, "ok": True} if DRYRUN and name != "c: capture safety" else out
 
 

@@ -24,7 +24,8 @@ def test_a_bf16_grpo_updates_against_fp32_on_the_same_rollouts():
     out = grpo_precision.compare(device=DEVICE, mcfg=sized(gpu_checks.SMALL_QWEN3_MOE), **small)
     print(grpo_precision.table(out["rows"]))
     record("a: bf16 GRPO per-update table", "pass" if out["ok"] or DRYRUN else "fail",
-           dryrun_detail(grpo_precision.summary(out["rows"])), time.perf_counter() - t0)
+           dryrun_detail(grpo_precision.summary(out["rows"])), time.perf_counter() - t0,
+           evidence={"updates compared": len(out["rows"])})
     assert out["ok"] or DRYRUN, grpo_precision.table(out["rows"])
 
 
@@ -40,7 +41,7 @@ def test_o_offloaded_optimizer_step():
     record("o: offloaded optimizer step", "pass",
            f"{r['params'] / 1e6:.0f} M params: step {d['step_s']:.3f} s on the GPU, {o['step_s']:.3f} s offloaded; "
            f"state on the GPU {d['device_state_bytes'] / 1e6:.0f} MB -> {o['device_state_bytes'] / 1e6:.0f} MB",
-           time.perf_counter() - t0)
+           time.perf_counter() - t0, evidence={"optimizer steps timed": 2 * 5})
     if DRYRUN:
         return  # on CPU the "device" state is host memory too
     assert o["device_state_bytes"] < d["device_state_bytes"] / 4

@@ -71,7 +71,8 @@ def greedy_vs_reference(mcfg: MoEModelConfig = SMALL_QWEN3_MOE, *, device: str =
     large = gap > margin * logits.std(dim=-1)
     out = {"steps": agree.numel(), "agreement": float(agree.float().mean()), "large_margin_steps": int(large.sum()),
            "large_margin_agreement": float(agree[large].float().mean()) if large.any() else float("nan"),
-           "ok": bool(agree[large].all()) and int(large.sum()) >= min_large * agree.numel()}
+           "ok": bool(agree[large].all()) and int(large.sum()) >= min_large * agree.numel(),
+           "evidence": {"tokens compared": agree.numel()}}
     out["summary"] = (f"{out['agreement']:.1%} of {out['steps']} tokens agree; {out['large_margin_agreement']:.1%} "
                       f"of the {out['large_margin_steps']} with a large margin")
     return out
@@ -108,7 +109,7 @@ def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
         reward.append(float(rewards.mean()))
     judged = [(b, a) for b, a, s in zip(before, after, signal) if s]
     return {"loss_before": before, "loss_after": after, "reward": reward, "signal": signal,
-            "ok": len(judged) > 0 and all(a < b for b, a in judged),
+            "ok": len(judged) > 0 and all(a < b for b, a in judged), "evidence": {"GRPO updates": len(after)},
             "summary": "surrogate before -> after update: "
                        + ", ".join(f"{b:+.3f}->{a:+.3f}" + ("" if s else " (no signal)")
                                    for b, a, s in zip(before, after, signal))
@@ -158,13 +159,14 @@ def elastic_on_one_device(*, device: str = "cuda", prompts: int = 8, samples: in
             "batch.samples": samples, "batch.length_scale": length_scale, "timeout_s": 120.0}
     cfgs = [load_dataclass(RolloutConfig, None, {**base, "policy": policy, **extra})
             for policy, extra in (("vanilla", {}), ("natural", {"floor": 1}), ("adaptive", {"floor": 1}))]
-    (vanilla, _), (natural, _), (adaptive, _) = run_rollouts(cfgs, quiet=True)
+    (vanilla, responses), (natural, _), (adaptive, _) = run_rollouts(cfgs, quiet=True)
     same = natural["responses_sha256"] == vanilla["responses_sha256"]
     moved_same = adaptive["responses_sha256"] == vanilla["responses_sha256"]
     freed = {r: sum(f.values()) for r, f in natural["freed_bytes"].items()}
     return {"device": natural["device"], "final_stage": natural["final_stage"], "freed_bytes": natural["freed_bytes"],
             "migrated": adaptive["migrated"],
             "ok": natural["final_stage"] == 1 and same and adaptive["migrated"] > 0 and moved_same,
+            "evidence": {"rollouts": len(cfgs), "responses per rollout": len(responses)},
             "summary": f"on {natural['device']}: stage {natural['final_stage']} reached, shrink "
                        f"{sum(natural['shrink_latency_s'].values()):.3f} s, restore {natural['restore_s']:.3f} s, "
                        f"freed bytes by rank {freed}; adaptive moved {adaptive['migrated']} live requests "

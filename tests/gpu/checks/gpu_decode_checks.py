@@ -3,7 +3,9 @@ them on CUDA), written for any device so that tests/unit/tools/test_gpu_decode_c
 on CPU, where there are no graphs and no sync debug mode but the same engine path.
 
 `sync_free_steps`: decode steps under `torch.cuda.set_sync_debug_mode("error")` (a blocking host
-sync raises), eager and replayed. `replay_matches_eager`: a graphed engine's responses equal an
+sync raises), eager and replayed; on CUDA the graphed engine must have captured its graphs and
+replayed one per decode step (`counted_replays`), so a silent fallback to eager fails.
+`replay_matches_eager`: a graphed engine's responses equal an
 eager one's on the same weights (bf16 on the GPU), before and after the KV cache was released and
 reclaimed and an expert moved out and back, which must re-capture the graphs. The eager reference is
 padded to the same buckets (cuBLAS picks kernels by M, so an unpadded 13-row batch rounds bf16
@@ -13,6 +15,10 @@ bucket's graphed region traced op by op (tools/capture_safety.py): no host read,
 shape, RNG op or host-to-device copy, and the same trace for different inputs.
 """
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
@@ -48,6 +54,25 @@ def _near_tie(model, prompt: list[int], want: list[int], got: list[int]) -> bool
     return bool((logits[want[i]] - logits[got[i]]).abs() <= NEAR_TIE * logits.std())
 
 
+@dataclass
+class Count:
+    n: int = 0
+
+
+@contextlib.contextmanager
+def counted_replays():
+    """Counts CUDA graph replays while inside: a graph's kernels run without Python, so its
+    replay is the evidence that the graphed path ran (and not an eager fallback)."""
+    count, replay = Count(), torch.cuda.CUDAGraph.replay
+
+    def counting(graph):
+        count.n += 1
+        return replay(graph)
+
+    with mock.patch.object(torch.cuda.CUDAGraph, "replay", counting):
+        yield count
+
+
 def _run(eng) -> dict:
     while eng.has_work():
         eng.step()
@@ -63,32 +88,46 @@ def capture_safe(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bflo
 
     eng = _engine(_model(mcfg, 0, dtype, device), False, batch)
     eng.runner.pad = True
-    return capture_safety.check(eng)
+    out = capture_safety.check(eng)
+    return {**out, "evidence": {"buckets traced": len(out["buckets"])}}
 
 
 def sync_free_steps(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bfloat16, batch: int = 16,
-                    steps: int = 4) -> dict:
+                    steps: int = 4, graphs: bool | None = None) -> dict:
     """`steps` decode steps of a padded batch (batch - 3 rows) per mode, under sync debug mode "error"
-    on CUDA: any blocking sync raises, and the check fails with it."""
+    on CUDA: any blocking sync raises, and the check fails with it. `graphs` (default: on CUDA): the
+    graphed engine must have captured its graphs and replayed one per decode step; an eager
+    fallback fails (on CPU there are no graphs: `graphs=True` there is the negative control)."""
     model = _model(mcfg, 0, dtype, device)
     cuda = torch.device(device).type == "cuda"
-    for graphs in (False, True):
-        eng = _engine(model, graphs, batch)
-        eng.capture_graphs()
-        eng.add(_requests(batch - 3, mcfg.vocab_size))
-        eng.step()  # prefill (it may sync: the prompts are staged through pinned memory)
-        eng.step()  # the first decode step builds what is built once
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(steps):
-                eng.step()
-        finally:
+    expect = cuda if graphs is None else graphs
+    with counted_replays() as replays:
+        for graphed in (False, True):
+            eng = _engine(model, graphed, batch)
+            eng.capture_graphs()
+            eng.add(_requests(batch - 3, mcfg.vocab_size))
+            eng.step()  # prefill (it may sync: the prompts are staged through pinned memory)
+            eng.step()  # the first decode step builds what is built once
             if cuda:
-                torch.cuda.set_sync_debug_mode("default")
-    return {"ok": True, "summary": f"{steps} decode steps eager and {steps} "
-                                   f"{'replayed' if cuda else 'padded (CPU: no graphs)'} raised nothing"}
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            before = replays.n
+            try:
+                for _ in range(steps):
+                    eng.step()
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+        captures, replayed = eng.runner.captures, replays.n - before
+    evidence = {"decode steps": 2 * steps}
+    if expect:
+        evidence.update({"graph captures": captures, "graph replays": replayed})
+    ok = not expect or (captures >= 1 and replayed == steps)
+    return {"ok": ok, "evidence": evidence,
+            "summary": f"{steps} decode steps eager and {steps} graphed raised nothing; graphs captured {captures} "
+                       f"time(s), {replayed} of the {steps} graphed steps replayed"
+                       + ("" if ok else " (an EAGER FALLBACK: the graphs were not replayed)")
+                       + ("" if cuda else " (CPU: no graphs)")}
 
 
 def replay_matches_eager(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bfloat16,
@@ -103,7 +142,8 @@ def replay_matches_eager(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=to
     eager = _run(eager_eng)
     eng = _engine(model, True, batch)
     eng.add(_requests(batch - 3, mcfg.vocab_size))
-    graphed = _run(eng)
+    with counted_replays() as replays:
+        graphed = _run(eng)
     same = sum(eager[k] == graphed[k] for k in eager)
     ties = sum(_near_tie(model, prompts[k], eager[k], graphed[k]) for k in eager if eager[k] != graphed[k])
     captures = eng.runner.captures
@@ -115,11 +155,16 @@ def replay_matches_eager(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=to
     el.drop_expert(5)
     el.import_expert(5, flat)
     eng.add(_requests(batch - 3, mcfg.vocab_size))
-    after = _run(eng)
+    with counted_replays() as replays_after:
+        after = _run(eng)
     recaptured = eng.runner.captures - captures
     cuda = torch.device(device).type == "cuda"
+    evidence = {"responses compared": len(eager) + len(after)}
+    if cuda:
+        evidence.update({"graph replays before the changes": replays.n, "after": replays_after.n})
     ok = same + ties == len(eager) and after == graphed and (recaptured >= 1 or not cuda)
     return {"ok": ok, "same": same, "near_ties": ties, "responses": len(eager), "recaptured": recaptured,
+            "evidence": evidence,
             "summary": f"{same}/{len(eager)} responses identical to padded eager ({ties} more part at a near tie); "
                        f"after KV release/reclaim and an expert move {'identical' if after == graphed else 'DIFFERENT'}"
                        f", {recaptured} re-capture(s)"}
@@ -157,5 +202,7 @@ def bf16_policies(*, device: str = "cuda", dtype: str = "bfloat16", prompts: int
         reward = sum(_even_share(t) for t in got.values()) / max(len(got), 1)
         rows[f"{policy}" + (f" floor {floor}" if floor else "")] = {"identical": same, "reward_diff": reward - reward_v}
     ok = rows["natural floor 1"]["identical"] == 1.0
-    return {"ok": ok, "rows": rows, "summary": f"{dtype}, identical to vanilla / reward difference: " + "; ".join(
-        f"{name} {r['identical']:.0%} / {r['reward_diff']:+.3f}" for name, r in rows.items())}
+    evidence = {"policies compared with vanilla": len(rows), "responses each": len(vanilla)}
+    summary = f"{dtype}, identical to vanilla / reward difference: " + "; ".join(
+        f"{name} {r['identical']:.0%} / {r['reward_diff']:+.3f}" for name, r in rows.items())
+    return {"ok": ok, "rows": rows, "evidence": evidence, "summary": summary}

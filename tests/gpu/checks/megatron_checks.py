@@ -86,12 +86,27 @@ def grpo_loss(model, packed: Packed, advantages: torch.Tensor, old_logp: torch.T
 
 def _grads(model) -> dict[str, torch.Tensor]:
     # megatron-core's DDP accumulates into `main_grad`, a plain backward into `grad`; an expert no
-    # token reached has none (torch) or zeros (megatron): zeros for both.
+    # token reached has none (torch) or zeros (megatron): zeros for both. Our GroupedMM expert module
+    # (megatron's experts where TransformerEngine is missing, as on the bare H200) holds each layer's
+    # experts as one stacked parameter: an expert's weight is a view of it, with no grad of its own,
+    # and its gradient is its slice of the stacked parameter's (as tests/megatron_rank_checks.py
+    # reads it). Read as zeros, every expert's gradient "differed" by its whole scale.
     out = {}
     for k, p in canonical_parameters(model).items():
         g = getattr(p, "main_grad", None)
         g = p.grad if g is None else g
         out[k] = torch.zeros(p.shape) if g is None else g.detach().float().cpu()
+    for i, layer in enumerate(model.decoder.layers):
+        experts = getattr(getattr(layer.mlp, "layer", None), "experts", None)
+        if getattr(experts, "fc1_E2FD", None) is None:
+            continue
+        for j, e in enumerate(layer.mlp.local_experts):
+            pre = f"decoder.layers.{i}.mlp.experts.local_experts.{e}."
+            for name, stacked in (("linear_fc1.weight", experts.fc1_E2FD), ("linear_fc2.weight", experts.fc2_EDF)):
+                g = getattr(stacked, "main_grad", None)
+                g = stacked.grad if g is None else g
+                if g is not None:
+                    out[pre + name] = g[j].detach().float().cpu()
     return out
 
 

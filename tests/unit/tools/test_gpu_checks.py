@@ -1,5 +1,6 @@
-"""The CPU side of tools/gpu_check.sh: its summary table and exit status, and the bodies of checks
-(a) run small on CPU (the GPU runs them at size on CUDA, tests/gpu/)."""
+"""The CPU side of tools/gpu_check.sh: its summary table and exit status (correctness 1, speed only 3,
+no pass without evidence, a pytest stage whose tests were all skipped is SKIP), the visit's worst
+case, and the bodies of checks (a) run small on CPU (the GPU runs them at size on CUDA, tests/gpu/)."""
 import json
 
 import pytest
@@ -7,26 +8,28 @@ import torch
 
 from tests.gpu.checks import gpu_checks
 from tests.helpers import REPO
-from tools.gpu_summary import main, read, record, summarize
+from tools.gpu_summary import junit_row, main, read, record, summarize
+from tools.gpu_timeline import worst_case
 
 TINY = gpu_checks.TINY_QWEN3_MOE
 
 
 def rows(*specs):
-    return [{"check": c, "status": s, "detail": d, "seconds": 1.0} for c, s, d in specs]
+    return [{"check": c, "status": s, "detail": d, "seconds": 1.0, "evidence": {"tests passed": 1}}
+            for c, s, d in specs]
 
 
 def test_all_passed_or_skipped_is_status_0():
     table, status = summarize(rows(("a", "pass", "ok"), ("m", "skip", "no megatron-core")), ["a", "m"])
     assert status == 0 and "SKIP" in table and "no megatron-core" in table
     assert table.splitlines()[0].split() == ["check", "status", "seconds", "detail"]
-    assert table.splitlines()[-1] == "gpu_check: all 2 checks passed or were skipped with a reason"
+    assert table.splitlines()[-2] == "gpu_check: correctness: all 2 checks passed or were skipped with a reason"
 
 
 def test_a_failure_or_a_check_that_never_reported_fails_the_run():
     table, status = summarize(rows(("a", "pass", ""), ("b", "fail", "sha256 differs")), ["a", "b", "c"])
     assert status == 1 and "MISSING" in table and "no result (crashed or timed out)" in table
-    assert table.splitlines()[-1] == "gpu_check: 2 of 3 checks failed: b, c"
+    assert table.splitlines()[-2] == "gpu_check: correctness: 2 of 3 checks failed: b, c"
     # The last report of a check wins (a stage's wrapper reports after the test's own row).
     assert summarize(rows(("a", "fail", "x"), ("a", "pass", "")), ["a"])[1] == 0
 
@@ -36,13 +39,14 @@ def test_record_and_read_round_trip_and_bad_lines(tmp_path, monkeypatch):
     monkeypatch.delenv("FF_GPU_RESULTS", raising=False)
     record("a", "pass")  # no file named: plain pytest runs write nothing
     monkeypatch.setenv("FF_GPU_RESULTS", str(path))
-    record("a", "pass", "fine", 2.25)
+    record("a", "pass", "fine", 2.25, evidence={"tests passed": 2})
     with pytest.raises(ValueError, match="status: expected one of"):
         record("a", "ok")
     with path.open("a") as fh:
         fh.write("Traceback (most recent call last):\n" + json.dumps({"check": "b", "status": "??"}) + "\n")
     got = read(path)
-    assert got[0] == {"check": "a", "status": "pass", "detail": "fine", "seconds": 2.2}
+    assert got[0] == {"check": "a", "status": "pass", "detail": "fine", "seconds": 2.2,
+                      "evidence": {"tests passed": 2}}
     assert [r["status"] for r in got[1:]] == ["fail", "fail"]
     assert main([str(path), "--expect", "a"]) == 1
 
@@ -52,6 +56,46 @@ def test_cli_records_and_prints(tmp_path, capsys):
     assert main([path, "--record", "m: megatron", "skip", "megatron-core not importable", "0"]) == 0
     assert main([path, "--expect", "m: megatron"]) == 0
     assert "megatron-core not importable" in capsys.readouterr().out
+
+
+def test_a_pass_without_evidence_fails_and_speed_rows_come_last_with_their_own_exit_status():
+    bare = [{"check": "a", "status": "pass", "detail": "ran?", "seconds": 1.0}]
+    table, status = summarize(bare, ["a"])
+    assert status == 1 and "FAIL" in table and "passed without evidence (no evidence recorded): ran?" in table
+    zero = [{**bare[0], "evidence": {"graph replays": 0, "decode steps": 4}}]
+    assert "passed without evidence (graph replays 0)" in summarize(zero, ["a"])[0]
+    speed = "c: decode tokens/s, batch 1"
+    got = rows((speed, "fail", "0.9x HF (target >= 1.5x)"), ("a", "pass", ""))
+    table, status = summarize(got, [speed, "a"])
+    lines = table.splitlines()
+    assert status == 3 and lines[2].startswith("a ") and lines[4].startswith(speed)  # correctness first
+    assert lines[-2] == "gpu_check: correctness: all 1 checks passed or were skipped with a reason"
+    assert lines[-1] == f"gpu_check: speed: 1 of 1 checks failed: {speed}"
+    assert summarize(got + rows(("b", "fail", "")), [speed, "a", "b"])[1] == 1  # correctness wins
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">{}</testsuite></testsuites>"""
+
+
+@pytest.mark.parametrize("cases, status, evidence, detail", [
+    ('<testcase name="t1"/><testcase name="t2"><skipped message="no TE"/></testcase>', "pass", 1, "1 passed: t1"),
+    ('<testcase name="t1"><skipped message="megatron-core\'s layers need CUDA"/></testcase>', "skip", None,
+     "every test skipped: megatron-core's layers need CUDA"),
+    ('<testcase name="t1"/><testcase name="t2"><failure message="x"/></testcase>', "fail", 1, "1 failed: t2"),
+    ("", "fail", 0, "no test ran"),
+])
+def test_a_pytest_stage_passes_only_with_tests_that_ran(tmp_path, cases, status, evidence, detail):
+    """The megatron rows once passed whenever pytest exited 0, all their tests skipped included."""
+    path = tmp_path / "j.xml"
+    path.write_text(JUNIT.format(cases))
+    got = junit_row(path)
+    assert got[0] == status and got[1].startswith(detail) and got[2].get("tests passed") == evidence
+
+
+def test_the_visit_worst_case_is_a_slow_start_a_capped_profile_and_a_capped_rerun():
+    line, fits = worst_case(285)
+    assert fits and "240 s + profile 285 s" in line and "= 810 s, 90 s to spare" in line
+    assert not worst_case(331)[1]
 
 
 def test_greedy_check_on_cpu():

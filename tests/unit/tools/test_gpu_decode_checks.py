@@ -10,7 +10,8 @@ TINY = MoEModelConfig(num_layers=2, hidden_size=64, num_moe_experts=8, moe_route
 
 
 def test_sync_free_steps_on_cpu():
-    assert gpu_decode_checks.sync_free_steps(TINY, device="cpu", dtype=torch.float32, batch=8, steps=2)["ok"]
+    out = gpu_decode_checks.sync_free_steps(TINY, device="cpu", dtype=torch.float32, batch=8, steps=2)
+    assert out["ok"] and out["evidence"] == {"decode steps": 4}, out
 
 
 def test_replay_matches_eager_on_cpu():
@@ -39,3 +40,12 @@ def test_a_response_may_part_from_the_eager_one_only_at_a_near_tie(monkeypatch):
     assert not gpu_decode_checks._near_tie(model, prompt, [best, 7], [worst, 7])
     monkeypatch.setattr(gpu_decode_checks, "NEAR_TIE", float("inf"))
     assert gpu_decode_checks._near_tie(model, prompt, [best, 7], [worst, 7])
+
+
+def test_sync_free_steps_fails_on_an_eager_fallback():
+    """On CUDA the graphed engine must capture and replay; CPU is an eager fallback, so expecting
+    graphs there fails (the check once always returned ok and said "4 replayed")."""
+    out = gpu_decode_checks.sync_free_steps(TINY, device="cpu", dtype=torch.float32, batch=8, steps=2, graphs=True)
+    assert not out["ok"] and out["evidence"]["graph replays"] == out["evidence"]["graph captures"] == 0, out
+    assert "EAGER FALLBACK" in out["summary"]
+

@@ -47,3 +47,19 @@ def test_loss_falls_under_adam_and_not_without_steps():
     assert out["ok"] and len(out["losses"]) == 6
     still = loss_falls(model, packed, adv, opt.zero_grad, lambda: None)
     assert not still["ok"]
+
+
+def test_grad_agreement_reads_the_grouped_experts_gradients(megatron_harness, one_rank_group):
+    """megatron-core's MoE with our GroupedMM experts (megatron's experts without TransformerEngine)
+    on CPU through the harness: an expert weight is a view of the stacked parameter, with no grad of
+    its own. The check once read those as zeros: every expert "differed" by its whole scale."""
+    from megatron_rl.models.megatron_backend import install_megatron_moe
+    from megatron_rl.rl.megatron_train import training_groups
+
+    ref = _reference()
+    megatron = same_weights(ref, torch.float32, "cpu")
+    install_megatron_moe(megatron, training_groups(0, 1), dispatcher="alltoall", dtype=torch.float32,
+                         expert_module="GroupedMM", device="cpu")
+    packed, adv = grpo_batch(CFG, rows=4, prompt_len=5, response_len=7, seed=1, device="cpu")
+    out = grad_agreement(ref, same_weights(ref, torch.float32, "cpu"), megatron, packed, adv)
+    assert out["ok"] and out["worst_relative_error"] < 1e-3, out

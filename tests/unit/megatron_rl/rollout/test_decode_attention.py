@@ -1,19 +1,20 @@
 """The Triton split-K decode attention (rollout/decode_attention.py) equals SDPA over each row's own
-keys, in fp32 and fp16 under TRITON_INTERPRET=1 on CPU (the interpreter runs the kernel's own code
-with numpy), over the slot cache and over the paged cache's block table (bit for bit the slot
-cache's result on the same keys).
-Skipped where triton is not installed: the CPU wheel of torch does not bring it, and the dev extras
-do not add it (about 640 MB installed); `pip install triton==3.6.0` runs these here."""
-import os
+keys, in fp32 and fp16 in the Triton interpreter on CPU (tests/triton_interpreter.py: the interpreter
+runs the kernel's own code with numpy), over the slot cache and over the paged cache's block table
+(bit for bit the slot cache's result on the same keys); a zero-length row gives zeros, and the split
+count never falls as the cache grows. triton is in the dev extras: these run on every clean clone
+(bf16: test_decode_attention_bf16.py)."""
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+from megatron_rl.rollout.decode_attention import available, decode_attention, splits_for
+from tests.triton_interpreter import interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
 
-pytest.importorskip("triton", reason="triton is not installed (not in the dev extras); the torch path runs instead")
-
-from megatron_rl.rollout.decode_attention import available, decode_attention  # noqa: E402
+@pytest.fixture(autouse=True)
+def interpreter():
+    with interpreted():
+        yield
 
 
 def reference(q_BHC, K, V, slot_B, len_B):
@@ -28,8 +29,6 @@ def reference(q_BHC, K, V, slot_B, len_B):
 
 @pytest.mark.parametrize("H,G,C,splits", [(4, 2, 16, 1), (8, 2, 32, 4), (4, 4, 16, 8)])
 def test_split_k_decode_attention_equals_sdpa(H, G, C, splits):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
     g = torch.Generator().manual_seed(H * C + splits)
     slots, L = 6, 70
     K = torch.randn(slots + 1, G, L, C, generator=g)
@@ -51,8 +50,6 @@ def test_split_k_decode_attention_equals_sdpa(H, G, C, splits):
 def test_engine_with_the_kernel_gives_the_torch_path_tokens():
     """The kernel wired into the engine's decode (slots from the input buffer's column, lengths =
     positions + 1), padded buckets included, against the SDPA path: the same greedy tokens."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
     from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
     from megatron_rl.rollout.decode_step import DecodeOptions
     from megatron_rl.rollout.engine import Request, RolloutEngine
@@ -74,8 +71,6 @@ def test_engine_with_the_kernel_gives_the_torch_path_tokens():
 def test_split_k_decode_attention_in_fp16_equals_sdpa():
     """fp16, one of the two dtypes the engine runs the kernel in on CUDA: the interpreter's numpy
     runs the same loads, fp32 scores and the cast of the result."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
     g = torch.Generator().manual_seed(5)
     K = torch.randn(5, 2, 40, 32, generator=g).half()
     V = torch.randn(5, 2, 40, 32, generator=g).half()
@@ -103,8 +98,6 @@ def paged(K_SGLC: torch.Tensor, P: int, seed: int):
 def test_paged_decode_attention_reads_the_block_table_and_equals_the_slot_kernel(dtype, P, splits):
     """Pages shuffled over the pool, a length not a multiple of P, rows shorter than the split count
     or than a page: the slot kernel's result bit for bit (the same chunks and sums), so SDPA's."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
     g = torch.Generator().manual_seed(P + splits)
     slots, L, G, H, C = 5, 37, 2, 8, 32
     K = torch.randn(slots + 1, G, L, C, generator=g).to(dtype)
@@ -124,8 +117,6 @@ def test_paged_decode_attention_reads_the_block_table_and_equals_the_slot_kernel
 def test_engine_on_the_paged_cache_with_the_kernel_gives_the_slot_cache_tokens():
     """The paged cache's decode through the kernel (block table, padded buckets, pages taken
     between steps, a GRPO group sharing its prompt's pages) against its torch path and the slot cache."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs under TRITON_INTERPRET=1 on CPU")
     from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
     from megatron_rl.rollout.decode_step import DecodeOptions
     from megatron_rl.rollout.engine import Request, RolloutEngine
@@ -145,3 +136,29 @@ def test_engine_on_the_paged_cache_with_the_kernel_gives_the_slot_cache_tokens()
             eng.step()
         out[kv, attention] = {r.key: r.tokens for r in eng.finished}
     assert out["paged", "triton"] == out["paged", "torch"] == out["slots", "torch"]
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_zero_length_row_gives_zeros_not_nan_and_leaves_the_others_alone(splits):
+    """Every chunk of a zero-length row is empty (lse -inf); the merge once made it NaN."""
+    g = torch.Generator().manual_seed(splits)
+    K = torch.randn(4, 2, 20, 16, generator=g)
+    V = torch.randn(4, 2, 20, 16, generator=g)
+    q = torch.randn(3, 4, 16, generator=g)
+    slot_B, len_B = torch.tensor([2, 0, 1]), torch.tensor([13, 0, 20])
+    got = decode_attention(q, K, V, slot_B, len_B, splits=splits, block_n=16)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    keep = torch.tensor([0, 2])
+    assert torch.equal(got[keep], decode_attention(q[keep], K, V, slot_B[keep], len_B[keep], splits=splits,
+                                                   block_n=16))
+    K_pages, table_SJ = paged(K, 4, seed=3)
+    V_pages, _ = paged(V, 4, seed=3)
+    assert torch.equal(decode_attention(q, K_pages, V_pages, slot_B, len_B, splits, 16, table_SJ=table_SJ,
+                                        max_len=20), got)
+
+
+def test_the_split_count_never_falls_as_the_cache_grows():
+    """It gave 2 chunks below 256 positions and 1 for 256-511."""
+    counts = [splits_for(n) for n in range(1, 20_000)]
+    assert all(a <= b for a, b in zip(counts, counts[1:]))
+    assert counts[0] == 1 and counts[-1] == 16 and set(counts) == {1, 2, 4, 8, 16}
