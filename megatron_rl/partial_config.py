@@ -23,7 +23,7 @@ class PartialConfig:
     end: Literal["groups", "budget"] = "groups"
     token_budget: int | None = None  # end: budget only, new tokens per response per rollout
     # `train` resuming a partial run's checkpoint with `enabled: false`: drop its carried groups
-    # (counted in the log) instead of refusing (rl/partial_state.py).
+    # (counted in the log) instead of refusing (rl/checkpoint/partial_state.py).
     drop_carried: bool = False
 
     def __post_init__(self):

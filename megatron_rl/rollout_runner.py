@@ -32,7 +32,7 @@ from megatron_rl.preflight import preflight
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.lease_jobs import RolloutLeases, distinct_ngram_reward, sidecar_job
+from megatron_rl.rollout.leases.jobs import RolloutLeases, distinct_ngram_reward, sidecar_job
 from megatron_rl.rollout.rank_rollout import RankHooks, RankRollout, RolloutResult, rank_engine, response_row
 from megatron_rl.rollout.rollout_plan import RolloutPlanner, model_config, say_plan_notes
 

@@ -11,15 +11,21 @@ from pathlib import Path
 from megatron_rl.config import write_config
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.errors import CheckpointError
-from megatron_rl.metrics import require_matplotlib
+from megatron_rl.metrics.logger import require_matplotlib
 from megatron_rl.parallel.device import resolve_device
 from megatron_rl.parallel.launch import driver_process, run_ranks
 from megatron_rl.preflight import preflight
-from megatron_rl.rl.checkpoint import checkpoint_at, latest_checkpoint, point_latest, read_trainer_state, vet_checkpoint
-from megatron_rl.rl.checkpoint_retention import check_room
+from megatron_rl.rl.checkpoint.dcp import (
+    checkpoint_at,
+    latest_checkpoint,
+    point_latest,
+    read_trainer_state,
+    vet_checkpoint,
+)
+from megatron_rl.rl.checkpoint.resume_fit import check_resume_fit
+from megatron_rl.rl.checkpoint.retention import check_room
 from megatron_rl.rl.input_checks import checked_inputs
 from megatron_rl.rl.model_setup import check_init
-from megatron_rl.rl.resume_fit import check_resume_fit
 from megatron_rl.trainer import build_trainer
 from megatron_rl.trainer_config import TrainerConfig
 

@@ -1,11 +1,11 @@
 """Synchronous GRPO post-training of a Qwen3-MoE on W ranks: the loop, one step at a time.
 
-    rollout   -> the elastic rollout phase generates G responses per prompt (rl/rollout_phase.py)
+    rollout   -> the elastic rollout phase generates G responses per prompt (rl/rollout_phase/phase.py)
     reward    -> each rank scores its share of the responses (rewards/)
-    advantage -> group-normalised advantages (rl/grpo.py)
+    advantage -> group-normalised advantages (rl/update/grpo.py)
     logprobs  -> old-policy (and reference) log-probs recomputed under training numerics
     update    -> clipped policy-gradient loss, dense grads all-reduced, experts' kept by their
-                 owners, global-norm clipping, AdamW step (rl/update.py)
+                 owners, global-norm clipping, AdamW step (rl/update/policy_update.py)
     sync      -> the replicas agree; the rollout model *is* the trained model, so the next rollout
                  uses the new weights with no copy
 
@@ -32,27 +32,27 @@ from megatron_rl.backends import backend
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import Tokenizer, build_tokenizer
-from megatron_rl.metrics import gpu_memory, length_stats
+from megatron_rl.metrics.logger import gpu_memory, length_stats
+from megatron_rl.metrics.provenance import provenance
+from megatron_rl.metrics.verl import device_peak_flops, verl_figures
 from megatron_rl.parallel.signals import StopOnSignal
-from megatron_rl.provenance import provenance
 from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, check_error_share, mean_extras
-from megatron_rl.rl.async_save import CheckpointWriter
-from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state
+from megatron_rl.rl.checkpoint.async_save import CheckpointWriter
+from megatron_rl.rl.checkpoint.dcp import load_checkpoint, read_trainer_state
 from megatron_rl.rl.deadline import Deadline, run_deadline, stopped_summary
-from megatron_rl.rl.grpo import group_advantages
-from megatron_rl.rl.leases import TrainingLeases
-from megatron_rl.rl.mixed_precision import training_state_bytes
 from megatron_rl.rl.model_setup import export_hf
-from megatron_rl.rl.partial import PartialRollouts
-from megatron_rl.rl.rollout_phase import RolloutPhase, history_records, step_seed
+from megatron_rl.rl.optim.mixed_precision import training_state_bytes
+from megatron_rl.rl.rollout_phase.leases import TrainingLeases
+from megatron_rl.rl.rollout_phase.partial import PartialRollouts
+from megatron_rl.rl.rollout_phase.phase import RolloutPhase, history_records, step_seed
 from megatron_rl.rl.run_log import RunLog
 from megatron_rl.rl.sft import sft_pending, sft_warmstart
 from megatron_rl.rl.step_faults import StepPhases, check_finite, step_faults
-from megatron_rl.rl.train_step import check_replicas, frozen_copy
-from megatron_rl.rl.update import PolicyUpdate
+from megatron_rl.rl.update.grpo import group_advantages
+from megatron_rl.rl.update.policy_update import PolicyUpdate
+from megatron_rl.rl.update.train_step import check_replicas, frozen_copy
 from megatron_rl.rl.validation import Validator
 from megatron_rl.trainer_config import TrainerConfig
-from megatron_rl.verl_metrics import device_peak_flops, verl_figures
 
 
 @dataclass
@@ -86,7 +86,7 @@ def build_trainer(cfg: TrainerConfig, data: PromptDataset, ctx, out_dir: str | P
     be = backend(cfg.backend)  # built once here, handed down to the rollout phase
     model = be.training_model(cfg, rank, world, ctx.device)
     iterator = PromptIterator(len(data), cfg.prompts_per_step, cfg.seed)
-    # Partial rollouts (off by default): groups carried between steps (rl/partial.py).
+    # Partial rollouts (off by default): groups carried between steps (rl/rollout_phase/partial.py).
     partial = PartialRollouts(cfg, data, iterator, tok) if cfg.partial.enabled else None
     sft_stopped = None
     if _warm_start_due(cfg, resume):

@@ -21,14 +21,14 @@ from megatron_rl.config import (
 )
 from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import SPECIALS, TokenizerConfig
-from megatron_rl.metrics import LoggingConfig
+from megatron_rl.metrics.logger import LoggingConfig
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import DeviceChoice
 from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rewards import RewardConfig
 from megatron_rl.rollout.kv.kind import KV_CACHES, kv_kind
-from megatron_rl.rollout.lease_jobs import LeaseConfig
+from megatron_rl.rollout.leases.jobs import LeaseConfig
 
 
 @dataclass
@@ -76,10 +76,10 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     grad_clip: float = 1.0  # on the global norm over dense and every rank's experts; 0 = off
-    # ZeRO-1 (rl/zero.py): each rank keeps the optimizer state of 1/world of the dense parameters.
+    # ZeRO-1 (rl/optim/zero.py): each rank keeps the optimizer state of 1/world of the dense parameters.
     # null: on for more than one rank. The megatron backend has its own DistributedOptimizer.
     shard_optimizer: bool | None = None
-    # cpu: masters and moments in host memory, stepped by DeepSpeed's CPU Adam (rl/cpu_adam.py).
+    # cpu: masters and moments in host memory, stepped by DeepSpeed's CPU Adam (rl/optim/cpu_adam.py).
     offload: Literal["none", "cpu"] = "none"
 
     def __post_init__(self):
@@ -162,11 +162,11 @@ class CheckpointConfig:
     # Resume from a checkpoint that has no checksums.json (written elsewhere, or by an old version).
     # Only for checkpoints from a trusted source (docs/training.md, "Checkpoints are data").
     allow_unverified: bool = False
-    # Retention (rl/checkpoint_retention.py): the newest keep_last checkpoints, and every
+    # Retention (rl/checkpoint/retention.py): the newest keep_last checkpoints, and every
     # keep_every-th step besides (0: none); older ones are removed once a newer one is verified.
     keep_last: int = 3
     keep_every: int = 0
-    # Write checkpoints in the background (rl/async_save.py) while the next step runs, after a host
+    # Write checkpoints in the background (rl/checkpoint/async_save.py) while the next step runs, after a host
     # copy of the state (host memory: one more copy of this rank's share of the state).
     async_save: bool = False
 
@@ -222,13 +222,13 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
-    leases: LeaseConfig = field(default_factory=LeaseConfig)  # side work of detached ranks (rl/leases.py)
+    leases: LeaseConfig = field(default_factory=LeaseConfig)  # side work of detached ranks (rl/rollout_phase/leases.py)
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Partial rollouts (off by default): over-sample, end when the step's groups are complete, carry
-    # the rest over (rl/partial.py, docs/training.md).
+    # the rest over (rl/rollout_phase/partial.py, docs/training.md).
     partial: PartialConfig = field(default_factory=PartialConfig)
     steps: int = 20
     prompts_per_step: int = 8
@@ -237,7 +237,7 @@ class TrainerConfig:
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     # MoE implementation for generation and training: `torch` (plain PyTorch, CPU or GPU) or
     # `megatron` (megatron-core's MoELayer, DDP and DistributedOptimizer; GPUs only, see
-    # megatron_rl/rl/megatron_train.py).
+    # megatron_rl/rl/optim/megatron_train.py).
     backend: Literal[BACKENDS] = "torch"
     timeout_s: float = 300.0  # every collective's timeout
     verify_replicas: bool = True  # after each update, check the replicated weights agree bitwise

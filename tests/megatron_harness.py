@@ -20,7 +20,7 @@ CPU harness", lists them):
   refusal of backend megatron without CUDA and builds the layers on the CPU.
 Everything else (the split sizes, zero-token steps, the missing `te_general_gemm`, the gloo groups
 of the optimizer's save) is the product's own code (megatron_rl/models/megatron_layers.py,
-rl/megatron_train.py), tested through this harness.
+rl/optim/megatron_train.py), tested through this harness.
 
 Spawned ranks are fresh interpreters: `site_env()` puts `tests/megatron_site` (a sitecustomize
 that calls `install()`) on PYTHONPATH, so every rank and every `flexfloor` subprocess of a test

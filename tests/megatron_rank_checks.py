@@ -33,7 +33,7 @@ def _torch_model(rank: int, world: int, held=None) -> Qwen3MoeModel:
 
 def _megatron_model(rank: int, world: int, dispatcher: str, expert_module: str) -> Qwen3MoeModel:
     from megatron_rl.models.megatron_backend import install_megatron_moe
-    from megatron_rl.rl.megatron_train import training_groups
+    from megatron_rl.rl.optim.megatron_train import training_groups
 
     model = _torch_model(rank, world)
     install_megatron_moe(model, training_groups(rank, world), dispatcher=dispatcher, dtype=torch.float32,
@@ -121,7 +121,7 @@ def layer_checks(rank: int, world: int, combos) -> dict:
 def _train(model, step_fn, zero_fn, rank: int, world: int, steps) -> list[float]:
     """GRPO steps on one batch against the policy the batch came from (the first one), as the
     updates after one rollout are: the clipped surrogate moves as the policy does."""
-    from megatron_rl.rl.train_step import sequence_logprobs
+    from megatron_rl.rl.update.train_step import sequence_logprobs
 
     batches = _batches(world)
     reference = _torch_model(rank, world)  # the weights every model here starts from
@@ -140,7 +140,7 @@ def _train(model, step_fn, zero_fn, rank: int, world: int, steps) -> list[float]
 
 
 def _torch_steps(model, opt, rank: int, world: int):
-    from megatron_rl.rl.train_step import allreduce_dense_grads, clip_global_grad_norm
+    from megatron_rl.rl.update.train_step import allreduce_dense_grads, clip_global_grad_norm
 
     def step():
         named = list(model.named_parameters())
@@ -152,14 +152,14 @@ def _torch_steps(model, opt, rank: int, world: int):
 
 def training_checks(rank: int, world: int, ckpt_dir: str | None) -> dict:
     """GRPO steps with megatron-core's DDP + DistributedOptimizer against the torch backend's AdamW
-    on the same batches; then a checkpoint (rl/checkpoint.py with the megatron optimizer's shards)
+    on the same batches; then a checkpoint (rl/checkpoint/dcp.py with the megatron optimizer's shards)
     and a resume into a fresh model and optimizer, whose next step must equal the uninterrupted one
     bit for bit (when `ckpt_dir` is given)."""
     from elastic.trace import Trace
     from megatron_rl.models.megatron_weights import canonical_state_dict
-    from megatron_rl.rl.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_rl.rl.megatron_train import MegatronOptimizer, training_groups
-    from megatron_rl.rl.train_step import make_optimizer
+    from megatron_rl.rl.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from megatron_rl.rl.optim.megatron_train import MegatronOptimizer, training_groups
+    from megatron_rl.rl.update.train_step import make_optimizer
 
     plain = _torch_model(rank, world)
     adamw = make_optimizer(plain, OPTIM.lr, OPTIM.betas, OPTIM.eps, OPTIM.weight_decay)

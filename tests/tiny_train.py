@@ -44,10 +44,10 @@ def tiny_run_folder(folder: Path, steps=(1, 2)) -> Path:
     from elastic.trace import Trace
     from megatron_rl.backends import backend
     from megatron_rl.data.iterator import PromptIterator
+    from megatron_rl.files.out_lock import LOCK_NAME
     from megatron_rl.models.config import MoEModelConfig
-    from megatron_rl.out_lock import LOCK_NAME
-    from megatron_rl.rl.checkpoint import save_checkpoint
-    from megatron_rl.rl.train_step import make_optimizer
+    from megatron_rl.rl.checkpoint.dcp import save_checkpoint
+    from megatron_rl.rl.update.train_step import make_optimizer
     from megatron_rl.trainer_config import TrainerConfig
 
     cfg = TrainerConfig(model=MoEModelConfig(**TINY_TRAIN["model"]), ranks=1, prompts_per_step=1)

@@ -36,8 +36,8 @@ from megatron_rl.errors import ConfigError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
+from megatron_rl.rollout.elastic_engines.megatron_engine import MegatronElasticEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
 from megatron_rl.rollout.sampling import SamplingParams
 from tools.gpu_env import DRYRUN, dryrun_detail, sized
 from tools.gpu_summary import record

@@ -44,7 +44,7 @@ def _measure(trainer, responses, advantages, replay: bool) -> dict:
 
 def _bench_rank(ctx, cfg, steps: int, train_replay: bool, out_dir: str) -> dict:
     from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.rl.grpo import group_advantages
+    from megatron_rl.rl.update.grpo import group_advantages
     from megatron_rl.trainer import build_trainer
 
     t = build_trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)

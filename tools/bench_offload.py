@@ -4,7 +4,7 @@ side by side on one slice of parameters, and the device bytes offload frees for 
 
     python tools/bench_offload.py [--device cpu|cuda] [--params 20e6] [--reps 5]
 
-The slice is bf16 weights with fp32 gradients, stepped by `rl/zero.py`'s `ShardedOptimizer` on one
+The slice is bf16 weights with fp32 gradients, stepped by `rl/optim/zero.py`'s `ShardedOptimizer` on one
 rank (replicated vs offloaded). On a GPU it also measures the device bytes each optimizer's state
 holds (`torch.cuda.memory_allocated` around building and first stepping it). The 30B-A3B figures
 are computed (elastic/planning/memory/train_memory.py) for 16 ranks under ZeRO-1.
@@ -31,8 +31,8 @@ def _slice(params: int, device: str) -> nn.Module:
 
 
 def _optimizer(model, offload: bool):
-    from megatron_rl.rl.cpu_adam import deepspeed_cpu_adam
-    from megatron_rl.rl.zero import ShardedOptimizer
+    from megatron_rl.rl.optim.cpu_adam import deepspeed_cpu_adam
+    from megatron_rl.rl.optim.zero import ShardedOptimizer
 
     def inner(ps):
         return deepspeed_cpu_adam(ps, 1e-4, (0.9, 0.999), 1e-8, 0.0) if offload else torch.optim.AdamW(ps, lr=1e-4)

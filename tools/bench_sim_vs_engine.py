@@ -90,7 +90,7 @@ def _probe_steps(ctx, mcfg: MoEModelConfig, sizes, points, steps: int, seed: int
     import torch.distributed as dist
 
     from elastic.planning.chains.schedule import contiguous_owners
-    from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+    from megatron_rl.rollout.elastic_engines.torch_engine import ElasticRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
@@ -132,7 +132,7 @@ def _probe_shrinks(ctx, mcfg: MoEModelConfig, chains, seed: int):
     from elastic.planning.chains.schedule import build_stages
     from elastic.planning.plan import Assignment
     from elastic.runtime.runtime import ElasticRuntime
-    from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+    from megatron_rl.rollout.elastic_engines.torch_engine import ElasticRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 

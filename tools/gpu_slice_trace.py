@@ -46,7 +46,7 @@ from megatron_rl.rollout.kv_cache import SlotKVCache  # noqa: E402
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel, qwen3_moe  # noqa: E402
 from megatron_rl.models.moe import ExpertBank  # noqa: E402
-from megatron_rl.rl.train_step import Packed, sequence_logprobs  # noqa: E402
+from megatron_rl.rl.update.train_step import Packed, sequence_logprobs  # noqa: E402
 from megatron_rl.rollout import decode_attention  # noqa: E402
 from megatron_rl.rollout.memory import kv_bytes_per_token, weight_bytes  # noqa: E402
 from tools.memory_table import activation_bytes  # noqa: E402  the table's own activation arithmetic

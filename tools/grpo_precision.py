@@ -34,8 +34,8 @@ COLUMNS = ("before", "after", "update_rel", "update_changed", "clip_frac", "kl_a
 def _surrogate(model, batches, g, T, old32=None) -> tuple[float, float]:
     """(clipped surrogate, k3 KL to the old policy per token) of `model` on `batches` (`Minibatch`es
     with their old log-probs; `old32`: other old log-probs, one per micro-batch in order)."""
-    from megatron_rl.rl.grpo import LossBatch, kl_k3, policy_loss
-    from megatron_rl.rl.train_step import sequence_logprobs
+    from megatron_rl.rl.update.grpo import LossBatch, kl_k3, policy_loss
+    from megatron_rl.rl.update.train_step import sequence_logprobs
 
     loss = kl = tokens = 0.0
     olds = iter(old32 or [])
@@ -63,8 +63,8 @@ def _fp32_copy(model):
 
 def _compare_rank(ctx, cfg16, cfg32, steps: int, out_dir: str) -> dict:
     from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.rl.grpo import group_advantages
-    from megatron_rl.rl.train_step import sequence_logprobs
+    from megatron_rl.rl.update.grpo import group_advantages
+    from megatron_rl.rl.update.train_step import sequence_logprobs
     from megatron_rl.trainer import build_trainer
 
     data = load_prompts(cfg16.data)

@@ -24,7 +24,7 @@ from megatron_rl.backends import backend
 from megatron_rl.config import load_dataclass
 from megatron_rl.data.arith import make_problems, write_jsonl
 from megatron_rl.rl.sft import run_warmstart
-from megatron_rl.rollout.sidecar import SidecarConfig, SidecarJob
+from megatron_rl.rollout.leases.sidecar import SidecarConfig, SidecarJob
 from megatron_rl.trainer_config import TrainerConfig
 
 MAX_OPERAND, OPS = 20, "+-"

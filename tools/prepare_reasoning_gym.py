@@ -15,7 +15,7 @@ training file lacks, which measures generalisation instead. OUT/reward.py define
 `compute_score(data_source, solution_str, ground_truth, extra_info)` through the task's own
 `score_answer`. OUT is a new or empty folder, or one this tool wrote before (it carries
 `.flexfloor-export` and is replaced whole), by the rule of `flexfloor export --to`
-(megatron_rl/owned_paths.py): any other folder is refused and left as it is. Bad counts, tasks and
+(megatron_rl/files/owned_paths.py): any other folder is refused and left as it is. Bad counts, tasks and
 `--params` are one line (exit 2) naming the choices. Use the files as any user's verl files:
 
     data: {path: OUT/train.parquet}
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from elastic.errors import InputError, shorten
 from megatron_rl.errors import FlexFloorError
-from megatron_rl.owned_paths import check_export_target, replace_folder
+from megatron_rl.files.owned_paths import check_export_target, replace_folder
 
 REWARD_PY = '''"""verl-signature reward for the reasoning-gym task {task!r} (tools/prepare_reasoning_gym.py):
 the task's own `score_answer` on the entry the row was made from."""

@@ -4,7 +4,7 @@ The synchronous rollout runs its long tail to the end (the shrink makes that tai
 rollout (APRIL / slime `--partial-rollout`, verl `over_sample_rate`, Kimi k1.5) instead launches
 more GRPO groups than a step trains and ends early; what is unfinished is carried over and resumed
 in the next rollout, under the next policy. The pieces here are pure Python, shared by the runtime
-(`megatron_rl/rl/partial.py`) and the simulator (`elastic/sim/partial.py`):
+(`megatron_rl/rl/rollout_phase/partial.py`) and the simulator (`elastic/sim/partial.py`):
 
 - `PartialRule`: how many groups a rollout launches (`target x (1 + over_sample)`, rounded up) and
   when it ends. `end="groups"`: at the first status check where `target` groups have every sample

@@ -1,6 +1,6 @@
 """The one interface between `elastic/` and an engine: an engine whose EP group can shrink.
 
-The real engine (`megatron_rl.rollout.elastic_engine.ElasticRolloutEngine`) implements it over
+The real engine (`megatron_rl.rollout.elastic_engines.torch_engine.ElasticRolloutEngine`) implements it over
 torch, and its `MigratingRolloutEngine` the `MigratingEngine` below; the simulator needs none of
 it. Expert weights cross this boundary as one flat tensor per expert (every layer's weights of that
 expert, concatenated in a fixed order), so moving an expert is one message. Buffers the runtime

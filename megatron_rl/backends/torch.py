@@ -21,14 +21,14 @@ class TorchBackend(Backend):
 
     def optimizer(self, model, cfg, rank: int, world: int):
         """ZeRO-1 and/or host offload, or the replicated optimizer (`train_step.training_optimizer`)."""
-        from megatron_rl.rl.train_step import training_optimizer
+        from megatron_rl.rl.update.train_step import training_optimizer
 
         return training_optimizer(model, cfg.optim, rank, world)
 
     def elastic_engine(self, spec, engine, carried: dict | None = None):
         """The migrating engine with the online driver when a rule re-plans, else the plain one."""
         from elastic.runtime.transport import make_transport
-        from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine, MigratingRolloutEngine
+        from megatron_rl.rollout.elastic_engines.torch_engine import ElasticRolloutEngine, MigratingRolloutEngine
 
         if spec.rule is None:
             return ElasticRolloutEngine(engine, spec.world, make_transport(spec.transport)), None

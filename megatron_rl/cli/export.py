@@ -9,7 +9,7 @@ from the checkpoint's shards (verified as a resume verifies them) into a model h
 which needs the whole model in host memory. The folder is written beside its target and renamed
 onto it, so it is the previous export or the whole new one. `--to` replaces only an empty folder, a
 previous FlexFloor export (it holds `.flexfloor-export`) or OUT/hf; never OUT itself, a folder
-holding it, another folder inside it, a file, `.` or `/` (megatron_rl/owned_paths.py). Export
+holding it, another folder inside it, a file, `.` or `/` (megatron_rl/files/owned_paths.py). Export
 holds OUT's lock: it waits for no `train` and refuses while one runs there.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from megatron_rl.errors import FlexFloorError
 def run(args) -> int:
     import contextlib
 
-    from megatron_rl.out_lock import hold_out_dir
-    from megatron_rl.owned_paths import check_export_target
+    from megatron_rl.files.out_lock import hold_out_dir
+    from megatron_rl.files.owned_paths import check_export_target
 
     if args.step is not None and args.step < 0:
         raise FlexFloorError(f"--step {args.step}: expected a step >= 0")
@@ -59,7 +59,7 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
     from elastic.errors import shorten
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-    from megatron_rl.rl.checkpoint import (
+    from megatron_rl.rl.checkpoint.dcp import (
         CheckpointError,
         checkpoint_at,
         latest_checkpoint,
@@ -67,7 +67,7 @@ def export_checkpoint(out: Path, step: int | None, target: Path, allow_unverifie
         read_state_json,
         vet_checkpoint,
     )
-    from megatron_rl.rl.checkpoint_reads import check_model_shapes
+    from megatron_rl.rl.checkpoint.reads import check_model_shapes
     from megatron_rl.rl.model_setup import write_hf_atomically
 
     path = checkpoint_at(out, step) if step is not None else latest_checkpoint(out)
@@ -99,7 +99,7 @@ def run_tokenizer(out: Path):
     the export); the default char tokenizer when the run folder has no config.yaml."""
     from elastic.errors import shorten
     from megatron_rl.data.tokenizer import TokenizerConfig, build_tokenizer
-    from megatron_rl.yaml_input import parse
+    from megatron_rl.files.yaml_input import parse
 
     f = out / "config.yaml"
     if not f.is_file():

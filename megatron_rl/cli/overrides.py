@@ -29,7 +29,7 @@ def add_override_args(p) -> None:
 def parse_overrides(tokens: list[str]) -> tuple[dict, dict[str, str]]:
     """`["a.b=1", ...]` -> ({"a.b": 1}, {"a.b": "a.b=1"}) (values, and where each came from)."""
     from elastic.errors import shorten
-    from megatron_rl.yaml_input import parse
+    from megatron_rl.files.yaml_input import parse
 
     values, sources = {}, {}
     for tok in tokens:

@@ -21,8 +21,8 @@ from elastic.timeline_plot import plot_timelines
 from megatron_rl.cli.outputs import check_out_dir, check_out_file, check_plot_dir
 from megatron_rl.cli.overrides import add_override_args, resolve
 from megatron_rl.config import config_yaml, write_config
-from megatron_rl.out_lock import hold_out_dir
-from megatron_rl.wandb_run import LoggingConfig, log_report, policy_tags
+from megatron_rl.files.out_lock import hold_out_dir
+from megatron_rl.metrics.wandb_run import LoggingConfig, log_report, policy_tags
 
 
 def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, policy: bool = True) -> None:
@@ -139,7 +139,7 @@ def write_timeline(report: dict, path: Path, title: str) -> Path:
 def log_rollout_wandb(args, cfg, report: dict, plot: Path | None = None) -> None:
     """The report as one offline (unless WANDB_MODE=online) W&B run under --out (or `.`): its
     numbers, the timeline's segments as a table, and the timeline figure when --plot drew one."""
-    from megatron_rl.metric_keys import grouped, numeric  # numpy: not on `--help`'s path
+    from megatron_rl.metrics.keys import grouped, numeric  # numpy: not on `--help`'s path
 
     logging = LoggingConfig(project=args.wandb, experiment=Path(args.config).stem if args.config else "rollout")
     metrics = numeric(grouped({k: v for k, v in report.items() if k != "per_rank"}))

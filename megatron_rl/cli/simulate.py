@@ -210,8 +210,8 @@ def _log_wandb(args, c, table: list[dict], results: list, plots: list) -> None:
     import tempfile
     from dataclasses import asdict
 
-    from megatron_rl.metric_keys import grouped, numeric
-    from megatron_rl.wandb_run import LoggingConfig, log_report, policy_tags
+    from megatron_rl.metrics.keys import grouped, numeric
+    from megatron_rl.metrics.wandb_run import LoggingConfig, log_report, policy_tags
 
     flat = [grouped(r) for r in table]
     nums = [numeric(f) for f in flat]

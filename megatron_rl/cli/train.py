@@ -25,8 +25,8 @@ def run(args) -> int:
     from megatron_rl.cli.outputs import check_out_dir, check_out_file
     from megatron_rl.cli.overrides import resolve
     from megatron_rl.config import config_yaml
-    from megatron_rl.out_lock import LOCK_NAME, hold_out_dir
-    from megatron_rl.owned_paths import removed_if_refused
+    from megatron_rl.files.out_lock import LOCK_NAME, hold_out_dir
+    from megatron_rl.files.owned_paths import removed_if_refused
     from megatron_rl.preflight import preflight
     from megatron_rl.train_driver import run_training
     from megatron_rl.trainer_config import TrainerConfig

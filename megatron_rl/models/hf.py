@@ -46,7 +46,7 @@ class _SafetensorsDir:
 
         index = path / "model.safetensors.index.json"
         if index.exists():
-            from megatron_rl.json_input import loads
+            from megatron_rl.files.json_input import loads
 
             try:
                 weight_map = loads(index.read_bytes())["weight_map"]
@@ -156,7 +156,7 @@ def read_hf_config(path: str | Path) -> MoEModelConfig:
         raise CheckpointError(f"{path}: expected a HuggingFace checkpoint directory "
                               f"(config.json and *.safetensors), but {found}")
     cfg_file = path / "config.json"
-    from megatron_rl.json_input import loads
+    from megatron_rl.files.json_input import loads
 
     try:
         hf = loads(cfg_file.read_text())

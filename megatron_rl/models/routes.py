@@ -12,7 +12,7 @@ hook, `get_replay_topk`):
 - in the rollout it writes the layer's top-k into a `RouteSink` (a device buffer per KV slot,
   `[slots x max_len, L, K]`) at the rows of the forward in flight (`recording`, one forward at a
   time): no host read; the engine reads a finished response's rows back with the rollout's results
-  (rl/rollout_phase.py);
+  (rl/rollout_phase/phase.py);
 - in training (`RouteReplay`) it compares the layer's own top-k with the recorded one (router
   agreement), and with `grpo.routing_replay` uses the recorded ids instead; the gate weights are
   the current router's scores gathered at those ids, so the router keeps its gradient (as R3,

@@ -3,7 +3,7 @@ tested by hand, and what this package exports), the update step, mixed precision
 CPU Adam offload, `train`'s rollout phase (over `rollout/rank_rollout.py`) and its leases,
 checkpoints, the SFT warm start, model setup and megatron-core training; beside the loop, what the
 driver checks of the inputs, the one-line step faults, and rank 0's log of the run."""
-from megatron_rl.rl.grpo import (
+from megatron_rl.rl.update.grpo import (
     STAT_KEYS,
     LossBatch,
     finalize_stats,

@@ -1,4 +1,4 @@
-"""Rank 0's log of a training run: a row per step in metrics.jsonl and W&B (`metrics.py`), with the
+"""Rank 0's log of a training run: a row per step in metrics.jsonl and W&B (`metrics/logger.py`), with the
 step's rollout timeline every `logging.plot_every` steps and the held-out generations after a
 validation, and one line per step on stderr. Only rank 0 keeps one: every figure it logs is already
 global (summed or gathered over the ranks in the step).
@@ -11,10 +11,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from elastic.timeline import Timeline
-from megatron_rl.metrics import MetricsLogger
-from megatron_rl.provenance import provenance
+from megatron_rl.metrics.logger import MetricsLogger
+from megatron_rl.metrics.provenance import provenance
+from megatron_rl.metrics.wandb_run import policy_tags
 from megatron_rl.trainer_config import TrainerConfig
-from megatron_rl.wandb_run import policy_tags
 
 
 class RunLog:

@@ -21,13 +21,13 @@ from elastic.trace import Trace
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset, load_prompts
 from megatron_rl.data.tokenizer import Tokenizer, build_tokenizer
-from megatron_rl.out_lock import hold_out_dir
-from megatron_rl.owned_paths import check_export_target
+from megatron_rl.files.out_lock import hold_out_dir
+from megatron_rl.files.owned_paths import check_export_target
 from megatron_rl.parallel.device import resolve_device
 from megatron_rl.parallel.launch import run_ranks
-from megatron_rl.rl.checkpoint import load_checkpoint, read_trainer_state, save_checkpoint
+from megatron_rl.rl.checkpoint.dcp import load_checkpoint, read_trainer_state, save_checkpoint
 from megatron_rl.rl.model_setup import check_init, export_hf
-from megatron_rl.rl.train_step import chunks, optimizer_step, pack, sequence_logprobs, training_optimizer
+from megatron_rl.rl.update.train_step import chunks, optimizer_step, pack, sequence_logprobs, training_optimizer
 from megatron_rl.trainer_config import TrainerConfig
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from elastic.runtime.runtime import ElasticFault, fault_cause
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.parallel.rank_failures import user_error
-from megatron_rl.rl.checkpoint import latest_checkpoint
+from megatron_rl.rl.checkpoint.dcp import latest_checkpoint
 
 # What a collective that failed says (gloo, NCCL, the c10d store): a peer froze, died or timed out.
 _COLLECTIVE = re.compile(r"[Tt]imed out|[Tt]imeout|Connection (closed|reset|refused)|NCCL|gloo|"

@@ -129,7 +129,7 @@ class Validator:
 
     def run(self, model, tok, rank: int, world: int, step: int) -> dict:
         """Evaluate (a collective: every rank calls it); rank 0 gets the metrics, the others {}."""
-        from megatron_rl.rl.rollout_phase import step_seed
+        from megatron_rl.rl.rollout_phase.phase import step_seed
 
         ev = self.cfg.eval
         answers = _answers(model, tok, self.prompts, rank, world, ev.n_samples,

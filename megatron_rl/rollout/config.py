@@ -15,7 +15,7 @@ from megatron_rl.parallel.device import DeviceChoice, TransportChoice
 from megatron_rl.parallel.dims import parallel_dims, require_floor, require_policy
 from megatron_rl.partial_config import PartialConfig
 from megatron_rl.rollout.kv.kind import KV_CACHES, kv_kind
-from megatron_rl.rollout.lease_jobs import LeaseConfig
+from megatron_rl.rollout.leases.jobs import LeaseConfig
 from megatron_rl.rollout.sampling import SamplingParams
 
 

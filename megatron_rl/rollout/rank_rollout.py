@@ -1,5 +1,5 @@
 """One rank's elastic rollout, assembled once for `flexfloor rollout` (`megatron_rl/rollout_runner.py`)
-and for `train` (`rl/rollout_phase.py`).
+and for `train` (`rl/rollout_phase/phase.py`).
 
 The caller builds its model, then its `RolloutEngine` by `rank_engine` (the one home of the KV
 cache's sizing, for both); the plan (and for `adaptive` the online rule) comes from
@@ -35,11 +35,11 @@ from elastic.ledger import Ledger
 from elastic.planning.plan import Plan
 from elastic.runtime.runtime import DecodeHooks, ElasticRuntime, RankOutcome, ledger_of, transitions_of
 from megatron_rl.parallel.launch import ParallelContext
+from megatron_rl.rollout.elastic_engines.faults import FailingExport, fault_rank
 from megatron_rl.rollout.engine import Request, RolloutEngine
-from megatron_rl.rollout.faults import FailingExport, fault_rank
 from megatron_rl.rollout.kv.cache import KVLayout
 from megatron_rl.rollout.kv.kind import KVKind
-from megatron_rl.rollout.lease_jobs import LeaseOutcome, RolloutLeases
+from megatron_rl.rollout.leases.jobs import LeaseOutcome, RolloutLeases
 
 Key = tuple[str, int]  # (prompt_id, sample)
 

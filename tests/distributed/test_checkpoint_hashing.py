@@ -9,7 +9,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _hash(ctx, folder: str):
     from megatron_rl.errors import CheckpointError
-    from megatron_rl.rl import checkpoint_checksums as checksums
+    from megatron_rl.rl.checkpoint import checksums
 
     path = Path(folder)
     real = checksums._sha256
@@ -30,7 +30,7 @@ def _hash(ctx, folder: str):
 
 def test_a_rank_that_cannot_hash_its_shards_stops_every_rank_with_its_error(tmp_path):
     from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.rl.checkpoint_checksums import CHECKSUMS, SIDECARS
+    from megatron_rl.rl.checkpoint.checksums import CHECKSUMS, SIDECARS
 
     step = tmp_path / "step_000001"
     step.mkdir()

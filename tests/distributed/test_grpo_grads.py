@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel.launch import run_ranks
-from megatron_rl.rl.rollout_phase import Response
+from megatron_rl.rl.rollout_phase.phase import Response
 from megatron_rl.trainer_config import GRPOConfig, OptimConfig, TrainerConfig
 from tests.helpers.train import trainer_config
 
@@ -35,8 +35,8 @@ def _grads(ctx, ranks):
     import torch.distributed as dist
 
     from megatron_rl.backends import backend
-    from megatron_rl.rl.train_step import frozen_copy, make_optimizer
-    from megatron_rl.rl.update import PolicyUpdate
+    from megatron_rl.rl.update.policy_update import PolicyUpdate
+    from megatron_rl.rl.update.train_step import frozen_copy, make_optimizer
 
     cfg = _cfg(ranks)
     model = backend(cfg.backend).training_model(cfg, ctx.rank, ctx.world)

@@ -19,9 +19,9 @@ CFG = TrainerConfig(model=MoEModelConfig(num_layers=2, hidden_size=32, num_atten
 def _save_and_export(ctx, out: str) -> None:
     from elastic.trace import Trace
     from megatron_rl.backends import backend
-    from megatron_rl.rl.checkpoint import save_checkpoint
+    from megatron_rl.rl.checkpoint.dcp import save_checkpoint
     from megatron_rl.rl.model_setup import export_hf
-    from megatron_rl.rl.train_step import make_optimizer
+    from megatron_rl.rl.update.train_step import make_optimizer
 
     model = backend(CFG.backend).training_model(CFG, ctx.rank, ctx.world)
     state = {"data": {}, "model": CFG.model.to_dict(), "ranks": ctx.world}

@@ -44,8 +44,8 @@ def _check(model: Qwen3MoeModel, reference: Qwen3MoeModel, group, experts: list[
 
 def _rank(ctx, mcfg: MoEModelConfig):
     from elastic.runtime.runtime import _move_experts
+    from megatron_rl.rollout.elastic_engines.megatron_engine import MegatronElasticEngine
     from megatron_rl.rollout.engine import RolloutEngine
-    from megatron_rl.rollout.megatron_elastic_engine import MegatronElasticEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
     rank, E = ctx.rank, mcfg.num_moe_experts

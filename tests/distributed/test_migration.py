@@ -46,7 +46,7 @@ def _migrate_then_lose_receiver(ctx, out_dir: str):
     from elastic.runtime.online import OnlineDriver
     from megatron_rl.models.config import MoEModelConfig
     from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-    from megatron_rl.rollout.elastic_engine import MigratingRolloutEngine
+    from megatron_rl.rollout.elastic_engines.torch_engine import MigratingRolloutEngine
     from megatron_rl.rollout.engine import Request, RolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 

@@ -29,7 +29,7 @@ def _resume_across_update(ctx, data_path: str, out_dir: str):
 
     from megatron_rl.config import load_dataclass
     from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.rl.train_step import pack, sequence_logprobs
+    from megatron_rl.rl.update.train_step import pack, sequence_logprobs
     from megatron_rl.trainer import build_trainer
     from megatron_rl.trainer_config import TrainerConfig
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_rl.out_lock import LOCK_NAME, OutDirInUse, hold_out_dir
+from megatron_rl.files.out_lock import LOCK_NAME, OutDirInUse, hold_out_dir
 from megatron_rl.parallel.signals import GRACE_S
 from tests.process_tree import assert_group_gone, finish, flexfloor, lines, rank_pids, training_started
 from tests.tiny_train import tiny_train_config
@@ -42,7 +42,7 @@ def test_a_second_run_on_the_same_out_is_refused_and_sighup_saves_and_exits_0(tm
 
 def test_the_lock_of_a_killed_holder_is_reclaimed(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from megatron_rl.out_lock import hold_out_dir\n"
+        "import sys, time; from megatron_rl.files.out_lock import hold_out_dir\n"
         f"with hold_out_dir({str(tmp_path)!r}, 'train'):\n    print('held', flush=True); time.sleep(600)")],
         stdout=subprocess.PIPE, text=True)
     try:

@@ -77,7 +77,7 @@ def _trainer_requeue(ctx, cfg, tmp: str):
 
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.rl import sft
-    from megatron_rl.rl.checkpoint import latest_checkpoint
+    from megatron_rl.rl.checkpoint.dcp import latest_checkpoint
     from megatron_rl.trainer import build_trainer
 
     data = load_prompts(cfg.data)

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.timeout(240)
 
 def _cfg(policy: str, data: str):
     from megatron_rl.data.prompts import DataConfig
+    from megatron_rl.metrics.wandb_run import LoggingConfig
     from megatron_rl.trainer_config import CheckpointConfig, ElasticConfig, GenerationConfig, GRPOConfig
-    from megatron_rl.wandb_run import LoggingConfig
 
     return trainer_config(
         vocab_size=20, data=DataConfig(data), grpo=GRPOConfig(group_size=4, micro_batch=8, tis_cap=2.0,

@@ -1,4 +1,4 @@
-"""ZeRO-1 (rl/zero.py) on 1, 2 and 4 gloo ranks: training equals the unsharded optimizer bit for bit
+"""ZeRO-1 (rl/optim/zero.py) on 1, 2 and 4 gloo ranks: training equals the unsharded optimizer bit for bit
 in float64 (global-norm clipping active); a sharded checkpoint resumes bit-identically; a
 checkpoint saved on 4 ranks resumes on 2 with every master and moment where it was."""
 import random
@@ -31,7 +31,7 @@ def _rows(step: int):
 
 
 def _steps(model, optimizer, cfg, rank, world, first: int, last: int) -> None:
-    from megatron_rl.rl.train_step import chunks, optimizer_step, pack, sequence_logprobs
+    from megatron_rl.rl.update.train_step import chunks, optimizer_step, pack, sequence_logprobs
 
     for step in range(first, last + 1):
         rows = _rows(step)
@@ -69,8 +69,8 @@ def _optimizer_state(optimizer) -> dict:
 
 def _equal_to_unsharded(ctx, dtype):
     from megatron_rl.backends import backend
-    from megatron_rl.rl.train_step import training_optimizer
-    from megatron_rl.rl.zero import ShardedOptimizer
+    from megatron_rl.rl.optim.zero import ShardedOptimizer
+    from megatron_rl.rl.update.train_step import training_optimizer
 
     out = {}
     for shard in (False, True):
@@ -101,8 +101,8 @@ def test_sharded_training_is_bit_equal_to_unsharded(ranks):
 def _resume(ctx, tmp: str, save_world: int, offload: str = "none"):
     from elastic.trace import Trace
     from megatron_rl.backends import backend
-    from megatron_rl.rl.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_rl.rl.train_step import training_optimizer
+    from megatron_rl.rl.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from megatron_rl.rl.update.train_step import training_optimizer
 
     cfg = _cfg(ctx.world, True, "float64" if offload == "none" else "float32")
     cfg = replace(cfg, optim=replace(cfg.optim, offload=offload))
@@ -149,7 +149,7 @@ def test_sharded_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
 
 
 def test_owners_are_contiguous_balanced_runs():
-    from megatron_rl.rl.zero import owners
+    from megatron_rl.rl.optim.zero import owners
 
     sizes = [100, 1, 1, 50, 50, 300, 10, 10]
     for world in (1, 2, 3, 4):
@@ -167,7 +167,7 @@ OFFLOAD_TOL = 1e-3
 
 def _offload_vs_adamw(ctx):
     from megatron_rl.backends import backend
-    from megatron_rl.rl.train_step import training_optimizer
+    from megatron_rl.rl.update.train_step import training_optimizer
 
     out = {}
     for offload in ("none", "cpu"):
@@ -188,7 +188,7 @@ def _offload_vs_adamw(ctx):
 # it when it runs first, so the build and the two checks are separate tests, each well inside 240 s.
 @pytest.mark.slow
 def test_deepspeed_cpu_adam_builds():
-    from megatron_rl.rl.cpu_adam import require_cpu_adam
+    from megatron_rl.rl.optim.cpu_adam import require_cpu_adam
 
     require_cpu_adam()
 
@@ -215,7 +215,7 @@ def _by_name(model, optimizer) -> dict:
     """Masters and moments by parameter name for either optimizer (ZeRO-1 or replicated), gathered."""
     import torch.distributed as dist
 
-    from megatron_rl.rl.zero import ShardedOptimizer
+    from megatron_rl.rl.optim.zero import ShardedOptimizer
 
     if isinstance(optimizer, ShardedOptimizer):
         return _optimizer_state(optimizer)
@@ -237,8 +237,8 @@ def _cross(ctx, jobs: list):
 
     from elastic.trace import Trace
     from megatron_rl.backends import backend
-    from megatron_rl.rl.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_rl.rl.train_step import training_optimizer
+    from megatron_rl.rl.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from megatron_rl.rl.update.train_step import training_optimizer
 
     out = []
     for what, folder, shard in jobs:

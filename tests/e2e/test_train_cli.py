@@ -108,8 +108,8 @@ def test_async_save_resumes_bit_identically(straight, tmp_path):
     """`checkpoint.async_save`: step 1's save is written while step 2 runs; stopped
     after step 2 and resumed, the run equals the uninterrupted synchronous one, and both saves are
     complete and verified."""
-    from megatron_rl.rl.checkpoint import latest_checkpoint
-    from megatron_rl.rl.checkpoint_checksums import verify_checksums
+    from megatron_rl.rl.checkpoint.checksums import verify_checksums
+    from megatron_rl.rl.checkpoint.dcp import latest_checkpoint
 
     _, full = straight
     cfg = _setup(tmp_path, **{"checkpoint.async_save": True})
@@ -138,7 +138,7 @@ def test_bf16_with_masters_resumes_bit_identically(tmp_path):
 
 
 def test_metrics_jsonl_and_offline_wandb(straight):
-    from megatron_rl.metric_keys import numeric
+    from megatron_rl.metrics.keys import numeric
 
     _, out = straight
     rows = metrics(out)
@@ -167,7 +167,7 @@ def test_metrics_jsonl_and_offline_wandb(straight):
 
 def test_the_run_records_its_provenance_in_config_checkpoint_and_wandb(straight):
     from megatron_rl.config import load_dataclass
-    from megatron_rl.provenance import provenance
+    from megatron_rl.metrics.provenance import provenance
     from megatron_rl.trainer_config import TrainerConfig
 
     _, out = straight

@@ -20,7 +20,7 @@ DIST_BACKEND = MEGATRON_DIST_BACKEND  # for the one_rank_group fixture (tests/co
 
 def _megatron(reference, device: str):
     from megatron_rl.models.megatron_backend import install_megatron_moe, megatron_options
-    from megatron_rl.rl.megatron_train import training_groups
+    from megatron_rl.rl.optim.megatron_train import training_groups
 
     model = same_weights(reference, torch.bfloat16, device)
     install_megatron_moe(model, training_groups(0, 1), **megatron_options(torch.bfloat16))
@@ -28,7 +28,7 @@ def _megatron(reference, device: str):
 
 
 def test_megatron_grads_match_the_torch_backend_and_five_steps_lower_the_loss(one_rank_group, megatron_device):
-    from megatron_rl.rl.megatron_train import MegatronOptimizer, training_groups
+    from megatron_rl.rl.optim.megatron_train import MegatronOptimizer, training_groups
 
     cfg, device = sized(CHECK_CONFIG), megatron_device
     reference = Qwen3MoeModel(cfg, dtype=torch.float32)

@@ -17,8 +17,8 @@ def test_sglang_sidecar_serves_and_gives_its_memory_back(tmp_path):
     from megatron_rl.data.arith import make_problems, write_jsonl
     from megatron_rl.models import Qwen3MoeModel, save_hf_checkpoint
     from megatron_rl.models.config import MoEModelConfig
-    from megatron_rl.rollout.sglang_lease import RELEASED, SGLangSidecarJob
-    from megatron_rl.rollout.sidecar import SGLangConfig, SidecarConfig
+    from megatron_rl.rollout.leases.sglang import RELEASED, SGLangSidecarJob
+    from megatron_rl.rollout.leases.sidecar import SGLangConfig, SidecarConfig
 
     model = Qwen3MoeModel(MoEModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                                          num_query_groups=2, kv_channels=16, num_moe_experts=8,

@@ -85,8 +85,8 @@ def _shaped_rewards(responses) -> torch.Tensor:
 
 def _grpo_rank(ctx, cfg, steps: int, out_dir: str) -> dict:
     from megatron_rl.data.prompts import load_prompts
-    from megatron_rl.rl.grpo import LossBatch, group_advantages, policy_loss
-    from megatron_rl.rl.train_step import sequence_logprobs
+    from megatron_rl.rl.update.grpo import LossBatch, group_advantages, policy_loss
+    from megatron_rl.rl.update.train_step import sequence_logprobs
     from megatron_rl.trainer import build_trainer
 
     trainer = build_trainer(cfg, load_prompts(cfg.data), ctx, out_dir, None)

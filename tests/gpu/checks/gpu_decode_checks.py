@@ -132,7 +132,7 @@ def sync_free_steps(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.b
 
 def replay_matches_eager(mcfg=SMALL_QWEN3_MOE, *, device: str = "cuda", dtype=torch.bfloat16,
                          batch: int = 16) -> dict:
-    from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+    from megatron_rl.rollout.elastic_engines.torch_engine import ElasticRolloutEngine
 
     model = _model(mcfg, 0, dtype, device)
     reqs = _requests(batch - 3, mcfg.vocab_size)  # 13 rows: the 16 bucket, with padding

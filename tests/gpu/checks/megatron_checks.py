@@ -18,8 +18,8 @@ import torch
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.megatron_weights import canonical_parameters
-from megatron_rl.rl.grpo import LossBatch, policy_loss
-from megatron_rl.rl.train_step import Packed, pack, sequence_logprobs
+from megatron_rl.rl.update.grpo import LossBatch, policy_loss
+from megatron_rl.rl.update.train_step import Packed, pack, sequence_logprobs
 from megatron_rl.trainer_config import GRPOConfig
 from tests.gpu.checks.gpu_checks import SMALL_QWEN3_MOE
 

@@ -58,7 +58,7 @@ def test_wandb_names_follow_wandbs_own_rules_at_config_load(project, tags):
     """The names W&B's settings refuse are refused at config load (one line
     naming the field), and the names it takes are taken: the same verdict as wandb's validators."""
     wandb = pytest.importorskip("wandb")
-    from megatron_rl.wandb_run import LoggingConfig
+    from megatron_rl.metrics.wandb_run import LoggingConfig
 
     try:
         wandb.Settings(project=project, run_tags=tuple(tags))

@@ -54,7 +54,7 @@ def test_grad_agreement_reads_the_grouped_experts_gradients(megatron_harness, on
     on CPU through the harness: an expert weight is a view of the stacked parameter, with no grad of
     its own. The check once read those as zeros: every expert "differed" by its whole scale."""
     from megatron_rl.models.megatron_backend import install_megatron_moe
-    from megatron_rl.rl.megatron_train import training_groups
+    from megatron_rl.rl.optim.megatron_train import training_groups
 
     ref = _reference()
     megatron = same_weights(ref, torch.float32, "cpu")

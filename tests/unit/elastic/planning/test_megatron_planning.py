@@ -127,8 +127,8 @@ def test_block_shrinks_move_more_experts_than_the_fewest_moves_shrink():
 def test_runtime_refuses_plans_megatron_cannot_hold(trace):
     from elastic.planning.policies import policy_kind
     from megatron_rl.models import MoEModelConfig
+    from megatron_rl.rollout.elastic_engines.megatron_engine import check_plan
     from megatron_rl.rollout.engine_cost import engine_cost
-    from megatron_rl.rollout.megatron_elastic_engine import check_plan
     from megatron_rl.rollout.memory import memory_budget
     from megatron_rl.rollout.rollout_plan import RolloutPlanner, plan_cost
 

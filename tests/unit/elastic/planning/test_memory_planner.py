@@ -13,8 +13,8 @@ from elastic.sim.costmodel import DEFAULT_COST, CostModel
 from elastic.sim.synth import generate, preset
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.rl.mixed_precision import training_state_bytes
-from megatron_rl.rl.train_step import make_optimizer
+from megatron_rl.rl.optim.mixed_precision import training_state_bytes
+from megatron_rl.rl.update.train_step import make_optimizer
 from megatron_rl.rollout.memory import kv_bytes_per_token, memory_budget, weight_bytes
 
 QWEN3_30B = MoEModelConfig(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from megatron_rl import out_lock
-from megatron_rl.out_lock import EXCL_NAME, OutDirInUse, hold_out_dir
+from megatron_rl.files import out_lock
+from megatron_rl.files.out_lock import EXCL_NAME, OutDirInUse, hold_out_dir
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ def test_errors_and_hangs_are_counted_outcomes_printed_once(reward_cfg, capsys):
 
 def test_same_rewards_through_a_scoring_lease(reward_cfg):
     from megatron_rl.data.tokenizer import CharTokenizer
-    from megatron_rl.rl.leases import TrainingLeases
+    from megatron_rl.rl.rollout_phase.leases import TrainingLeases
     from megatron_rl.rollout.engine import Request
     from megatron_rl.trainer_config import TrainerConfig
 

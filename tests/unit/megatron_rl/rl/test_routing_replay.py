@@ -7,7 +7,7 @@ import torch
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 from megatron_rl.models.routes import RouteReplay, encode, replaying, route_bytes_per_token, route_dtype
-from megatron_rl.rl.recording_engine import RecordingEngine
+from megatron_rl.rl.rollout_phase.recording_engine import RecordingEngine
 from megatron_rl.rollout.engine import Request
 from megatron_rl.rollout.kv.kind import PagedKV
 from megatron_rl.rollout.route_record import CarriedValues
@@ -42,9 +42,9 @@ def _generate(model, greedy=True, engine_wrap=None, requests=None, **engine_kw):
 
 def _training_forward(model, engine, routes, replay: bool):
     """Log-probs of every finished response under the training forward, and its RouteReplay."""
-    from megatron_rl.rl.rollout_phase import Response
-    from megatron_rl.rl.train_step import pack, sequence_logprobs
-    from megatron_rl.rl.update import routes_of
+    from megatron_rl.rl.rollout_phase.phase import Response
+    from megatron_rl.rl.update.policy_update import routes_of
+    from megatron_rl.rl.update.train_step import pack, sequence_logprobs
 
     rs = [Response(i, r.prompt_id, r.sample, r.prompt, r.tokens, engine.logprobs[r.key], False, routes[r.key])
           for i, r in enumerate(sorted(engine.finished, key=lambda r: r.key))]
@@ -124,7 +124,7 @@ def test_bf16_replay_uses_the_recorded_routes_and_narrows_the_gap(monkeypatch):
 
 
 def test_routes_travel_with_a_migrated_request():
-    from megatron_rl.rollout.elastic_engine import MigratingRolloutEngine
+    from megatron_rl.rollout.elastic_engines.torch_engine import MigratingRolloutEngine
 
     model = _model(TINY, torch.float64)
     _, want = _generate(model)
@@ -163,7 +163,7 @@ def _pool_with_carried(n_tokens=3, prompt_len=4):
 
 def test_carried_routes_load_checked():
     from megatron_rl.errors import CheckpointError
-    from megatron_rl.rl.route_state import load_routes
+    from megatron_rl.rl.checkpoint.route_state import load_routes
 
     pool = _pool_with_carried()
     routes = torch.rand(4 + 3 - 1, 2, 8).argsort(-1)[..., :2].to(torch.uint8)  # top-2 of 8: distinct ids
@@ -187,7 +187,7 @@ def test_carried_routes_load_checked():
 
 
 def test_masked_importance_sampling():
-    from megatron_rl.rl.grpo import mis_keep
+    from megatron_rl.rl.update.grpo import mis_keep
 
     old = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     roll = torch.tensor([[0.0, 1.0, -0.05], [0.1, 0.1, 0.0]], dtype=torch.float64)

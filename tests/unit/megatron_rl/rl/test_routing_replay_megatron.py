@@ -14,7 +14,7 @@ CFG = MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_qu
 
 def _pair():
     from megatron_rl.models.megatron_backend import install_megatron_moe
-    from megatron_rl.rl.megatron_train import training_groups
+    from megatron_rl.rl.optim.megatron_train import training_groups
 
     models = []
     for _ in range(2):

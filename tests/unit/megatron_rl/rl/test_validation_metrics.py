@@ -1,6 +1,6 @@
 """verl's validation names per data source: val-core/<source>/reward/{mean@N, best@N/mean, maj@N/mean}."""
 from megatron_rl.data.prompts import Prompt
-from megatron_rl.metric_keys import grouped
+from megatron_rl.metrics.keys import grouped
 from megatron_rl.rl.validation import summarize
 
 

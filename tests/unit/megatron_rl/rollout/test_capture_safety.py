@@ -11,7 +11,7 @@ import torch
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel, qwen3_moe
 from megatron_rl.models.moe import grouped_mm_ok
 from megatron_rl.rollout.decode_step import DecodeOptions
-from megatron_rl.rollout.elastic_engine import ElasticRolloutEngine
+from megatron_rl.rollout.elastic_engines.torch_engine import ElasticRolloutEngine
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.kv.kind import kv_kind
 from megatron_rl.rollout.sampling import SamplingParams

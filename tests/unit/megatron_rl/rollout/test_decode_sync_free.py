@@ -83,7 +83,7 @@ def test_decode_step_reads_the_device_once(sampling):
 def test_recording_log_probs_rides_in_the_tokens_copy():
     """Training's engine records each sampled token's log-prob: still one read per decode step, and
     the recorded values are the float64 log-softmax at the chosen token, bit for bit."""
-    from megatron_rl.rl.recording_engine import RecordingEngine
+    from megatron_rl.rl.rollout_phase.recording_engine import RecordingEngine
 
     m = model(torch.float64, layers=2)
     sampling = SamplingParams(greedy=False, top_p=0.9, seed=3)

@@ -8,7 +8,7 @@ from elastic.planning.plan import Assignment, static_plan
 from elastic.runtime.runtime import RankOutcome
 from megatron_rl.parallel.launch import ParallelContext
 from megatron_rl.rollout.engine import Request
-from megatron_rl.rollout.lease_jobs import LeaseOutcome
+from megatron_rl.rollout.leases.jobs import LeaseOutcome
 from megatron_rl.rollout.rank_rollout import Generated, RankResult, RankRollout, RolloutResult
 
 

@@ -1,4 +1,4 @@
-"""True memory per training rank (elastic/planning/memory/train_memory.py, rl/mixed_precision.py's
+"""True memory per training rank (elastic/planning/memory/train_memory.py, rl/optim/mixed_precision.py's
 training_state_bytes): the DistributedOptimizer's ~16 B/param, ZeRO-1's shard, offload's zero, and
 Qwen3-30B-A3B on 80 GB planning more KV under sharding."""
 import torch
@@ -7,10 +7,10 @@ from elastic.planning.memory.train_memory import OptimizerSetup, optimizer_state
 from elastic.planning.shape import MemoryBudget
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-from megatron_rl.rl.megatron_train import MegatronOptimizer
-from megatron_rl.rl.mixed_precision import training_state_bytes
-from megatron_rl.rl.train_step import is_expert_param
-from megatron_rl.rl.zero import ShardedOptimizer
+from megatron_rl.rl.optim.megatron_train import MegatronOptimizer
+from megatron_rl.rl.optim.mixed_precision import training_state_bytes
+from megatron_rl.rl.optim.zero import ShardedOptimizer
+from megatron_rl.rl.update.train_step import is_expert_param
 
 TINY = MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
                       num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, vocab_size=40)

@@ -142,7 +142,7 @@ def test_export_to_a_folder_or_file_it_did_not_write_is_refused(run_folder, tmp_
 
 
 def test_export_refuses_while_a_train_holds_the_run_or_the_target_run(run_folder, tmp_path, capsys):
-    from megatron_rl.out_lock import hold_out_dir
+    from megatron_rl.files.out_lock import hold_out_dir
     from tests.tiny_train import tiny_run_folder
 
     out = run_folder
@@ -160,7 +160,7 @@ def _with_storage(path, relative_path):
     rewritten to match (what someone who can write the folder can do)."""
     import pickle
 
-    from megatron_rl.rl.checkpoint_trust import read_metadata
+    from megatron_rl.rl.checkpoint.trust import read_metadata
 
     meta = read_metadata(path)
     first = next(iter(meta.storage_data))

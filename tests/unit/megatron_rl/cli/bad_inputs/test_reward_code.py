@@ -186,7 +186,7 @@ def test_many_timeouts_in_a_step_end_its_other_calls_in_one_line(tmp_path, capsy
 
 def test_scoring_leases_use_the_same_workers(tmp_path):
     from megatron_rl.data.tokenizer import CharTokenizer
-    from megatron_rl.rl.leases import TrainingLeases
+    from megatron_rl.rl.rollout_phase.leases import TrainingLeases
     from megatron_rl.trainer_config import TrainerConfig
 
     (tmp_path / "contained.py").write_text(CONTAINED_PY)

@@ -58,7 +58,7 @@ def test_a_value_that_would_hang_or_crash_is_one_line(refuses_value, override, e
 
 
 def test_a_rollout_into_a_folder_in_use_is_refused(tmp_path, capsys):
-    from megatron_rl.out_lock import hold_out_dir
+    from megatron_rl.files.out_lock import hold_out_dir
 
     with hold_out_dir(tmp_path, "train"):
         _one_line_exit_2(capsys, ["rollout", "--ranks", "2", "--out", tmp_path, "--quiet"],

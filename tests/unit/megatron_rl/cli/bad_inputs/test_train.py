@@ -11,7 +11,7 @@ import yaml
 from megatron_rl.cli import main
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.parallel.disk_full import DiskFull
-from megatron_rl.rl.checkpoint import CheckpointError, latest_checkpoint, read_state_json
+from megatron_rl.rl.checkpoint.dcp import CheckpointError, latest_checkpoint, read_state_json
 from tests.helpers.cli import listing as _listing
 from tests.process_tree import live_children
 from tests.process_tree import one_line_exit_2 as _one_line_exit_2
@@ -184,7 +184,7 @@ def test_a_latest_pointer_that_names_no_step_is_one_line(tmp_path, content):
 
 @pytest.mark.parametrize("content", [b"\xff", b"[]", b'{"id": 3}', b"{" * 50_000])
 def test_a_bad_wandb_run_json_is_one_line(tmp_path, content):
-    from megatron_rl.metrics import read_run_state
+    from megatron_rl.metrics.logger import read_run_state
 
     (tmp_path / "wandb_run.json").write_bytes(content)
     with pytest.raises(FlexFloorError, match="wandb_run.json: unreadable"):
@@ -199,7 +199,7 @@ def _partial_resume(tmp_path, section: dict, step: int = 1, **changes):
     from megatron_rl.config import load_dataclass
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.data.tokenizer import build_tokenizer
-    from megatron_rl.rl.partial_state import check_partial_resume
+    from megatron_rl.rl.checkpoint.partial_state import check_partial_resume
     from megatron_rl.trainer_config import TrainerConfig
 
     overrides = {"partial.enabled": True, "grpo.group_size": 2, **changes}
@@ -314,7 +314,7 @@ def test_a_dtype_change_on_resume_is_refused_before_the_ranks(tmp_path, saved, d
     """Refused on the driver naming both dtypes (was an internal key name, late)."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_rl.rl.resume_fit import check_resume_dtype
+    from megatron_rl.rl.checkpoint.resume_fit import check_resume_dtype
 
     dcp.save({"model": {"w": torch.zeros(2, dtype=saved)}, "optim": {"x": torch.zeros(1)}},
              checkpoint_id=str(tmp_path), no_dist=True)
@@ -333,7 +333,7 @@ def test_a_bad_data_position_on_resume_is_refused_before_the_ranks(tmp_path):
     from megatron_rl.config import load_dataclass
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.data.tokenizer import build_tokenizer
-    from megatron_rl.rl.resume_fit import check_resume_fit
+    from megatron_rl.rl.checkpoint.resume_fit import check_resume_fit
     from megatron_rl.trainer_config import TrainerConfig
 
     cfg = load_dataclass(TrainerConfig, "examples/tiny_cpu_grpo.yaml", {})
@@ -353,7 +353,7 @@ def test_resume_step_moves_latest_before_anything_is_truncated(run_folder, tmp_p
     """A crash after `--resume-step 1` truncated metrics.jsonl left `latest` on
     step 2, whose metrics line was then gone for good. The ranks are replaced by a crash."""
     from megatron_rl.errors import FlexFloorError
-    from megatron_rl.metrics import _drop_steps_after
+    from megatron_rl.metrics.logger import _drop_steps_after
     from tests.tiny_train import tiny_train_config
 
     def crash(*a, **k):

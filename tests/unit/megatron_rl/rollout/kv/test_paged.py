@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.rollout.decode_step import DecodeOptions
-from megatron_rl.rollout.elastic_engine import MigratingRolloutEngine
+from megatron_rl.rollout.elastic_engines.torch_engine import MigratingRolloutEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.kv.cache import KVLayout
 from megatron_rl.rollout.kv.kind import PagedKV, kv_kind
@@ -160,7 +160,7 @@ def test_a_migrated_request_keeps_its_prediction_and_waits_for_room_on_a_full_re
 
 def test_carried_over_responses_reprefill_beside_their_fresh_siblings(model):
     """Partial carry-over: a resumed response comes back as prompt + its tokens so far (as
-    rl/rollout_phase.py builds it); it prefills on its own, its fresh siblings share their prompt."""
+    rl/rollout_phase/phase.py builds it); it prefills on its own, its fresh siblings share their prompt."""
     def batch():
         reqs = group_requests()
         for r in reqs[1::2]:
