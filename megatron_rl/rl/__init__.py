@@ -1,8 +1,10 @@
-"""The training loop's parts: GRPO's math (`grpo.py`, free of models, ranks and I/O so it can be
-tested by hand, and what this package exports), the update step, mixed precision, ZeRO-1 and its
-CPU Adam offload, `train`'s rollout phase (over `rollout/rank_rollout.py`) and its leases,
-checkpoints, the SFT warm start, model setup and megatron-core training; beside the loop, what the
-driver checks of the inputs, the one-line step faults, and rank 0's log of the run."""
+"""The training loop's parts, by concept: the update (`update/`: GRPO's math in `grpo.py`, free of
+models, ranks and I/O so it can be tested by hand, and what this package exports; the log-prob
+recompute and policy update; the training-inference mismatch), the optimizers (`optim/`: fp32
+masters, ZeRO-1 and its CPU Adam offload, megatron-core's), `train`'s rollout phase
+(`rollout_phase/`, over `rollout/rank_rollout.py`, with partial rollouts and leases) and checkpoints
+(`checkpoint/`); beside them the SFT warm start, model setup, validation, what the driver checks of
+the inputs, the one-line step faults, the deadline and rank 0's log of the run."""
 from megatron_rl.rl.update.grpo import (
     STAT_KEYS,
     LossBatch,
