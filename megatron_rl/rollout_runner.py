@@ -57,9 +57,18 @@ def _progress(start: float):
     return report
 
 
-def _rank_main(ctx: ParallelContext, job: RolloutJob, quiet: bool) -> tuple[dict, list[dict]] | None:
-    """This rank's part of `job`: its model and engine, the plan carried out; (the report, the
-    responses) on rank 0, None on the others."""
+@dataclass
+class RolloutRun:
+    """One rollout as the driver sees it: the report (the ledger's summary, the plan, every rank's
+    outcome) and every finished response (`prompt_id`, `sample`, `tokens`)."""
+
+    report: dict
+    responses: list[dict]
+
+
+def _rank_main(ctx: ParallelContext, job: RolloutJob, quiet: bool) -> RolloutRun | None:
+    """This rank's part of `job`: its model and engine, the plan carried out; the run on rank 0,
+    None on the others."""
     cfg, moe = job.cfg, backend(job.cfg.backend)
     held = [e for e, rs in job.plan.stages[0].owners.items() if ctx.rank in rs]
     model = moe.build_model(job.mcfg, held, cfg.dtype, cfg.checkpoint, cfg.seed, ctx.device).eval()
@@ -70,7 +79,7 @@ def _rank_main(ctx: ParallelContext, job: RolloutJob, quiet: bool) -> tuple[dict
         return None
     responses = [response_row(g) for g in result.finished()]
     moe_report = moe.rollout_report(model.dtype, ctx.device)
-    return _report(job, result, responses, moe_report, ctx.device, hooks.stop), responses
+    return RolloutRun(_report(job, result, responses, moe_report, ctx.device, hooks.stop), responses)
 
 
 def _engine(job: RolloutJob, model) -> RolloutEngine:
@@ -193,17 +202,17 @@ def _check_pool(cfg: RolloutConfig, requests: list[Request]) -> None:
                              "raise kv_pages or use kv: slots")
 
 
-def rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool):
+def rank_jobs(ctx: ParallelContext, jobs: list[RolloutJob], quiet: bool) -> list[RolloutRun | None]:
     """This rank's part of every prepared job, in order, inside an existing world (what
     `run_rollouts` runs on each rank; benchmarks call it to share a world with other measurements).
-    Returns (report, responses) per job on rank 0, None per job on the other ranks."""
+    Returns a `RolloutRun` per job on rank 0, None per job on the other ranks."""
     return [_rank_main(ctx, j, quiet) for j in jobs]
 
 
 def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = None,
-                 quiet: bool = False):
+                 quiet: bool = False) -> list[RolloutRun] | None:
     """Several rollouts, one after another, in one world of ranks (side-by-side benchmarks and
-    tests pay the start-up once). Returns a list of (report, responses); None on torchrun ranks != 0.
+    tests pay the start-up once). Returns a `RolloutRun` each; None on torchrun ranks != 0.
     """
     out_dirs = out_dirs or [None] * len(cfgs)
     # One world: one rank count, one device and one process-group backend (transports that share
@@ -220,7 +229,7 @@ def run_rollouts(cfgs: list[RolloutConfig], out_dirs: list[str | None] | None = 
                      writes_to=next((o for o in out_dirs if o), None))
 
 
-def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False):
-    """Returns (report, responses) on the driver; None on non-zero torchrun ranks."""
+def run_rollout(cfg: RolloutConfig, out_dir: str | None = None, quiet: bool = False) -> RolloutRun | None:
+    """The `RolloutRun` on the driver; None on non-zero torchrun ranks."""
     out = run_rollouts([cfg], [out_dir], quiet)
     return None if out is None else out[0]

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
           file=sys.stderr, flush=True)
     results = run_rollouts(cfgs, quiet=True)
     runs: dict[str, list[dict]] = {}
-    for n, (report, _) in zip(names, results):
+    for n, report in zip(names, (r.report for r in results)):
         runs.setdefault(n, []).append(report)
 
     def med(n, f):

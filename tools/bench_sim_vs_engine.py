@@ -174,7 +174,7 @@ def _round(ctx, mcfg: MoEModelConfig, sizes, steps: int, seed: int, chains, jobs
     samples = _probe_steps(ctx, mcfg, sizes, probe_points, steps, seed)
     shrinks, restores = _probe_shrinks(ctx, mcfg, chains, seed)
     done = rank_jobs(ctx, jobs, True)
-    return ((samples, shrinks, restores), [d[0] for d in done]) if ctx.rank == 0 else None
+    return ((samples, shrinks, restores), [d.report for d in done]) if ctx.rank == 0 else None
 
 
 def measure_round(cfgs: list[RolloutConfig], floor: int, steps: int, out_dirs: list[str | None]):

@@ -1,7 +1,8 @@
 """The `flexfloor` command line.
 
-Each subcommand lives in its own module with `register(subparsers)`; the module must import torch
-and other heavy packages inside its run function, so `flexfloor plan --help` stays instant.
+Each command's flags live in a module here with `register(subparsers)`, which imports nothing heavy;
+what the command does is `run(args)` of its module in `megatron_rl/commands/`, imported only once the
+command is parsed (it imports torch or numpy at its top), so `flexfloor plan --help` stays instant.
 An `InputError` (elastic/errors.py: a bad config, trace, checkpoint, flag) is caught here, once: it
 prints one line and exits with status 2. A full disk (an OSError of parallel/disk_full.py's `FULL`,
 met here or on a rank, which the launcher raises as `DiskFull`) is one line too, exit status 1.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from elastic.errors import InputError, shorten
@@ -57,15 +59,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
+    # The one deferred import of the command line: the command's run module, with torch or numpy.
+    command = importlib.import_module(f"megatron_rl.commands.{args.command}")
     try:
-        return int(args.func(args) or 0)
+        return int(command.run(args) or 0)
     except InputError as e:
         text = str(e).replace("\n", " ")
         print(f"flexfloor {args.command}: error: {shorten(text, MAX_MESSAGE)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `flexfloor demo | head -1`: the reader is gone, nothing to report to
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 128 + 13  # as a process that SIGPIPE ended
     except OSError as e:  # after BrokenPipeError, one of its kind

@@ -9,16 +9,14 @@ summary: the quorum schedule, the per-rank load and the predicted release area.
 from __future__ import annotations
 
 import argparse
-import json
-from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-from elastic.planning.choices import LAYOUTS, OBJECTIVES, PlanChoices
-from elastic.planning.shape import QWEN3_30B_A3B_H100
+from elastic.planning.choices import LAYOUTS, OBJECTIVES
+from elastic.planning.shape import QWEN3_30B_A3B_H100, SHAPES
 from megatron_rl.backend_rules import BACKENDS
+from megatron_rl.cli.overrides import add_override_args
 from megatron_rl.config import require, require_seed
-from megatron_rl.errors import FlexFloorError
 from megatron_rl.parallel.dims import parallel_dims, require_floor
 
 FLAGS = tuple((a, a) for a in ("trace", "epoch", "ranks", "floor", "layout", "tailguard", "alpha", "oracle",
@@ -44,8 +42,6 @@ class PlanConfig:
     seed: int = 0
 
     def __post_init__(self):
-        from elastic.planning.shape import SHAPES
-
         require(self.model in SHAPES, f"model: expected one of {', '.join(sorted(SHAPES))}, got {self.model!r}")
         experts = SHAPES[self.model].num_experts
         require(self.ranks >= 1, f"ranks: expected >= 1, got {self.ranks}")
@@ -64,9 +60,6 @@ class PlanConfig:
 
 
 def register(subparsers) -> None:
-    from elastic.planning.shape import QWEN3_30B_A3B_H100, SHAPES
-    from megatron_rl.cli.overrides import add_override_args
-
     p = subparsers.add_parser("plan", help="plan one rollout of a length trace",
                               description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,49 +84,3 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, help="seed of the planner's length samples (default: 0)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     add_override_args(p)
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    from elastic.planning.plan import PlanError
-    from elastic.planning.planner import plan_epoch
-    from elastic.planning.platform import Platform
-    from elastic.planning.shape import SHAPES
-    from elastic.trace import TraceError, read_trace
-    from megatron_rl.cli.overrides import resolve
-    from megatron_rl.config import config_yaml
-
-    c = resolve(PlanConfig, None, args, FLAGS)
-    if args.print_config:
-        print(config_yaml(c), end="")
-        return 0
-    try:
-        trace = read_trace(c.trace)
-        epoch = trace.epochs[-1] if c.epoch is None else c.epoch
-        choices = PlanChoices(c.ranks if c.floor is None else c.floor, c.tailguard, c.objective, c.alpha, c.seed)
-        plan = plan_epoch(trace, epoch, platform=Platform(c.dims, SHAPES[c.model]), layout=c.layout,
-                          choices=choices, oracle=c.oracle, max_response_len=c.max_response_len)
-    except (TraceError, PlanError) as e:
-        raise FlexFloorError(str(e)) from None
-    if args.json:
-        print(json.dumps(plan.to_dict()))
-        return 0
-    m = plan.meta
-    print(f"plan for epoch {epoch} of {c.trace}: {len(plan.assignments)} responses on "
-          f"{plan.ranks} ranks, layout {plan.layout}"
-          f"{' (placed as ' + m['effective_layout'] + ')' if m['effective_layout'] != plan.layout else ''}"
-          f", floor {plan.floor}, TailGuard {'on' if plan.tailguard else 'off'}, ownership {plan.ownership}")
-    counts = Counter(a.rank for a in plan.assignments)
-    for i, st in enumerate(plan.stages):
-        trigger = f"after ranks {list(st.drained)} drain" if i else "at start"
-        moved = len(plan.transfers(i - 1, i)) if i else 0
-        print(f"  stage {i}: {len(st.members)} ranks {trigger}"
-              f"{f', {moved} expert moves' if i else ''}")
-    print("  responses per rank: " + " ".join(f"{r}:{counts.get(r, 0)}" for r in range(plan.ranks)))
-    print(f"  predicted rollout {m['predicted_rollout_s']:.1f} s "
-          f"(nobody leaving: {m['predicted_static_rollout_s']:.1f} s), "
-          f"release area {plan.predicted_release_rank_s:.1f} rank-s, "
-          f"occupied {m['predicted_occupied_rank_s']:.1f} rank-s")
-    if "fallback" in m:
-        print(f"  note: {m['fallback']}")
-    return 0

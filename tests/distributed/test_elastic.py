@@ -31,7 +31,8 @@ def test_elastic_policies_equal_vanilla_and_keep_invariants(tmp_path):
             labels.append((greedy, v["policy"], v.get("floor")))
     results = run_rollouts(cfgs, quiet=True)
     shas = {}
-    for (greedy, policy, floor), (report, responses) in zip(labels, results):
+    for (greedy, policy, floor), run in zip(labels, results):
+        report, responses = run.report, run.responses
         keys = [(r["prompt_id"], r["sample"]) for r in responses]
         assert len(keys) == len(set(keys)) == 32, "a response was dropped or duplicated"
         assert report["rank_steps"] and sum(report["rank_steps"].values()) == 4 * report["rollout_steps"]

@@ -46,15 +46,16 @@ def single_process_greedy(cfg):
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_ep_greedy_equals_single_process_model(tailed_trace, reference, ranks):
-    report, responses = run_rollout(config(tailed_trace, ranks), quiet=True)
+    run = run_rollout(config(tailed_trace, ranks), quiet=True)
+    report, responses = run.report, run.responses
     assert report["ranks"] == ranks and report["responses"] == 32
     assert by_key(responses) == reference
     assert report["rank_steps"]["dummy"] > 0  # a length-tailed batch leaves ranks stepping empty
 
 
 def test_seeded_sampling_same_sha_on_1_2_4_ranks(tailed_trace):
-    shas = {w: run_rollout(config(tailed_trace, w, greedy=False), quiet=True)[0]["responses_sha256"]
+    shas = {w: run_rollout(config(tailed_trace, w, greedy=False), quiet=True).report["responses_sha256"]
             for w in (1, 2, 4)}
     assert len(set(shas.values())) == 1, shas
-    greedy = run_rollout(config(tailed_trace, 2), quiet=True)[0]["responses_sha256"]
+    greedy = run_rollout(config(tailed_trace, 2), quiet=True).report["responses_sha256"]
     assert greedy != shas[1]  # sampling really sampled

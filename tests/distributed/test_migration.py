@@ -20,7 +20,8 @@ BASE = {"batch.prompts": 8, "batch.samples": 4, "batch.length_scale": 0.01, "ran
 def test_adaptive_migrates_and_equals_vanilla(tmp_path):
     cfgs = [load_dataclass(RolloutConfig, None, {**BASE, **o})
             for o in ({"policy": "vanilla"}, {"policy": "adaptive", "floor": 1})]
-    (van, _), (ada, responses) = run_rollouts(cfgs, quiet=True)
+    van_run, ada_run = run_rollouts(cfgs, quiet=True)
+    van, ada, responses = van_run.report, ada_run.report, ada_run.responses
     assert ada["migrated"] > 0, "no request moved: the test proves nothing"
     assert ada["final_stage"] > 0
     assert len({(r["prompt_id"], r["sample"]) for r in responses}) == len(responses) == 32
@@ -32,8 +33,8 @@ def test_adaptive_migrates_and_equals_vanilla(tmp_path):
     assert sum(int(m.label.split()[0]) for m in timeline.marks if m.kind == "migrate") == 2 * ada["migrated"]
     # The figures `rollout --plot` and `demo --plot` draw from these reports.
     pytest.importorskip("matplotlib")
-    from megatron_rl.cli.demo import write_demo_timelines
-    from megatron_rl.cli.rollout import rollout_title, write_timeline
+    from megatron_rl.commands.demo import write_demo_timelines
+    from megatron_rl.commands.rollout import rollout_title, write_timeline
 
     assert write_timeline(ada, tmp_path / "timeline.png", rollout_title(ada)).stat().st_size > 5000
     write_demo_timelines(van, ada, str(tmp_path))

@@ -18,7 +18,9 @@ def test_paged_planned_and_adaptive_equal_the_slot_cache():
     cfgs = [load_dataclass(RolloutConfig, None, {**BASE, **o}) for o in (
         {"policy": "vanilla", "kv": "slots"}, {"policy": "planned", "floor": 1, **PAGED},
         {"policy": "adaptive", "floor": 1, **PAGED})]
-    (slots, _), (planned, _), (adaptive, responses) = run_rollouts(cfgs, quiet=True)
+    runs = run_rollouts(cfgs, quiet=True)
+    slots, planned, adaptive = (r.report for r in runs)
+    responses = runs[2].responses
     assert len({(r["prompt_id"], r["sample"]) for r in responses}) == len(responses) == 32
     assert planned["responses_sha256"] == adaptive["responses_sha256"] == slots["responses_sha256"]
     assert planned["final_stage"] > 0 and adaptive["migrated"] > 0, "no rank left, no request moved"

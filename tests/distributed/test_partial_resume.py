@@ -102,7 +102,8 @@ def test_a_partial_rollout_shrinks_leases_and_restores_as_before():
         "batch.prompts": 16, "batch.samples": 4, "ranks": 4, "policy": "planned", "floor": 1,
         "tailguard": True, "timeout_s": 120.0, "leases.jobs": ["rewards"],
         "partial.enabled": True, "partial.over_sample": 0.5})
-    ((report, responses),) = run_rollouts([cfg], quiet=True)
+    (run,) = run_rollouts([cfg], quiet=True)
+    report, responses = run.report, run.responses
     p = report["partial"]
     assert report["final_stage"] > 0, "no shrink before the end rule: the test proves nothing"
     assert p["carried"] > 0 and p["groups_complete"] >= p["target_groups"] == 10

@@ -86,7 +86,7 @@ def _rank(ctx, jobs, warm_job):
     same_grads = all(torch.equal(a, b) for a, b in zip(grads["direct"], grads["host"]))
     flags = torch.tensor([int(same_grads)])
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-    reports = [r for r, _ in rank_jobs(ctx, jobs, True)] if ctx.rank == 0 else rank_jobs(ctx, jobs, True)
+    reports = [r.report for r in rank_jobs(ctx, jobs, True)] if ctx.rank == 0 else rank_jobs(ctx, jobs, True)
     return cold, warm, bool(flags), reports
 
 

@@ -41,7 +41,7 @@ def test_megatron_rollouts_on_two_and_four_ranks_equal_the_torch_backend(megatro
     cfgs = [_cfg(ranks=2, policy="vanilla", backend="torch"),
             _cfg(ranks=2, policy="vanilla", backend="megatron"),
             _cfg(ranks=2, policy="natural", floor=1, backend="megatron")]
-    (torch_rep, _), (vanilla, _), (natural, _) = run_rollouts(cfgs, quiet=True)
+    torch_rep, vanilla, natural = (r.report for r in run_rollouts(cfgs, quiet=True))
     assert vanilla["moe"] == natural["moe"] == {"backend": "megatron", "experts": "GroupedMM",
                                                 "transformer_engine": None}
     assert natural["stages"] == [[0, 1], [0]] and natural["final_stage"] == 1  # shrank, then restored

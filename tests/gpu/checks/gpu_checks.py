@@ -159,7 +159,9 @@ def elastic_on_one_device(*, device: str = "cuda", prompts: int = 8, samples: in
             "batch.samples": samples, "batch.length_scale": length_scale, "timeout_s": 120.0}
     cfgs = [load_dataclass(RolloutConfig, None, {**base, "policy": policy, **extra})
             for policy, extra in (("vanilla", {}), ("natural", {"floor": 1}), ("adaptive", {"floor": 1}))]
-    (vanilla, responses), (natural, _), (adaptive, _) = run_rollouts(cfgs, quiet=True)
+    runs = run_rollouts(cfgs, quiet=True)
+    vanilla, natural, adaptive = (r.report for r in runs)
+    responses = runs[0].responses
     same = natural["responses_sha256"] == vanilla["responses_sha256"]
     moved_same = adaptive["responses_sha256"] == vanilla["responses_sha256"]
     freed = {r: sum(f.values()) for r, f in natural["freed_bytes"].items()}

@@ -193,7 +193,7 @@ def bf16_policies(*, device: str = "cuda", dtype: str = "bfloat16", prompts: int
     cfgs = [load_dataclass(RolloutConfig, None, {**base, "policy": p, **({"floor": f} if f else {})})
             for p, f in policies]
     results = run_rollouts(cfgs, quiet=True)
-    by_key = [{(r["prompt_id"], r["sample"]): r["tokens"] for r in responses} for _report, responses in results]
+    by_key = [{(r["prompt_id"], r["sample"]): r["tokens"] for r in run.responses} for run in results]
     vanilla = by_key[0]
     reward_v = sum(_even_share(t) for t in vanilla.values()) / len(vanilla)
     rows = {}

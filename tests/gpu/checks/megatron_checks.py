@@ -160,7 +160,7 @@ def elastic_vs_vanilla(fields: dict) -> dict:
 
     batch = BatchConfig(prompts=6, samples=2, epochs=3, length_scale=0.004)
     cfgs = [RolloutConfig(ranks=2, policy=p, floor=1, batch=batch, **fields) for p in ("vanilla", "planned")]
-    (vanilla, _), (planned, _) = run_rollouts(cfgs, quiet=True)
+    vanilla, planned = (r.report for r in run_rollouts(cfgs, quiet=True))
     return {"stages": planned["stages"], "final_stage": planned["final_stage"], "moe": planned["moe"],
             "sha256": planned["responses_sha256"],
             "ok": planned["responses_sha256"] == vanilla["responses_sha256"] and len(planned["stages"]) > 1}

@@ -94,7 +94,7 @@ def test_export_flags_are_checked_before_anything_is_read(files, refuses_each):
 
 
 def test_a_shard_bound_past_any_model_is_one_shard_and_below_a_byte_a_shard_per_tensor():
-    from megatron_rl.cli.export import shard_size
+    from megatron_rl.commands.export import shard_size
 
     assert shard_size(5) == 5 * 10**9 and shard_size(1e300) >= 2**62 and shard_size(1e-300) == 1
 

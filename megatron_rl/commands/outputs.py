@@ -9,6 +9,7 @@ from pathlib import Path
 from elastic.errors import shorten
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.files.owned_paths import NAME_MAX, refuse_held_run, refuse_symlinks_out
+from megatron_rl.metrics.logger import require_matplotlib
 
 
 def _check_path(p: Path, label: str) -> None:
@@ -72,7 +73,5 @@ def check_plot_dir(path: str | Path | None, flag: str = "--plot") -> None:
     """`path` can take figures and matplotlib (optional: the `dev` and `plot` extras) imports."""
     if path is None:
         return
-    from megatron_rl.metrics.logger import require_matplotlib
-
     require_matplotlib(flag)
     check_out_dir(path, flag)
