@@ -44,7 +44,9 @@ def _cfg(tmp_path, name, template, rows=None):
 
 
 def test_a_template_that_fails_to_render_is_one_line_naming_row_file_and_cause(tmp_path, refuses_each, monkeypatch):
-    monkeypatch.setattr("megatron_rl.data.chat_template.RENDER_S", 1.0)
+    # Long enough that the other cases finish on a loaded machine ('x' * 10**7 under load took over
+    # 1 s), short enough that the endless loop costs little.
+    monkeypatch.setattr("megatron_rl.data.chat_template.RENDER_S", 4.0)
     cases = [
         ("syntax", "{% for m in messages %}", "chat template: TemplateSyntaxError: Unexpected end of template"),
         ("raises", "{{ raise_exception('no system turns, please') }}", "chat template: TemplateError: no system "
@@ -59,7 +61,7 @@ def test_a_template_that_fails_to_render_is_one_line_naming_row_file_and_cause(t
                                       "model.max_position_embeddings could hold (262144)"),
         ("memory", "{{ 'x' * 10**11 }}", "chat template: MemoryError (past the 2 GiB a render may use)"),
         ("loops", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
-         "chat template: rendering did not finish within 1 s"),
+         "chat template: rendering did not finish within 4 s"),
     ]
     checks = []
     for name, template, cause in cases:
