@@ -61,8 +61,8 @@ class Backend(ABC):
         import torch.distributed as dist
 
         from elastic.planning.dims import block_owners
+        from megatron_rl.models.ep_dispatch import AllToAllDispatcher
         from megatron_rl.models.moe import LocalDispatcher
-        from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 
         owners = block_owners(cfg.model.num_moe_experts, range(world))
         held = [e for e, rs in owners.items() if rank in rs]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from elastic.runtime.transport import DirectTransport
+from megatron_rl.models.ep_dispatch import AllToAllDispatcher
 from megatron_rl.models.moe import LocalDispatcher
 from megatron_rl.models.params import is_expert_param, tensor_digest
-from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.kv.budget import kv_numel
 
