@@ -12,8 +12,8 @@ from pathlib import Path
 
 from elastic.timeline import Timeline
 from megatron_rl.metrics.logger import MetricsLogger
-from megatron_rl.metrics.provenance import provenance
 from megatron_rl.metrics.wandb_run import policy_tags
+from megatron_rl.provenance import provenance
 from megatron_rl.trainer_config import TrainerConfig
 
 
