@@ -22,6 +22,10 @@ TransformerEngine that does not import is an error. The layer can be *built* on 
 (`device="cpu"`); the tests run it on CPU gloo ranks through a test-only harness that patches
 megatron-core's few CUDA calls (tests/megatron_harness.py, docs/cluster.md), which is the one user
 of `TEST_DEVICE`.
+megatron-core is imported inside the functions that build its objects (here and in
+`megatron_layers.py`): it takes seconds to import and warns without TransformerEngine and apex, and
+every run imports this module (`megatron_weights.py` reads `MegatronMoE`'s weights under the torch
+backend's names), the torch backend's too.
 """
 from __future__ import annotations
 
