@@ -20,6 +20,7 @@ import yaml
 from elastic.errors import shorten
 from megatron_rl.errors import ConfigError
 from megatron_rl.files.yaml_input import parse
+from megatron_rl.provenance import provenance_comment
 
 T = TypeVar("T")
 INT_LIMIT = 2**63  # every integer field must fit a 64-bit signed integer (torch, numpy, C)
@@ -293,6 +294,4 @@ def config_yaml(cfg) -> str:
 def write_config(cfg, out_dir: str | Path) -> None:
     """Record the resolved config as `out_dir/config.yaml` (a rerun can pass it as --config), after
     a comment line with the run's provenance (git sha, versions, image)."""
-    from megatron_rl.metrics.provenance import provenance_comment
-
     (Path(out_dir) / "config.yaml").write_text(provenance_comment() + config_yaml(cfg), encoding="utf-8")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from elastic.planning.partial import PartialRule
 from megatron_rl.config import require
 
 
@@ -33,8 +34,6 @@ class PartialConfig:
             require(False, str(e))
 
     def rule(self):
-        from elastic.planning.partial import PartialRule
-
         return PartialRule(self.over_sample, self.end, self.token_budget)
 
     def groups_launched(self, prompts: int) -> int:

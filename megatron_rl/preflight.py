@@ -5,7 +5,9 @@ so a run that cannot start stops with one line instead of inside W ranks.
 from __future__ import annotations
 
 from megatron_rl.backend_rules import backend_rules
+from megatron_rl.rl.optim.cpu_adam import require_cpu_adam
 from megatron_rl.rollout.leases.jobs import LeaseConfig
+from megatron_rl.rollout.leases.sglang import require_sglang
 
 
 def preflight(backend: str, dtype: str, leases: LeaseConfig, offload: str = "none") -> None:
@@ -14,12 +16,8 @@ def preflight(backend: str, dtype: str, leases: LeaseConfig, offload: str = "non
     `optim.offload: cpu`."""
     backend_rules(backend).preflight(dtype)
     if "sglang" in leases.jobs:
-        from megatron_rl.rollout.leases.sglang import require_sglang
-
         require_sglang()
     if {"sidecar", "sglang"} & set(leases.jobs):
         leases.sidecar.preflight()
     if offload == "cpu":
-        from megatron_rl.rl.optim.cpu_adam import require_cpu_adam
-
         require_cpu_adam()

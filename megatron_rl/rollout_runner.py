@@ -27,7 +27,8 @@ from megatron_rl.backends import Backend, backend
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.parallel.device import dist_backend, resolve_device
-from megatron_rl.parallel.launch import ParallelContext, driver_process, run_ranks
+from megatron_rl.parallel.launch import ParallelContext, run_ranks
+from megatron_rl.parallel.torchrun import driver_process
 from megatron_rl.preflight import preflight
 from megatron_rl.rollout.batch import load_trace, make_requests, select_epoch
 from megatron_rl.rollout.config import RolloutConfig

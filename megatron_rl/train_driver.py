@@ -13,7 +13,8 @@ from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.errors import CheckpointError
 from megatron_rl.metrics.logger import require_matplotlib
 from megatron_rl.parallel.device import resolve_device
-from megatron_rl.parallel.launch import driver_process, run_ranks
+from megatron_rl.parallel.launch import run_ranks
+from megatron_rl.parallel.torchrun import driver_process
 from megatron_rl.preflight import preflight
 from megatron_rl.rl.checkpoint.dcp import (
     checkpoint_at,

@@ -33,9 +33,9 @@ from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.data.prompts import PromptDataset
 from megatron_rl.data.tokenizer import Tokenizer, build_tokenizer
 from megatron_rl.metrics.logger import gpu_memory, length_stats
-from megatron_rl.metrics.provenance import provenance
 from megatron_rl.metrics.verl import device_peak_flops, verl_figures
 from megatron_rl.parallel.signals import StopOnSignal
+from megatron_rl.provenance import provenance
 from megatron_rl.rewards import OUTCOMES, Scorer, Verdict, check_error_share, mean_extras
 from megatron_rl.rl.checkpoint.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint.dcp import load_checkpoint, read_trainer_state

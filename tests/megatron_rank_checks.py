@@ -19,8 +19,8 @@ OPTIM = OptimConfig(lr=3e-3, grad_clip=1.0)
 
 def _torch_model(rank: int, world: int, held=None) -> Qwen3MoeModel:
     from elastic.planning.dims import block_owners
+    from megatron_rl.models.ep_dispatch import AllToAllDispatcher
     from megatron_rl.models.moe import LocalDispatcher
-    from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 
     owners = block_owners(CFG.num_moe_experts, range(world))
     held = [e for e, rs in owners.items() if rank in rs] if held is None else held

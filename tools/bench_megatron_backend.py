@@ -34,8 +34,8 @@ from elastic.planning.plan import Plan, Stage
 from elastic.runtime.runtime import _move_experts
 from megatron_rl.errors import ConfigError
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
+from megatron_rl.models.ep_dispatch import AllToAllDispatcher
 from megatron_rl.parallel.dims import parallel_dims
-from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 from megatron_rl.rollout.elastic_engines.megatron_engine import MegatronElasticEngine
 from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams

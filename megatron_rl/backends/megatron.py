@@ -4,42 +4,41 @@ rebuilds its layers over each stage's group (`rollout/elastic_engines/megatron_e
 bfloat16 or float32; experts in megatron-core's contiguous blocks; no online rule."""
 from __future__ import annotations
 
-from megatron_rl.backends import Backend
+import torch
+
+from megatron_rl.backends.base import Backend
+from megatron_rl.models.megatron_backend import (
+    backend_report,
+    install_megatron_moe,
+    megatron_options,
+    require_cuda_model,
+)
+from megatron_rl.models.qwen3_moe import DTYPES
+from megatron_rl.rl.optim.megatron_train import MegatronOptimizer, training_groups
+from megatron_rl.rollout.elastic_engines.megatron_engine import MegatronElasticEngine, check_plan
 
 
 class MegatronBackend(Backend):
     name = "megatron"
 
     def describe(self) -> dict:
-        from megatron_rl.models.megatron_backend import backend_report
-
         return backend_report()
 
     def for_training(self, model, rank: int, world: int) -> None:
         """megatron-core's layers over the world, on the model's CUDA device."""
-        from megatron_rl.models.megatron_backend import install_megatron_moe, megatron_options, require_cuda_model
-        from megatron_rl.rl.optim.megatron_train import training_groups
-
         require_cuda_model(model)
         install_megatron_moe(model, training_groups(rank, world), **megatron_options(model.dtype))
 
     def optimizer(self, model, cfg, rank: int, world: int):
         self.rules.require_dtype(cfg.dtype)  # megatron-core's optimizer keeps bf16 or fp32 parameters only
-        from megatron_rl.models.qwen3_moe import DTYPES
-        from megatron_rl.rl.optim.megatron_train import MegatronOptimizer, training_groups
-
         return MegatronOptimizer(model, cfg.model, cfg.optim, DTYPES[cfg.dtype], training_groups(rank, world))
 
     def elastic_engine(self, spec, engine, carried: dict | None = None):
         """megatron-core's layers on this rank's GPU, rebuilt over each stage's group; NCCL only (no
         host staging), no online rule: its experts stay in contiguous blocks."""
-        from megatron_rl.rollout.elastic_engines.megatron_engine import MegatronElasticEngine
-
         return MegatronElasticEngine.on_gpu(engine, spec.rank, spec.world), None
 
     def check_plan(self, plan) -> None:
-        from megatron_rl.rollout.elastic_engines.megatron_engine import check_plan
-
         check_plan(plan)
 
     def keep_experts(self, model) -> list:
@@ -49,8 +48,6 @@ class MegatronBackend(Backend):
     def restore_experts(self, model, kept: list) -> None:
         """The pre-rollout MegatronMoE blocks back (the runtime has checked the restored weights'
         checksums against the pre-rollout ones)."""
-        import torch
-
         for layer, before in zip(model.decoder.layers, kept):
             now = layer.mlp
             if now is before:

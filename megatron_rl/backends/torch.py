@@ -2,15 +2,20 @@
 dtype the model runs; the only one whose rollout migrates requests under the `adaptive` online rule."""
 from __future__ import annotations
 
-from megatron_rl.backends import Backend
+import torch
+
+from elastic.runtime.online import OnlineDriver
+from elastic.runtime.transport import make_transport
+from megatron_rl.backends.base import Backend
+from megatron_rl.models.moe import expert_report
+from megatron_rl.rl.update.train_step import training_optimizer
+from megatron_rl.rollout.elastic_engines.torch_engine import ElasticRolloutEngine, MigratingRolloutEngine
 
 
 class TorchBackend(Backend):
     name = "torch"
 
     def rollout_report(self, dtype, device) -> dict:
-        from megatron_rl.models.moe import expert_report
-
         return self.describe() | expert_report(dtype, device)
 
     def for_training(self, model, rank: int, world: int) -> None:
@@ -21,19 +26,12 @@ class TorchBackend(Backend):
 
     def optimizer(self, model, cfg, rank: int, world: int):
         """ZeRO-1 and/or host offload, or the replicated optimizer (`train_step.training_optimizer`)."""
-        from megatron_rl.rl.update.train_step import training_optimizer
-
         return training_optimizer(model, cfg.optim, rank, world)
 
     def elastic_engine(self, spec, engine, carried: dict | None = None):
         """The migrating engine with the online driver when a rule re-plans, else the plain one."""
-        from elastic.runtime.transport import make_transport
-        from megatron_rl.rollout.elastic_engines.torch_engine import ElasticRolloutEngine, MigratingRolloutEngine
-
         if spec.rule is None:
             return ElasticRolloutEngine(engine, spec.world, make_transport(spec.transport)), None
-        from elastic.runtime.online import OnlineDriver
-
         elastic = MigratingRolloutEngine(engine, spec.world, make_transport(spec.transport), carried=carried)
         keys = [(a.prompt_id, a.sample) for a in spec.plan.assignments]
         return elastic, OnlineDriver(spec.rule, keys, [a.rank for a in spec.plan.assignments], spec.rank,
@@ -43,8 +41,6 @@ class TorchBackend(Backend):
         return [{e: moe.experts.get(e) for e in moe.experts.held()} for moe in model.moe_layers]
 
     def restore_experts(self, model, kept: list[dict]) -> None:
-        import torch
-
         for moe, before in zip(model.moe_layers, kept):
             assert moe.experts.held() == sorted(before), "restore left a different set of experts"
             for e, module in before.items():

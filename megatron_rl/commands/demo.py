@@ -13,7 +13,7 @@ from elastic.timeline_plot import plot_timelines
 from megatron_rl.commands.outputs import check_out_file, check_plot_dir
 from megatron_rl.commands.rollout import resolve_rollout, rollout_title
 from megatron_rl.config import config_yaml
-from megatron_rl.parallel.launch import driver_process
+from megatron_rl.parallel.torchrun import driver_process
 from megatron_rl.rollout_runner import run_rollouts
 
 

@@ -9,7 +9,7 @@ import os
 from megatron_rl.cli.overrides import flag_overrides, parse_overrides
 from megatron_rl.config import load_dataclass, load_yaml
 from megatron_rl.errors import ConfigError
-from megatron_rl.parallel.launch import under_torchrun
+from megatron_rl.parallel.torchrun import under_torchrun
 from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.trainer_config import TrainerConfig
 

@@ -26,6 +26,8 @@ from typing import NamedTuple
 
 from elastic.errors import shorten
 from megatron_rl.errors import FlexFloorError
+from megatron_rl.parallel.signals import pid_alive
+from megatron_rl.parallel.torchrun import driver_process
 
 LOCK_NAME = ".flexfloor.lock"
 EXCL_NAME = ".flexfloor.lock.excl"
@@ -72,8 +74,6 @@ def in_use_by(path: str | Path) -> str | None:
 @contextlib.contextmanager
 def hold_out_dir(path: str | Path | None, command: str, flag: str = "--out"):
     """Hold `path`'s lock while the body runs; a second holder is refused at once, in one line."""
-    from megatron_rl.parallel.launch import driver_process
-
     if path is None or not driver_process():  # torchrun: the world's rank 0 holds it
         yield
         return
@@ -117,9 +117,7 @@ class _ExclHolder(NamedTuple):
     @property
     def stale(self) -> bool:
         """Its run is gone: a dead PID on this host (another host's PID cannot be probed from here)."""
-        from megatron_rl.parallel.signals import _alive
-
-        return self.host == socket.gethostname() and self.pid is not None and not _alive(self.pid)
+        return self.host == socket.gethostname() and self.pid is not None and not pid_alive(self.pid)
 
 
 def _excl_holder(lock: Path) -> _ExclHolder | None:

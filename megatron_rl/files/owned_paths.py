@@ -25,6 +25,8 @@ from typing import Callable
 
 from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError, FlexFloorError
+from megatron_rl.files.out_lock import LOCK_NAME, OutDirInUse, in_use_by
+from megatron_rl.parallel.torchrun import driver_process
 
 EXPORT_MARKER = ".flexfloor-export"
 # A path component's longest name on Linux file systems (NAME_MAX): ext4, xfs, btrfs, tmpfs, NFS.
@@ -49,8 +51,6 @@ def _inside(path: Path, folder: Path) -> bool:
 def run_folder_of(path: Path) -> Path | None:
     """The nearest folder at or above `path` that is a `flexfloor train --out` (its lock file and
     checkpoints/ folder), or None."""
-    from megatron_rl.files.out_lock import LOCK_NAME
-
     for folder in (path, *path.parents):
         if (folder / LOCK_NAME).is_file() and (folder / "checkpoints").is_dir():
             return folder
@@ -151,9 +151,6 @@ def refuse_held_run(path: Path, flag: str) -> None:
     running `flexfloor train` (or rollout, export) holds: its metrics, config and checkpoints are that
     run's. Asked before the command takes its own lock, by the launching process alone (under
     torchrun the other ranks would find their own rank 0 holding it)."""
-    from megatron_rl.files.out_lock import OutDirInUse, in_use_by
-    from megatron_rl.parallel.launch import driver_process
-
     run = run_folder_of(path.resolve().parent) or run_folder_of(path.resolve())
     if run is None or not driver_process() or not (holder := in_use_by(run)):
         return

@@ -1,2 +1,3 @@
 """What a run reports: per-step metrics to JSONL and W&B (`logger.py`) under verl's names (`keys.py`,
-`verl.py`), the W&B run (`metrics/wandb_run.py`) and the code and software a run ran on (`metrics/provenance.py`)."""
+`verl.py`) and the W&B run (`wandb_run.py`). The code and software a run ran on, which the config,
+the checkpoints and the W&B run record, is `megatron_rl/provenance.py`, below the config."""

@@ -16,7 +16,10 @@ import torch
 
 from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError
+from megatron_rl.files.json_input import loads
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.hf_writer import SHARD_BYTES, write_index_and_configs, write_shards
+from megatron_rl.models.megatron_weights import canonical_state_dict
 from megatron_rl.models.params import expert_weight
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 
@@ -46,8 +49,6 @@ class _SafetensorsDir:
 
         index = path / "model.safetensors.index.json"
         if index.exists():
-            from megatron_rl.files.json_input import loads
-
             try:
                 weight_map = loads(index.read_bytes())["weight_map"]
                 files = sorted(set(weight_map.values()))
@@ -156,8 +157,6 @@ def read_hf_config(path: str | Path) -> MoEModelConfig:
         raise CheckpointError(f"{path}: expected a HuggingFace checkpoint directory "
                               f"(config.json and *.safetensors), but {found}")
     cfg_file = path / "config.json"
-    from megatron_rl.files.json_input import loads
-
     try:
         hf = loads(cfg_file.read_text())
     except OSError as e:
@@ -267,9 +266,6 @@ def save_hf_checkpoint(model: Qwen3MoeModel, path: str | Path, dtype: torch.dtyp
     backend: the megatron one's weights are read under the torch backend's names), in one process:
     the same files as the ranks' export (rl/model_setup.py export_hf; models/hf_writer.py).
     `tokenizer`: the run's (data/tokenizer.py), for the bos/eos ids and an HF tokenizer's files."""
-    from megatron_rl.models.hf_writer import SHARD_BYTES, write_index_and_configs, write_shards
-    from megatron_rl.models.megatron_weights import canonical_state_dict
-
     cfg = model.config
     sd = canonical_state_dict(model)
     missing = [e for e in range(cfg.num_moe_experts)

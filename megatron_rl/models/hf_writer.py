@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.models.config import MoEModelConfig
 
 SHARD_BYTES = 5 * 10**9
@@ -109,8 +110,6 @@ def write_index_and_configs(folder: Path, layout: dict, shard_bytes: int, cfg: M
 def token_ids(tokenizer) -> dict:
     """bos/eos/pad ids of the run's tokenizer (the char tokenizer's when none is given)."""
     if tokenizer is None:
-        from megatron_rl.data.tokenizer import CharTokenizer
-
         tokenizer = CharTokenizer()
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     return {k: v for k, v in ids.items() if v is not None}

@@ -22,6 +22,10 @@ TransformerEngine that does not import is an error. The layer can be *built* on 
 (`device="cpu"`); the tests run it on CPU gloo ranks through a test-only harness that patches
 megatron-core's few CUDA calls (tests/megatron_harness.py, docs/cluster.md), which is the one user
 of `TEST_DEVICE`.
+megatron-core is imported inside the functions that build its objects (here and in
+`megatron_layers.py`): it takes seconds to import and warns without TransformerEngine and apex, and
+every run imports this module (`megatron_weights.py` reads `MegatronMoE`'s weights under the torch
+backend's names), the torch backend's too.
 """
 from __future__ import annotations
 
@@ -33,8 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.planning.dims import LayoutError, block_owners
+from elastic.runtime.groups import process_group
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.megatron_layers import EXPERTS, moe_spec
 from megatron_rl.models.moe import MoELayer as TorchMoELayer
 
 DISPATCHERS = ("alltoall", "flex", "allgather")
@@ -67,8 +73,6 @@ def expert_kernel(choice: str = "auto") -> str:
     (TransformerEngine grouped GEMM) when TE imports, else `GroupedMM` (torch._grouped_mm); in the
     H100 image a TE that does not import is an error. `SequentialMLP` (megatron-core's per-expert
     loop) or `GroupedMM` when asked for by name."""
-    from megatron_rl.models.megatron_layers import EXPERTS
-
     if choice != "auto":
         if choice not in EXPERTS:
             raise FlexFloorError(f"megatron experts: expected auto or one of {', '.join(EXPERTS)}, got {choice!r}")
@@ -176,8 +180,6 @@ def self_group(rank: int, world: int):
     """The process group of `rank` alone (megatron-core's size-1 tensor, context and expert-data
     groups). Every rank creates all `world` of them at its first call, in the same order, as
     torch.distributed requires of every new group."""
-    from elastic.runtime.groups import process_group
-
     return [process_group((r,)) for r in range(world)][rank]
 
 
@@ -192,8 +194,6 @@ class MegatronMoE(nn.Module):
                  dtype: torch.dtype = torch.bfloat16, expert_module: str = "TEGroupedMLP", device: str = "cuda"):
         super().__init__()
         from megatron.core.transformer.spec_utils import build_module
-
-        from megatron_rl.models.megatron_layers import moe_spec
 
         self.options = dict(dispatcher=dispatcher, dtype=dtype, expert_module=expert_module, device=device)
         ep = pg_collection.ep

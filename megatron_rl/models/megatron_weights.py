@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from megatron_rl.models.megatron_backend import MegatronMoE
 from megatron_rl.models.params import expert_weight, tensor_digest
 
 SPECS = ("local", "te")
@@ -34,8 +35,6 @@ _DENSE = ("self_attention.linear_qkv.weight", "self_attention.q_layernorm.weight
 def canonical_parameters(model) -> dict[str, torch.nn.Parameter]:
     """The parameters of `model` (a Qwen3MoeModel) under the torch backend's names and global
     expert indices, whether its MoE layers are the torch backend's or `MegatronMoE`."""
-    from megatron_rl.models.megatron_backend import MegatronMoE
-
     out = {k: p for k, p in model.named_parameters() if ".mlp.layer." not in k}
     for i, layer in enumerate(model.decoder.layers):
         moe = layer.mlp

@@ -3,7 +3,7 @@
 Shape suffixes: T tokens, D hidden, K top-k, F expert FFN, E experts.
 
 The layer knows nothing of process groups. Where tokens go to be computed is the dispatcher's job
-(`LocalDispatcher` here: every expert is in the local bank; `megatron_rl.parallel.ep_dispatch`
+(`LocalDispatcher` here: every expert is in the local bank; `megatron_rl.models.ep_dispatch`
 sends tokens to the owners over an EP group). `elastic/` changes the EP group by handing every layer
 a new dispatcher; the bank grows or shrinks as experts move.
 

@@ -48,7 +48,7 @@ def rank_signals(launcher_pid: int | None = None) -> None:
         # The parent is the launcher's fork server (parallel/rank_start.py), which ends with the
         # launcher, or the launcher itself (spawned ranks). Not Linux: the Supervisor still ends the
         # ranks it can see.
-        if not die_with_parent(os.getppid()) or not _alive(launcher_pid):
+        if not die_with_parent(os.getppid()) or not pid_alive(launcher_pid):
             os._exit(1)
 
 
@@ -63,7 +63,8 @@ def die_with_parent(parent: int) -> bool:
     return os.getppid() == parent
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Process `pid` exists on this host (one we may not signal counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -11,6 +11,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from elastic.planning.dims import block_owners
+from megatron_rl.files.owned_paths import FolderSwap, replace_folder
+from megatron_rl.models.hf import check_same_shape, hf_layout, megatron_to_hf, save_hf_checkpoint
+from megatron_rl.models.hf_writer import SHARD_BYTES, write_index_and_configs, write_shards
+from megatron_rl.models.megatron_weights import canonical_state_dict
 from megatron_rl.rl.checkpoint.dcp import CheckpointError
 from megatron_rl.trainer_config import TrainerConfig
 
@@ -19,8 +23,6 @@ def check_init(cfg: TrainerConfig) -> None:
     """`init` must be a HuggingFace checkpoint of exactly the configured model shape."""
     if cfg.init is None:
         return
-    from megatron_rl.models.hf import check_same_shape
-
     check_same_shape(cfg.init, cfg.model)
 
 
@@ -29,11 +31,6 @@ def export_hf(model, model_cfg, path: str | Path, rank: int, world: int, tokeniz
     """Write the whole model as a HuggingFace folder at `path` from every rank at once
     (models/hf_writer.py): each shard by one rank, the experts it lacks sent to it one tensor at a
     time; nothing gathers every expert onto one device. The same files as `flexfloor export`."""
-    from megatron_rl.files.owned_paths import FolderSwap
-    from megatron_rl.models.hf import hf_layout, megatron_to_hf
-    from megatron_rl.models.hf_writer import SHARD_BYTES, write_index_and_configs, write_shards
-    from megatron_rl.models.megatron_weights import canonical_state_dict
-
     shard_bytes = shard_bytes or SHARD_BYTES
     owners = {e: rs[0] for e, rs in block_owners(model_cfg.num_moe_experts, range(world)).items()}
     local = megatron_to_hf({k: v.detach() for k, v in canonical_state_dict(model).items()}, model_cfg)
@@ -72,9 +69,6 @@ def write_hf_atomically(model, path: Path, **extras) -> None:
     """`save_hf_checkpoint` into a temporary folder beside `path`, then swapped onto it
     (owned_paths.replace_folder): `path` is either the previous export or the whole new one, never
     half of one (a full disk, a kill). `extras`: `save_hf_checkpoint`'s tokenizer and shard_bytes."""
-    from megatron_rl.files.owned_paths import replace_folder
-    from megatron_rl.models.hf import save_hf_checkpoint
-
     try:
         replace_folder(path, lambda tmp: save_hf_checkpoint(model, tmp, **extras))
     except Exception as e:  # noqa: BLE001  (safetensors reports a full disk as its own error type)

@@ -11,9 +11,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from elastic.timeline import Timeline
+from elastic.timeline_plot import plot_timelines
 from megatron_rl.metrics.logger import MetricsLogger
-from megatron_rl.metrics.provenance import provenance
 from megatron_rl.metrics.wandb_run import policy_tags
+from megatron_rl.provenance import provenance
 from megatron_rl.trainer_config import TrainerConfig
 
 
@@ -60,8 +61,6 @@ class RunLog:
         every = self.cfg.logging.plot_every
         if not every or step % every:
             return {}
-        from elastic.timeline_plot import plot_timelines
-
         tl.title = f"step {step}: {self.cfg.elastic.policy}"
         path = plot_timelines([tl], self.out_dir / "timelines" / f"step{step:06d}.png")
         return {"images": {"rollout_timeline": path}, "tables": {"rollout/timeline": (tl.columns(), tl.rows())}}

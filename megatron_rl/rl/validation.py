@@ -32,6 +32,9 @@ import torch.distributed as dist
 
 from megatron_rl.data.prompts import Prompt, load_prompts
 from megatron_rl.rewards import CORRECT, SCORED, Scorer
+from megatron_rl.rl.rollout_phase.phase import step_seed
+from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.sampling import SamplingParams
 
 GENERATION_COLUMNS = ["step", "data_source", "prompt_id", "prompt", "response", "ground_truth", "score"]
 
@@ -50,9 +53,6 @@ def load_heldout(cfg) -> list[Prompt]:
 def _answers(model, tok, prompts: list[Prompt], rank: int, world: int, n: int, max_new: int,
              temperature: float, seed: int) -> dict[tuple[int, int], list[int]]:
     """(prompt index, sample) -> answer tokens (cut after the first EOS) of this rank's share."""
-    from megatron_rl.rollout.engine import Request, RolloutEngine
-    from megatron_rl.rollout.sampling import SamplingParams
-
     per = math.ceil(len(prompts) / world)
     mine = list(range(rank * per, min((rank + 1) * per, len(prompts))))
     padded = mine + [0] * (per - len(mine))  # filler answers (prompt 0) keep the passes equal; not kept
@@ -129,8 +129,6 @@ class Validator:
 
     def run(self, model, tok, rank: int, world: int, step: int) -> dict:
         """Evaluate (a collective: every rank calls it); rank 0 gets the metrics, the others {}."""
-        from megatron_rl.rl.rollout_phase.phase import step_seed
-
         ev = self.cfg.eval
         answers = _answers(model, tok, self.prompts, rank, world, ev.n_samples,
                            self.cfg.generation.max_response_len, ev.temperature, step_seed(self.cfg.seed, step))

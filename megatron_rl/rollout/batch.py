@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from elastic.sim.synth import generate, preset
 from elastic.trace import Trace, TraceRecord, read_trace
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.config import BatchConfig
@@ -20,8 +21,6 @@ from megatron_rl.rollout.engine import Request
 def load_trace(cfg: BatchConfig, seed: int) -> Trace:
     if cfg.trace is not None:
         return read_trace(cfg.trace)
-    from elastic.sim.synth import generate, preset
-
     try:
         params = preset(cfg.preset, prompts=cfg.prompts, samples=cfg.samples, epochs=cfg.epochs)
     except ValueError as e:

@@ -24,6 +24,7 @@ from elastic.planning.shape import MemoryBudget, ModelShape
 from elastic.planning.step_cost import ShapeCost, StepCost
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.hf import check_hf_checkpoint, check_same_shape
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.rollout.config import RolloutConfig
@@ -38,8 +39,6 @@ def model_config(cfg: RolloutConfig) -> tuple[MoEModelConfig, ParallelDims]:
     another model than it names. Without one, the config built the layout at load (`cfg.dims`)."""
     if cfg.checkpoint is None:
         return cfg.model, cfg.dims
-    from megatron_rl.models.hf import check_hf_checkpoint, check_same_shape
-
     if cfg.model != MoEModelConfig():
         check_same_shape(cfg.checkpoint, cfg.model, where="model:")
     mcfg = check_hf_checkpoint(cfg.checkpoint)

@@ -62,8 +62,8 @@ def _dispatch_grads(ctx, transport_name: str):
 
     from elastic.runtime.transport import make_transport
     from megatron_rl.models.config import MoEModelConfig
+    from megatron_rl.models.ep_dispatch import AllToAllDispatcher
     from megatron_rl.models.moe import MoELayer
-    from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 
     cfg = MoEModelConfig()
     layer = MoELayer(cfg, [e for e in range(8) if e // 4 == ctx.rank], torch.float32)

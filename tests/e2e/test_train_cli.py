@@ -167,7 +167,7 @@ def test_metrics_jsonl_and_offline_wandb(straight):
 
 def test_the_run_records_its_provenance_in_config_checkpoint_and_wandb(straight):
     from megatron_rl.config import load_dataclass
-    from megatron_rl.metrics.provenance import provenance
+    from megatron_rl.provenance import provenance
     from megatron_rl.trainer_config import TrainerConfig
 
     _, out = straight

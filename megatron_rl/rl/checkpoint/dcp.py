@@ -28,10 +28,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastic.errors import shorten
 from elastic.trace import Trace, TraceError, read_trace, write_trace
 from megatron_rl.errors import CheckpointError
+from megatron_rl.files.json_input import loads
+from megatron_rl.files.owned_paths import refuse_symlinks_out, write_file_atomically
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.rl.checkpoint.checksums import SIDECARS, verify_checksums, write_checksums
 from megatron_rl.rl.checkpoint.failures import failure_cause, save_failure
 from megatron_rl.rl.checkpoint.reads import read_capped, read_listing, regular_file
+from megatron_rl.rl.checkpoint.retention import prune
 from megatron_rl.rl.checkpoint.state import (
     dcp_state,
     drop_unsaved_optimizer_state,
@@ -39,6 +42,7 @@ from megatron_rl.rl.checkpoint.state import (
     is_megatron,
     is_sharded,
 )
+from megatron_rl.rl.checkpoint.trust import SafeLoadPlanner, SafeReader, read_metadata
 
 
 def step_dir(out_dir: str | Path, step: int) -> Path:
@@ -84,8 +88,6 @@ def save_checkpoint(out_dir: str | Path, step: int, model, optimizer, ref_model,
     is verified and `latest` names it; None keeps every checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_rl.files.owned_paths import refuse_symlinks_out
-
     path = step_dir(out_dir, step)
     root = path.parent
     refuse_symlinks_out(root, path, root / "latest")
@@ -117,8 +119,6 @@ def publish(path: Path, rank: int, keep: tuple[int, int] | None, group=None) -> 
     if rank == 0:
         point_latest(path)
         if keep is not None:
-            from megatron_rl.rl.checkpoint.retention import prune
-
             try:
                 prune(path.parent, path, *keep)
             except OSError as e:
@@ -129,8 +129,6 @@ def publish(path: Path, rank: int, keep: tuple[int, int] | None, group=None) -> 
 
 def point_latest(path: Path) -> None:
     """`checkpoints/latest` names checkpoint `path`, replaced atomically (never a torn name)."""
-    from megatron_rl.files.owned_paths import write_file_atomically
-
     write_file_atomically(path.parent / "latest", path.name)
 
 
@@ -153,8 +151,6 @@ def read_trainer_state(path: Path, model_cfg: MoEModelConfig) -> tuple[dict, Tra
 def read_state_json(path: Path) -> dict:
     """Checkpoint `path`'s trainer_state.json, with the fields a resume reads checked (one line
     naming the file for anything else: torn, binary, nested without end, fields of the wrong type)."""
-    from megatron_rl.files.json_input import loads
-
     f = path / "trainer_state.json"
     try:
         state = loads(read_capped(f))  # a regular file of at most 16 MiB, checked before reading
@@ -183,8 +179,6 @@ def load_checkpoint(path: Path, model, optimizer, ref_model, allow_unverified: b
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
-    from megatron_rl.rl.checkpoint.trust import SafeLoadPlanner, SafeReader
 
     verify_checksums(path, allow_unverified)
     keys = _saved_keys(path)  # the metadata is vetted before DCP reads it
@@ -229,8 +223,6 @@ def vet_checkpoint(path: Path, allow_unverified: bool = False):
     metadata reads through the restricted unpickler with every file it names confined to the
     folder (rl/checkpoint/reads.py). The shards' hashes are left to the loaders (the ranks hash them
     in parallel as they load). Returns the metadata."""
-    from megatron_rl.rl.checkpoint.trust import read_metadata
-
     verify_checksums(path, allow_unverified, only=[".metadata", *SIDECARS])
     return read_metadata(path, read_listing(path))
 
@@ -239,8 +231,6 @@ def load_model_weights(path: Path, model, allow_unverified: bool = False) -> Non
     """Only the model's weights of checkpoint `path`, into `model` (which holds every expert), in
     one process with no process group: what `flexfloor export` needs."""
     import torch.distributed.checkpoint as dcp
-
-    from megatron_rl.rl.checkpoint.trust import SafeLoadPlanner, SafeReader
 
     verify_checksums(path, allow_unverified)
     _saved_keys(path)  # the metadata is vetted before DCP reads it
@@ -258,6 +248,4 @@ def load_model_weights(path: Path, model, allow_unverified: bool = False) -> Non
 
 
 def _saved_keys(path: Path) -> set[str]:
-    from megatron_rl.rl.checkpoint.trust import read_metadata
-
     return set(read_metadata(path, read_listing(path)).state_dict_metadata)

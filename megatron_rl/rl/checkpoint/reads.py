@@ -14,12 +14,17 @@ Every refusal is one line naming the file.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
 
+import torch
+
 from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError
+from megatron_rl.files.json_input import loads
+from megatron_rl.models.qwen3_moe import Qwen3MoeModel
 
 CAPS = {"trainer_state.json": 1 << 24, ".metadata": 1 << 30, "checksums.json": 1 << 24,
         "length_history.jsonl": 1 << 32}
@@ -56,8 +61,6 @@ def read_capped(f: Path) -> bytes:
 
 def read_listing(path: Path) -> dict[str, str] | None:
     """Checkpoint `path`'s `checksums.json` (file name -> sha256), or None when there is none."""
-    from megatron_rl.files.json_input import loads
-
     listing = path / "checksums.json"
     if not os.path.lexists(listing):
         return None
@@ -118,12 +121,6 @@ def check_model_shapes(path: Path, metadata, cfg) -> None:
     """The model weights of `metadata` are exactly those of shape `cfg` (read from the checkpoint's
     trainer_state.json), checked before a model of that shape is built: a shape that does not match
     its shards (a rewritten `num_layers: 200000`) is refused instead of allocated."""
-    import dataclasses
-
-    import torch
-
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-
     saved = {k[len("model."):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
              if k.startswith("model.") and hasattr(m, "size")}
     with torch.device("meta"):  # one layer: every layer has the same tensors

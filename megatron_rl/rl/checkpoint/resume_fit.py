@@ -14,6 +14,7 @@ from pathlib import Path
 from megatron_rl.data.iterator import PromptIterator
 from megatron_rl.errors import CheckpointError
 from megatron_rl.rl.checkpoint.partial_state import check_partial_resume
+from megatron_rl.rl.checkpoint.trust import read_metadata
 
 
 def check_resume_fit(cfg, data, tok, path: Path, state: dict) -> None:
@@ -26,8 +27,6 @@ def check_resume_fit(cfg, data, tok, path: Path, state: dict) -> None:
 
 def saved_dtype(path: Path) -> str | None:
     """The dtype of the model weights in checkpoint `path`'s DCP metadata (None: no model tensors)."""
-    from megatron_rl.rl.checkpoint.trust import read_metadata
-
     for key, meta in read_metadata(path).state_dict_metadata.items():
         dtype = getattr(getattr(meta, "properties", None), "dtype", None)
         if key.startswith("model.") and dtype is not None:

@@ -20,7 +20,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
 from megatron_rl.errors import CheckpointError
+from megatron_rl.models.qwen3_moe import DTYPES, Qwen3MoeModel
 
 _STEP = re.compile(r"step_(\d{6,})")
 DELETING = ".deleting-"
@@ -56,10 +59,6 @@ def save_bytes(cfg) -> int:
     """About how many bytes one checkpoint of run config `cfg` takes: the weights, the optimizer's
     state (fp32 masters and two fp32 moments under bf16/fp16, else two moments in the weights'
     dtype) and the frozen reference model when a KL term is used."""
-    import torch
-
-    from megatron_rl.models.qwen3_moe import DTYPES, Qwen3MoeModel
-
     with torch.device("meta"):
         n = sum(p.numel() for p in Qwen3MoeModel(cfg.model).parameters())
     w = DTYPES[cfg.dtype].itemsize

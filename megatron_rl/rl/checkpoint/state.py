@@ -12,28 +12,26 @@ The frozen reference model, when a KL term is used, is `ref`.
 """
 from __future__ import annotations
 
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from megatron_rl.models.megatron_weights import canonical_state_dict
+from megatron_rl.rl.optim.megatron_train import MegatronOptimizer
+from megatron_rl.rl.optim.zero import ShardedOptimizer
+
 
 def is_megatron(optimizer) -> bool:
-    from megatron_rl.rl.optim.megatron_train import MegatronOptimizer
-
     return isinstance(optimizer, MegatronOptimizer)
 
 
 def is_sharded(optimizer) -> bool:
-    from megatron_rl.rl.optim.zero import ShardedOptimizer
-
     return isinstance(optimizer, ShardedOptimizer)
 
 
 def dcp_state(model, optimizer, ref_model) -> dict:
     """The state DCP writes (and, but for a sharded optimizer, loads into in place)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     if is_megatron(optimizer):
         # The weights under the torch backend's names (DCP loads into these tensors in place); the
         # optimizer's sharded state is megatron-core's own files (MegatronOptimizer.save).
-        from megatron_rl.models.megatron_weights import canonical_state_dict
-
         return {"model": canonical_state_dict(model)}
     if is_sharded(optimizer):  # ZeRO-1 / offload (rl/optim/zero.py): this rank's shard, by name
         state = {"model": model.state_dict(), **optimizer.sharded_state()}

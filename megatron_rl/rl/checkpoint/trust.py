@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from elastic.errors import shorten
 from megatron_rl.errors import CheckpointError
+from megatron_rl.rl.checkpoint.reads import confine_storage, read_capped, read_listing
 
 
 class UntrustedCheckpoint(CheckpointError):
@@ -83,8 +84,6 @@ def read_metadata(path: Path, listed: dict | None = None):
     """DCP's `Metadata` of checkpoint folder `path`, read without running anything it names, from a
     regular file of bounded size, with every file it names confined to `path` (rl/checkpoint/reads.py):
     one line naming the file for anything else. `listed`: checksums.json's names (None: not checked)."""
-    from megatron_rl.rl.checkpoint.reads import confine_storage, read_capped
-
     where = Path(path) / ".metadata"
     data = read_capped(where)
     try:
@@ -103,8 +102,6 @@ class SafeReader(FileSystemReader):
     """`FileSystemReader` whose metadata goes through `read_metadata` above."""
 
     def read_metadata(self, *args, **kwargs):
-        from megatron_rl.rl.checkpoint.reads import read_listing
-
         if kwargs.get("rank") is not None:  # per-rank metadata: FlexFloor never writes it
             raise UntrustedCheckpoint(f"{self.path}: asks for per-rank metadata, which FlexFloor never writes")
         metadata = read_metadata(Path(self.path), read_listing(Path(self.path)))

@@ -15,16 +15,21 @@ megatron-core's gradient buffers, communication streams and DistributedOptimizer
 tensors, so `MegatronOptimizer` is built on GPUs only in the product. Tests run it, its GRPO steps
 and its checkpoint save and resume on CPU gloo ranks through the test harness
 (tests/megatron_harness.py; tests/distributed/test_megatron_harness.py); tools/gpu_check.sh's
-megatron rows run it on a GPU.
+megatron rows run it on a GPU. megatron-core itself is imported inside the builders, as in
+models/megatron_backend.py: it takes seconds to import and warns without TransformerEngine and apex,
+and a torch-backend run that imports this module (`training_state_bytes`) never builds one.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from megatron_rl.errors import FlexFloorError
+from megatron_rl.errors import CheckpointError, FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
+from megatron_rl.models.megatron_backend import megatron_device, moe_pg_collection, self_group, transformer_config
 
 
 def optimizer_config(optim, dtype: torch.dtype):
@@ -53,10 +58,6 @@ def ddp_config():
 
 def training_config(mcfg: MoEModelConfig, ep_size: int, dtype: torch.dtype):
     """The model's TransformerConfig for DDP: losses are already per global token (sum, not mean)."""
-    from dataclasses import replace
-
-    from megatron_rl.models.megatron_backend import transformer_config
-
     return replace(transformer_config(mcfg, ep_size=ep_size, dtype=dtype, device="cuda"),
                    calculate_per_token_loss=True)
 
@@ -65,10 +66,6 @@ def training_groups(rank: int, world: int):
     """The ProcessGroupCollection of training: data parallel and expert parallel over the world,
     every model-parallel dimension (tensor, pipeline, context, expert tensor) and expert data
     parallelism the rank alone, one DistributedOptimizer instance over the world."""
-    import torch.distributed as dist
-
-    from megatron_rl.models.megatron_backend import moe_pg_collection, self_group
-
     world_group = dist.group.WORLD
     pgc = moe_pg_collection(world_group, self_group(rank, world), world_group)
     alone = pgc.tp
@@ -91,9 +88,7 @@ class MegatronOptimizer:
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.optimizer import get_megatron_optimizer
 
-        from megatron_rl.models.megatron_backend import TEST_DEVICE
-
-        if TEST_DEVICE is None and not torch.cuda.is_available():
+        if megatron_device() == "cuda" and not torch.cuda.is_available():
             raise FlexFloorError("backend 'megatron' trains with megatron-core's DistributedOptimizer, "
                                  "whose buffers are CUDA tensors; this machine has no CUDA device")
         config = training_config(mcfg, pgc.ep.size(), dtype)
@@ -140,8 +135,6 @@ class MegatronOptimizer:
                 for i, opt in enumerate(self._inner())}
 
     def load(self, path: Path, rank: int) -> None:
-        from megatron_rl.errors import CheckpointError
-
         file = path / OPTIM_FILE.format(rank=rank)
         try:
             state = torch.load(file, weights_only=True, map_location="cpu")

@@ -31,6 +31,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from elastic.planning.memory.train_memory import OptimizerSetup, optimizer_state_bytes
+from megatron_rl.models.params import is_expert_param
+from megatron_rl.rl.optim.megatron_train import MegatronOptimizer
+
 # fp16 would also need loss scaling, which is not here; the trainer offers bfloat16 only.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -132,9 +136,6 @@ def training_state_bytes(model: nn.Module, optimizer, ref_model: nn.Module | Non
     plus the KL reference model's weights. (The torch backend frees its gradients before the
     rollout.) AdamW allocates its moments at the first step; they are counted from the start, as
     the planner must hold room for them."""
-    from elastic.planning.memory.train_memory import OptimizerSetup, optimizer_state_bytes
-    from megatron_rl.models.params import is_expert_param
-    from megatron_rl.rl.optim.megatron_train import MegatronOptimizer
     # ZeRO-1 (rl/optim/zero.py, which builds on this file) knows its own shard: asked, not imported.
     if hasattr(optimizer, "device_state_bytes"):
         total = optimizer.device_state_bytes()

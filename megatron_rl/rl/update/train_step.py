@@ -21,8 +21,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megatron_rl.models.params import is_expert_param
+from megatron_rl.models.params import is_expert_param, tensor_digest
+from megatron_rl.models.qwen3_moe import Qwen3MoeModel
+from megatron_rl.rl.optim.cpu_adam import deepspeed_cpu_adam
 from megatron_rl.rl.optim.mixed_precision import MixedPrecisionOptimizer, grad_params, needs_masters
+from megatron_rl.rl.optim.zero import DenseLayout, ShardedOptimizer
 from megatron_rl.rl.update.grpo import token_logprobs, token_logprobs_entropy
 
 
@@ -116,8 +119,6 @@ def allreduce_dense_grads(named: list[tuple[str, torch.Tensor]], world: int) -> 
     `named`: (name, parameter) pairs whose `.grad` the optimizer steps on (`grad_params`)."""
     if world == 1:
         return
-    from megatron_rl.rl.optim.zero import DenseLayout
-
     params = [p for n, p in named if not is_expert_param(n)]
     for p in params:
         if p.grad is None:
@@ -177,9 +178,6 @@ def training_optimizer(model: torch.nn.Module, optim, rank: int, world: int, lr:
     """The torch backend's optimizer for `optim` (an OptimConfig) on this rank: ZeRO-1 and/or host
     offload (`ShardedOptimizer`, rl/optim/zero.py) when asked (sharding by default for more than one
     rank), else `make_optimizer`'s replicated one. `lr` overrides `optim.lr` (the SFT warm start)."""
-    from megatron_rl.rl.optim.cpu_adam import deepspeed_cpu_adam
-    from megatron_rl.rl.optim.zero import ShardedOptimizer
-
     lr = optim.lr if lr is None else lr
     shard = world > 1 if optim.shard_optimizer is None else optim.shard_optimizer
     offload = optim.offload == "cpu"
@@ -213,8 +211,6 @@ def check_replicas(model: torch.nn.Module, world: int) -> None:
     """Every rank's replicated weights are bitwise equal (after the update, before the next rollout)."""
     if world == 1:
         return
-    from megatron_rl.models.params import tensor_digest
-
     mine = {n: tensor_digest(p) for n, p in model.named_parameters() if not is_expert_param(n)}
     every: list = [None] * world
     dist.all_gather_object(every, mine)
@@ -226,8 +222,6 @@ def check_replicas(model: torch.nn.Module, world: int) -> None:
 def frozen_copy(model):
     """A copy of this rank's shard (same experts, same dispatcher) with gradients off: the KL
     reference. Built, not deep-copied: the dispatcher holds a process group, which cannot be copied."""
-    from megatron_rl.models.qwen3_moe import Qwen3MoeModel
-
     copy = Qwen3MoeModel(model.config, model.moe_layers[0].experts.held(), model.dtype).to(model.device)
     copy.load_state_dict(model.state_dict())
     copy.set_dispatcher(model.moe_layers[0].dispatcher)

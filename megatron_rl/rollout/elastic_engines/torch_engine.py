@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from elastic.runtime.transport import DirectTransport
+from megatron_rl.models.ep_dispatch import AllToAllDispatcher
 from megatron_rl.models.moe import LocalDispatcher
 from megatron_rl.models.params import is_expert_param, tensor_digest
-from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import Request, RolloutEngine
 from megatron_rl.rollout.kv.budget import kv_numel
 
 
@@ -151,8 +151,6 @@ class MigratingRolloutEngine(ElasticRolloutEngine):
 
     def import_request(self, key: tuple[str, int], header: torch.Tensor, ids: torch.Tensor,
                        kv: torch.Tensor) -> None:
-        from megatron_rl.rollout.engine import Request
-
         prompt_len, n_tokens, max_new, fixed, held, n_carried, predicted = header.tolist()
         r = Request(key[0], key[1], ids[:prompt_len].tolist(), max_new, None if fixed < 0 else fixed,
                     ids[prompt_len:prompt_len + n_tokens].tolist(), predicted_len=None if predicted < 0 else predicted)

@@ -17,6 +17,7 @@ from elastic.runtime.pool import IdlePool
 from megatron_rl.config import require, require_seconds
 from megatron_rl.rollout.elastic_engines.faults import KillSelfJob, StuckJob
 from megatron_rl.rollout.engine import Request
+from megatron_rl.rollout.leases.sglang import SGLangSidecarJob
 from megatron_rl.rollout.leases.sidecar import SidecarConfig, SidecarJob
 
 LEASE_JOBS = ("rewards", "sidecar", "sglang")
@@ -102,8 +103,6 @@ def sidecar_job(names: list[str], cfg, rank: int, world: int):
     if "sidecar" in names:
         return SidecarJob(cfg, rank, world)
     if "sglang" in names:
-        from megatron_rl.rollout.leases.sglang import SGLangSidecarJob  # asyncio and the sglang client: GPU only
-
         return SGLangSidecarJob(cfg, rank, world)
     return None
 

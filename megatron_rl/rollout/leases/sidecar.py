@@ -24,10 +24,13 @@ from typing import Callable, Literal
 import torch
 
 from megatron_rl.config import require, require_seconds
-from megatron_rl.data.tokenizer import TokenizerConfig
-from megatron_rl.rewards import RewardConfig
+from megatron_rl.data.prompts import DataConfig, load_prompts
+from megatron_rl.data.tokenizer import TokenizerConfig, build_tokenizer
+from megatron_rl.models.hf import check_hf_checkpoint, load_hf_checkpoint
+from megatron_rl.rewards import RewardConfig, Scorer
 from megatron_rl.rewards.math_answer import CORRECT
 from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.sampling import SamplingParams
 
 
 @dataclass
@@ -76,9 +79,6 @@ class SidecarConfig:
     def preflight(self) -> None:
         """Read the checkpoint's headers and the queries on the driver, so a bad path or row stops
         the run in one line before any rank starts (the ranks load them again)."""
-        from megatron_rl.data.prompts import DataConfig, load_prompts
-        from megatron_rl.models.hf import check_hf_checkpoint
-
         check_hf_checkpoint(self.checkpoint)
         load_prompts(DataConfig(self.queries))
 
@@ -87,10 +87,6 @@ class SidecarQueue:
     """This rank's share of the queries, served in passes, with per-query scores and counters."""
 
     def __init__(self, cfg: SidecarConfig, rank: int = 0, world: int = 1, repeat: bool = True):
-        from megatron_rl.data.prompts import DataConfig, load_prompts
-        from megatron_rl.data.tokenizer import build_tokenizer
-        from megatron_rl.rewards import Scorer
-
         self.cfg = cfg
         self.tok = build_tokenizer(cfg.tokenizer)
         self.scorer = Scorer(cfg.reward)
@@ -154,9 +150,6 @@ class SidecarJob:
         return self.queue.done()
 
     def _engine(self) -> RolloutEngine:
-        from megatron_rl.models.hf import load_hf_checkpoint
-        from megatron_rl.rollout.sampling import SamplingParams
-
         cfg = self.queue.cfg
         if self.model is None:  # loaded on the first lease, into the detached rank's memory
             self.model = load_hf_checkpoint(cfg.checkpoint, getattr(torch, cfg.dtype))

@@ -14,6 +14,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from megatron_rl import __version__
+
 CHECKOUT = Path(__file__).resolve().parents[1]
 
 
@@ -35,9 +37,7 @@ def _version(dist: str) -> str | None:
 @functools.cache
 def provenance() -> dict:
     """Name -> value; None where unknown (no git checkout, a package not installed, no container)."""
-    import torch
-
-    from megatron_rl import __version__
+    import torch  # deferred: the config (and so `flexfloor --help`) imports this module
 
     sha = _git("rev-parse", "HEAD")
     return {

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.models import MoEModelConfig
+from megatron_rl.models.ep_dispatch import AllToAllDispatcher
 from megatron_rl.models.moe import MoELayer
-from megatron_rl.parallel.ep_dispatch import AllToAllDispatcher
 
 from ..rollout.test_decode_sync_free import host_reads
 
