@@ -13,7 +13,7 @@ from megatron_rl.rl.checkpoint import checksums
 from megatron_rl.rl.checkpoint.async_save import CheckpointWriter
 from megatron_rl.rl.checkpoint.dcp import CheckpointError, latest_checkpoint, load_checkpoint
 
-from .test_checkpoint_faults import _model_and_optimizer, _step_without_expert_3, fill_the_disk
+from .test_faults import _model_and_optimizer, _step_without_expert_3, fill_the_disk
 
 
 def _save(writer, step, model, opt):
