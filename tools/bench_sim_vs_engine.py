@@ -278,7 +278,7 @@ def main(argv=None) -> int:
           f"{cost.hbm_bytes_per_s / 1e9:.3g} GB/s, {cost.flops_per_s / 1e9:.3g} GFLOP/s, {cost.host_cores:g} "
           f"effective cores; mean step-time error {fit_error(cost, samples):.1%}; "
           f"shrink {cost.shrink_fixed_s * 1e3:.1f} ms + "
-          f"{cost.expert_bytes / cost.transfer_intra_bytes_per_s * 1e3:.2f} ms per expert, restore "
+          f"{cost.shape.expert_bytes / cost.transfer_intra_bytes_per_s * 1e3:.2f} ms per expert, restore "
           f"+{cost.restore_extra_s * 1e3:.1f} ms")
     real = {p: {s: float(np.median([r["rank_seconds"][s] for r in runs[p]])) for s in STATES} for p in policies}
     wall = {p: float(np.median([r["rollout_time_s"] for r in runs[p]])) for p in policies}

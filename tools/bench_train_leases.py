@@ -5,7 +5,7 @@
 Both runs start from the same warm start (`examples/tiny_cpu_grpo.yaml`'s 250 SFT steps, made once
 here), train `--steps` GRPO steps with `--policy natural --floor 1` and the given reward kind, and
 differ only in `leases.jobs` ([rewards] vs []). Runs alternate (on, off, on, off, ...) so machine
-drift hits both. Printed per step: `phase_s.reward` of each, the rewards scored in leases and the
+drift hits both. Printed per step: `timing_s/reward` of each, the rewards scored in leases and the
 leased rank-seconds; the training figures must be identical (checked, exit 1 otherwise).
 """
 from __future__ import annotations
@@ -22,7 +22,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny_cpu_grpo.yaml"
-SAME = ("reward_mean", "reward_outcomes", "loss", "grad_norm", "placement")
+# metrics.jsonl's names (megatron_rl/metrics/keys.py): the training figures both runs must share;
+# reward/outcomes is a dict, logged as one key per outcome under that prefix.
+SAME = ("reward/mean", "reward/outcomes/", "actor/loss", "actor/grad_norm", "elastic/placement")
+
+
+def training_figures(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k.startswith(SAME)}
 
 
 def _run(*args) -> None:
@@ -54,9 +60,11 @@ def main(argv=None) -> int:
             path.write_text(yaml.safe_dump(cfg))
             _run("-m", "megatron_rl.cli", "train", "--config", str(path), "--out", str(out),
                  "--policy", "natural", "--floor", "1")
-            runs[name].append([json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()])
+            rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            # The training steps' rows (step 0's holds the warm start's validation only).
+            runs[name].append([m for m in rows if "timing_s/step" in m])
     on, off = runs["leases"], runs["no leases"]
-    same = all([{k: m[k] for k in SAME} for m in a] == [{k: m[k] for k in SAME} for m in b]
+    same = all([training_figures(m) for m in a] == [training_figures(m) for m in b]
                for a in on + off for b in on[:1])
 
     def med(rs, step, f):
@@ -66,12 +74,12 @@ def main(argv=None) -> int:
     print(f"{'step':>4}{'reward s (leases)':>19}{'reward s (none)':>17}{'ratio':>7}{'scored in leases':>18}"
           f"{'leased rank-s':>15}")
     for i in range(args.steps):
-        a = med(on, i, lambda m: m["phase_s"]["reward"])
-        b = med(off, i, lambda m: m["phase_s"]["reward"])
-        print(f"{i + 1:>4}{a:>19.4f}{b:>17.4f}{a / b:>7.2f}{med(on, i, lambda m: m['lease']['rewards_scored']):>18.0f}"
-              f"{med(on, i, lambda m: m['lease']['leased_rank_s']):>15.4f}")
-    ta = statistics.median(sum(m["phase_s"]["reward"] for m in r) for r in on)
-    tb = statistics.median(sum(m["phase_s"]["reward"] for m in r) for r in off)
+        a = med(on, i, lambda m: m["timing_s/reward"])
+        b = med(off, i, lambda m: m["timing_s/reward"])
+        print(f"{i + 1:>4}{a:>19.4f}{b:>17.4f}{a / b:>7.2f}{med(on, i, lambda m: m['lease/rewards_scored']):>18.0f}"
+              f"{med(on, i, lambda m: m['lease/leased_rank_s']):>15.4f}")
+    ta = statistics.median(sum(m["timing_s/reward"] for m in r) for r in on)
+    tb = statistics.median(sum(m["timing_s/reward"] for m in r) for r in off)
     print(f"all steps: reward phase {ta:.4f} s with leases vs {tb:.4f} s without ({ta / tb:.2f}x); "
           f"rewards, losses and placements identical: {same}")
     if args.json:

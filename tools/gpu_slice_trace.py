@@ -42,12 +42,13 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rl.rollout.kv_cache import SlotKVCache  # noqa: E402
-
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel, qwen3_moe  # noqa: E402
 from megatron_rl.models.moe import ExpertBank  # noqa: E402
 from megatron_rl.rl.update.train_step import Packed, sequence_logprobs  # noqa: E402
 from megatron_rl.rollout import decode_attention  # noqa: E402
+from megatron_rl.rollout.kv.attention import Attention, KVForward  # noqa: E402
+from megatron_rl.rollout.kv.cache import KVLayout  # noqa: E402
+from megatron_rl.rollout.kv.slots import SlotKVCache  # noqa: E402
 from megatron_rl.rollout.memory import kv_bytes_per_token, weight_bytes  # noqa: E402
 from tools.memory_table import activation_bytes  # noqa: E402  the table's own activation arithmetic
 
@@ -190,16 +191,16 @@ def decode_step(mcfg: MoEModelConfig, batch: int, context: int) -> list[Figure]:
     with faked(), LiveBytes() as mem, fake_kernels(), stacked_copies(mem) as stacked:
         model = Qwen3MoeModel(mcfg, None, dtype).eval()
         weights = mem.live
-        cache = SlotKVCache(mcfg.num_layers, batch, mcfg.num_query_groups, max_len, mcfg.kv_channels, dtype)
-        cache.kernel = decode_attention.decode_attention  # as the engine sets it on CUDA
+        cache = SlotKVCache(KVLayout.of(mcfg, dtype, "cpu"), batch, max_len)
+        attention = Attention(cache, decode_attention.decode_attention)  # the engine's kernel on CUDA
         kv = mem.live - weights
         with torch.inference_mode():  # as the engine steps
             pos_B = torch.full((batch,), context, dtype=torch.long)
             for _ in range(2):
                 mem.reset()
                 before = mem.live
-                pos_B1 = cache.decode(torch.arange(batch), pos_B, max_len, None)
-                logits = model(torch.zeros(batch, 1, dtype=torch.long), pos_B1, cache, None)
+                kv_step = KVForward(attention, cache.decode_batch(torch.arange(batch), pos_B, max_len, None))
+                logits = model(torch.zeros(batch, 1, dtype=torch.long), pos_B[:, None], kv_step, None)
             step_peak = mem.peak - before
     assert logits.shape == (batch, 1, mcfg.vocab_size) and logits.dtype == dtype, (logits.shape, logits.dtype)
     experts = mcfg.num_moe_experts * expert

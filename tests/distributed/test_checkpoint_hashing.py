@@ -1,5 +1,5 @@
 """A rank that cannot read its share of a checkpoint while hashing it: every rank raises the same
-one line, none waits in the gather for the failed rank (`rl/checkpoint_checksums.write_checksums`)."""
+one line, none waits in the gather for the failed rank (`rl/checkpoint/checksums.write_checksums`)."""
 from pathlib import Path
 
 import pytest

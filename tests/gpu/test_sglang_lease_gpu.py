@@ -1,7 +1,7 @@
 """The sglang lease on a real GPU: start released, serve a lease, hand the memory back.
 
 Skipped without CUDA or sglang (run by tools/gpu_check.sh on the GPU image). NOT YET RUN ON A GPU:
-the fake-engine tests (tests/unit/megatron_rl/rollout/test_sglang_lease.py) cover the state machine on CPU.
+the fake-engine tests (tests/unit/megatron_rl/rollout/leases/test_sglang.py) cover the state machine on CPU.
 """
 import pytest
 import torch

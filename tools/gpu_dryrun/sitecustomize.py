@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 _TOOLS = Path(__file__).resolve().parents[1]
-_REPO = ("megatron_rl", "elastic", "tools", "tests", "conftest", "megatron_harness", "megatron_rank_checks",
+# tests/ is on sys.path under pytest: its modules, and tests/gpu/ as the package `gpu`.
+_REPO = ("megatron_rl", "elastic", "tools", "tests", "conftest", "gpu", "megatron_harness", "megatron_rank_checks",
          "process_tree", "tiny_train", "sitecustomize", "usercustomize")
 
 

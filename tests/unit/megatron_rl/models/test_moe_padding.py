@@ -13,7 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel
 from megatron_rl.models.moe import MoELayer
-from megatron_rl.rollout.engine import Request, RolloutEngine
+from megatron_rl.rollout.decode_step import DecodeOptions
+from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.request import Request
 from megatron_rl.rollout.sampling import SamplingParams
 
 CFG = MoEModelConfig(num_layers=2, hidden_size=64, num_moe_experts=8, moe_router_topk=2, vocab_size=256)
@@ -88,7 +90,8 @@ def test_a_padded_decode_step_in_a_poisoned_pool_gives_the_clean_tokens(poison):
     model.init_weights(0)
 
     def run(mode) -> dict:
-        eng = RolloutEngine(model.eval(), SamplingParams(greedy=True), 8, 24, pad_to_buckets=True, attention="torch")
+        eng = RolloutEngine(model.eval(), SamplingParams(greedy=True), 8, 24,
+                            decode=DecodeOptions(pad=True, attention="torch"))
         eng.add([Request(f"p{i}", 0, [i + 3] * (2 + i), 6, fixed_len=6) for i in range(5)])
         with mode:
             while eng.has_work():

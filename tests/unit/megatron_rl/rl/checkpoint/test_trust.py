@@ -123,8 +123,6 @@ def test_the_allow_list_admits_no_class_factory_or_module_type(saved, name):
 @pytest.mark.parametrize("planted", ["step", "file", "latest"])
 def test_a_save_never_follows_a_symlink_out_of_the_checkpoints_folder(one_rank_group, tmp_path, planted):
     """A planted `checkpoints/step_000002 -> elsewhere` wrote the checkpoint there."""
-    from .test_faults import _save
-
     model, opt = _model_and_optimizer()
     first = _save(tmp_path / "run", 1, model, opt)
     root, elsewhere = first.parent, tmp_path / "elsewhere"
