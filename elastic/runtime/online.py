@@ -50,11 +50,14 @@ class OnlineDriver:
 
     def status(self, engine, group) -> np.ndarray:
         """The status all-reduce; returns the live requests per rank (length: the world)."""
-        vec = torch.zeros(len(self.keys), dtype=torch.long)
-        for key, tokens, finished in engine.progress():
-            vec[self.index[key]] = -(tokens + 1) if finished else tokens + 1
+        vec = np.zeros(len(self.keys), dtype=np.int64)
+        held = engine.progress()
+        if held:
+            at = [self.index[key] for key, _, _ in held]
+            tokens = np.array([t for _, t, _ in held], dtype=np.int64) + 1
+            vec[at] = np.where([finished for _, _, finished in held], -tokens, tokens)
         # Through the engine's transport and on its device: NCCL reduces GPU tensors only.
-        v = engine.transport.all_reduce(vec.to(engine.device), group).cpu().numpy()
+        v = engine.transport.all_reduce(torch.from_numpy(vec).to(engine.device), group).cpu().numpy()
         seen = v != 0
         self.tokens[seen] = np.abs(v[seen]) - 1
         self.done[seen] = v[seen] < 0

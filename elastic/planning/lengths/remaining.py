@@ -148,9 +148,12 @@ class OnlineModel:
         ll[exact] = -0.5 * ((z[exact, None] - loc) / self.noise) ** 2
         lower = ~exact if self.options.conditional else cut
         ll[lower] = log_norm_sf((z[lower, None] - loc) / self.noise)
+        # Every (group, grid point)'s log-likelihoods summed in response order (one bincount over
+        # the rows, as np.add.at would, but fast), then added to the prior.
+        grid = len(self.b)
+        bins = (self.group[:, None] * grid + np.arange(grid)).ravel()
         post = np.tile(self.log_prior, (self.groups, 1))
-        for k in range(ll.shape[1]):  # per grid point: bincount sums in order, as np.add.at, but fast
-            post[:, k] += np.bincount(self.group, ll[:, k], minlength=self.groups)
+        post += np.bincount(bins, ll.ravel(), minlength=self.groups * grid).reshape(self.groups, grid)
         post -= post.max(axis=1, keepdims=True)
         w = np.exp(post)
         return w / w.sum(axis=1, keepdims=True)
@@ -163,7 +166,7 @@ class OnlineModel:
         if not len(idx):
             return np.zeros((samples, 0))
         w = self.posterior(tokens, done)
-        groups = np.unique(self.group[idx])
+        groups = np.flatnonzero(np.bincount(self.group[idx], minlength=self.groups))  # sorted, once each
         cum = np.cumsum(w[groups], axis=1)
         u = rng.random((samples, len(groups)))
         pick = np.minimum((cum[None, :, :] < u[:, :, None] * cum[None, :, -1:]).sum(axis=2), len(self.b) - 1)

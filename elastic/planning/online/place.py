@@ -34,13 +34,21 @@ class Decision:
     kv_bytes: int = 0  # KV cache the moves carry
 
 
+def member_mask(members, world: int) -> np.ndarray:
+    """(world,) True at each of `members`: `member_mask(...)[ranks]` says which requests sit on a
+    member, a lookup where `np.isin` sorts."""
+    mask = np.zeros(world, dtype=bool)
+    mask[list(members)] = True
+    return mask
+
+
 def deal(plan: Plan, j: int, ranks: np.ndarray, rem: np.ndarray) -> np.ndarray:
     """`ranks` (of the live requests) with those outside stage j dealt to its members: longest
     expected remainder first, in snake order over the members, least loaded first (what
     `place` does, without its KV checks, in one vectorised pass)."""
     kept = np.array(plan.stages[j].members)
     out = np.array(ranks)
-    moving = np.nonzero(~np.isin(out, kept))[0]
+    moving = np.nonzero(~member_mask(kept, plan.ranks)[out])[0]
     if not len(moving):
         return out
     mean = rem.mean(axis=0)
@@ -100,14 +108,14 @@ def check_decision(plan: Plan, stage: int, decision: Decision, rank_of: Sequence
     stage goes back up, a rank leaves with a live request, or a request moves outside the group."""
     if not stage <= decision.stage < len(plan.stages):
         raise ValueError(f"decision goes from stage {stage} to {decision.stage}")
-    kept = set(plan.stages[decision.stage].members)
-    where = list(rank_of)
+    kept = member_mask(plan.stages[decision.stage].members, plan.ranks)
+    where = np.array(rank_of, dtype=np.int64)
     for i, r in decision.moves:
         if done[i]:
             raise ValueError(f"response {i} is finished and cannot move")
-        if r not in kept:
+        if not (0 <= r < plan.ranks and kept[r]):
             raise ValueError(f"response {i} moves to rank {r}, outside stage {decision.stage}")
         where[i] = r
-    stranded = [i for i, r in enumerate(where) if not done[i] and r not in kept]
-    if stranded:
+    stranded = np.flatnonzero(~np.asarray(done, dtype=bool) & ~kept[where])
+    if len(stranded):
         raise ValueError(f"{len(stranded)} live requests (e.g. {stranded[0]}) would leave with their rank")

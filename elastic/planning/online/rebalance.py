@@ -27,13 +27,13 @@ def even_out(kept: Sequence[int], now: LiveState, prompt: np.ndarray, held: Call
     soon = np.minimum(rem, horizon)
     work = (soon * (positions[None, :] + soon / 2)).mean(axis=0)
     need = held(positions, rem.max(axis=0))
-    on = {r: [] for r in kept}  # each member's movable requests (columns), ascending
-    load, kv, count = dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0.0), dict.fromkeys(kept, 0)
-    for col, r in enumerate(rank_of[live].tolist()):
-        on[r].append(col)
-        load[r] += work[col]
-        kv[r] += need[col]
-        count[r] += 1
+    where = rank_of[live]
+    on = {r: np.flatnonzero(where == r).tolist() for r in kept}  # each member's movable requests (columns), ascending
+    # Each member's work and KV, its requests' summed in column order (bincount adds in input order).
+    size = max(kept) + 1
+    load = dict(zip(kept, np.bincount(where, work, minlength=size)[kept].tolist()))
+    kv = dict(zip(kept, np.bincount(where, need, minlength=size)[kept].tolist()))
+    count = {r: len(on[r]) for r in kept}
     moves = []
     for _ in range(len(kept)):
         hi = max(kept, key=lambda r: (load[r], -r))

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from elastic.planning.online.grid import Grid, batch_context
-from elastic.planning.online.place import deal
+from elastic.planning.online.place import deal, member_mask
 from elastic.planning.online.price import Prices, migrate_s
 
 # Shrink targets priced exactly per decision, best first by `shrink_targets`' even-spread estimate
@@ -52,13 +52,14 @@ def shrink_targets(prices: Prices, stage: int, targets: list[int], grid: Grid, k
         g = prices.sizes[j]
         after = seg * prices.steps(*busiest(j), g)[None, :]
         tail = np.concatenate([np.cumsum(after[:, ::-1], axis=1)[:, ::-1], np.zeros((S, 1))], axis=1)
-        moving = ~np.isin(ranks, plan.stages[j].members)
+        moving = ~member_mask(plan.stages[j].members, W)[ranks]
         # The requests still live at the shrink move, their KV grown by d tokens: each leaving
         # rank sends its own, the members receive them spread evenly: `busiest_load`'s tally in
         # expectation, one column per delay.
         per = (rem[:, moving, None] > d).mean(axis=0) * (held[moving][:, None] + d)  # (moving, delays)
-        _, sender = np.unique(ranks[moving], return_inverse=True)
-        sent = np.zeros((sender.max() + 1 if len(sender) else 1, len(d)))
+        senders = np.bincount(ranks[moving], minlength=W) > 0
+        sender = (np.cumsum(senders) - 1)[ranks[moving]]  # each request's sender, numbered in rank order
+        sent = np.zeros((max(int(senders.sum()), 1), len(d)))
         np.add.at(sent, sender, per)
         moved = kv_token * np.maximum(sent.max(axis=0), per.sum(axis=0) / g)
         shrink = cost.shrink_s(prices.moved(stage, j), g0) \

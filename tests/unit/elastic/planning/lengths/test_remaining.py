@@ -101,3 +101,28 @@ def test_conditioned_is_what_is_left(sd):
         for p in (0.5, 0.9):
             q = float(np.quantile(rest, p))
             assert abs(c.quantile(p) - q) <= 0.03 * q + 2, (t, p, c.quantile(p), q)
+
+
+def test_posterior_adds_each_siblings_evidence_in_response_order():
+    """Each prompt's posterior is its prior plus every sample's log-likelihood (a finished one's
+    density, a live one's survival past its tokens so far), summed in response order, bit for bit:
+    the online rule's samples, and so its decisions, must not depend on how the sums are vectorised."""
+    rng = np.random.default_rng(3)
+    prompts = [f"p{i}" for i in rng.integers(0, 9, 60)]
+    dists = [LengthDist(float(mu), float(sd), 4096, True)
+             for mu, sd in zip(rng.uniform(3, 7, 60), rng.uniform(0, 1, 60))]
+    model = OnlineModel(dists, prompts, SiblingFit(0.5, 0.1, 1.2, 100))
+    tokens = rng.integers(1, 4096, 60).astype(float)
+    done = rng.random(60) < 0.5
+    tokens[:3], done[:3] = 4096, True  # cut at the cap: a survival, not a density
+    loc = model.fit.bias + model.b[None, :]
+    exact = done & (tokens < 4096)
+    z = (np.log1p(np.where(done, tokens, tokens + 0.5)) - model.mu) / model.sd
+    ll = np.zeros((60, len(model.b)))
+    ll[exact] = -0.5 * ((z[exact, None] - loc) / model.noise) ** 2
+    ll[~exact] = log_norm_sf((z[~exact, None] - loc) / model.noise)
+    sums = np.zeros((model.groups, len(model.b)))
+    np.add.at(sums, model.group, ll)
+    post = np.tile(model.log_prior, (model.groups, 1)) + sums
+    w = np.exp(post - post.max(axis=1, keepdims=True))
+    assert np.array_equal(model.posterior(tokens, done), w / w.sum(axis=1, keepdims=True))
