@@ -4,10 +4,13 @@ import json
 import pytest
 from conftest import check_timeline, write_tiny_sidecar
 
+from elastic.planning.dims import block_owners
+from elastic.planning.plan import Assignment, Plan, Stage
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout_runner import run_rollout, run_rollouts
+from megatron_rl.parallel.launch import run_ranks
+from megatron_rl.rollout_runner import RolloutJob, prepare, rank_jobs, run_rollout, run_rollouts
 
 BASE = {"batch.prompts": 8, "batch.samples": 4, "batch.length_scale": 0.01, "ranks": 4,
         "sampling.temperature": 0.8, "sampling.top_p": 0.9, "timeout_s": 60.0}
@@ -76,11 +79,6 @@ def test_fault_ends_run_with_clear_error_and_keeps_finished_work(fault, tmp_path
 @pytest.mark.timeout(240)
 def test_misprediction_delays_the_stage_and_never_cuts():
     """A leaving rank that holds the longest response keeps its stage waiting, busy, to the end."""
-    from elastic.planning.dims import block_owners
-    from elastic.planning.plan import Assignment, Plan, Stage
-    from megatron_rl.parallel.launch import run_ranks
-    from megatron_rl.rollout_runner import RolloutJob, prepare, rank_jobs
-
     cfg = config(policy="vanilla")
     vanilla = prepare(cfg)
     by_len = sorted(vanilla.requests, key=lambda r: r.fixed_len)
@@ -96,7 +94,8 @@ def test_misprediction_delays_the_stage_and_never_cuts():
               Stage((0, 1), (2, 3), block_owners(8, (0, 1)))]
     plan = Plan(4, 2, 8, "planned", False, assign, stages)
     job = RolloutJob(cfg, vanilla.mcfg, vanilla.dims, others + [longest, late], plan, None)
-    (report, responses), (vreport, _) = run_ranks(rank_jobs, 4, [job, vanilla], True, timeout_s=60.0)
+    elastic_run, vanilla_run = run_ranks(rank_jobs, 4, [job, vanilla], True, timeout_s=60.0)
+    report, vreport = elastic_run.report, vanilla_run.report
     assert report["responses_sha256"] == vreport["responses_sha256"]
     assert report["final_stage"] == 1
     r2, r3 = report["per_rank"][2]["steps"], report["per_rank"][3]["steps"]
