@@ -14,4 +14,4 @@ from megatron_rl.cli.rollout import add_rollout_args
 def register(sub) -> None:
     p = sub.add_parser("demo", help="the built-in example: vanilla vs FlexFloor on 4 CPU ranks",
                        description=__doc__)
-    add_rollout_args(p, default_config=None, policy=False)
+    add_rollout_args(p, default_config=None, one_run=False)

@@ -13,14 +13,16 @@ from elastic.planning.policies import POLICIES
 from megatron_rl.cli.overrides import add_override_args
 
 
-def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, policy: bool = True) -> None:
+def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, one_run: bool = True) -> None:
+    """`one_run`: the flags of a single rollout, its `--policy` and its `--out` folder; `demo` runs a
+    fixed pair of policies and writes only `--json` and `--plot`."""
     p.add_argument("--config", default=default_config,
                    help="YAML rollout config (default: the built-in tiny CPU example)")
     p.add_argument("--trace", help="length trace (JSON Lines) to replay instead of the synthetic batch")
     p.add_argument("--epoch", type=int, help="trace epoch to replay (default: the last)")
     p.add_argument("--length-scale", type=float, help="multiply traced lengths by this (CPU runs)")
     p.add_argument("--ranks", type=int, help="number of ranks (ignored under torchrun: WORLD_SIZE)")
-    if policy:  # `demo` runs a fixed pair of policies
+    if one_run:
         p.add_argument("--policy", choices=POLICIES)
     p.add_argument("--floor", type=int, help="fewest ranks the EP group may shrink to")
     p.add_argument("--tailguard", action="store_true", default=None, help="guard predictions with TailGuard")
@@ -28,7 +30,8 @@ def add_rollout_args(p: argparse.ArgumentParser, default_config: str | None, pol
     p.add_argument("--device", choices=["auto", "cpu", "cuda"],
                    help="cpu: gloo ranks; cuda: one GPU per rank over NCCL; auto: cuda when available")
     p.add_argument("--sample", action="store_true", help="seeded temperature/top-p sampling instead of greedy")
-    p.add_argument("--out", help="folder for plan.json, streamed responses and report.json")
+    if one_run:
+        p.add_argument("--out", help="folder for plan.json, streamed responses and report.json")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--plot", metavar="DIR",
