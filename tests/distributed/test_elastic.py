@@ -8,8 +8,8 @@ from elastic.planning.dims import block_owners
 from elastic.planning.plan import Assignment, Plan, Stage
 from megatron_rl.config import load_dataclass
 from megatron_rl.errors import FlexFloorError
-from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.parallel.launch import run_ranks
+from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout_runner import RolloutJob, prepare, rank_jobs, run_rollout, run_rollouts
 
 BASE = {"batch.prompts": 8, "batch.samples": 4, "batch.length_scale": 0.01, "ranks": 4,
