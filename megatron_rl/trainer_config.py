@@ -126,8 +126,9 @@ class ElasticConfig:
     floor: int | None = None  # default for natural/planned: ranks // 2
     tailguard: bool = False
     status_interval: int = 1
-    # The planner's fixed cost of one shrink (s). Default: the H100 cost model's 0.05 s, which a
-    # sub-second CPU rollout never recovers, so tiny CPU runs set it to what a shrink costs here.
+    # A shrink's fixed price (s) on the H100 shape model, for the plans and the online rule alike
+    # (`rollout_plan.run_cost`). Default: on CPU this engine's measured step and shrink (10 ms), on
+    # GPU the shape model's 0.05 s.
     shrink_cost_s: float | None = None
 
     def __post_init__(self):

@@ -28,7 +28,7 @@ from megatron_rl.models.hf import check_hf_checkpoint, check_same_shape
 from megatron_rl.models.qwen3_moe import DTYPES
 from megatron_rl.parallel.dims import parallel_dims
 from megatron_rl.rollout.config import RolloutConfig
-from megatron_rl.rollout.engine_cost import EngineCost, engine_cost
+from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.memory import memory_budget
 
 
@@ -55,11 +55,13 @@ class RolloutSetup:
     rule: OnlineRule | None
 
 
-def plan_cost(shape: ModelShape, device: str, length_scale: float = 1.0,
-              shrink_cost_s: float | None = None) -> StepCost:
-    """What the planner prices chains with: on CPU this engine's measured step and shrink
-    (`engine_cost`, the run decoding `length_scale` of each trace length), on GPU the shape's cost
-    model; `shrink_cost_s` instead prices a shrink at that fixed cost on the shape's model."""
+def run_cost(shape: ModelShape, device: str, length_scale: float = 1.0,
+             shrink_cost_s: float | None = None) -> StepCost:
+    """The one price of a step and of a shrink that a run's plans and its online rule both use: on
+    CPU this engine's measured step and shrink (`engine_cost`, the run decoding `length_scale` of
+    each trace length), on GPU the shape's cost model; `shrink_cost_s` instead prices a shrink at
+    that fixed cost on the shape's model. (A plan priced one way and a rule another plans shrinks
+    that the rule then cancels, paying for its checks every rollout.)"""
     if shrink_cost_s is not None:
         return ShapeCost(shape, shrink_fixed_s=shrink_cost_s)
     return engine_cost(length_scale) if device == "cpu" else ShapeCost(shape)
@@ -71,10 +73,9 @@ class RolloutPlanner:
 
     `floor`: the floor the policy plans to (every rank if it never shrinks); `shape`: the model's
     shape priced against `budget` (`rollout/memory.py`), whose `kv` is how the run's KV cache holds
-    a request; `plan_cost`: `plan_cost`'s; `rule_cost`: what the online rule prices with, this
-    engine's. The rule reasons in trace tokens (the driver divides the run's by the length scale)
-    and checks every `check_every` trace tokens. On this engine a step costs the same in any group,
-    so a shrink can only lengthen the rollout: the rule runs without its latency guard and, like
+    a request; `cost`: `run_cost`'s, what both the plans and the online rule price steps and shrinks
+    with. The rule reasons in trace tokens (the driver divides the run's by the length scale)
+    and checks every `check_every` trace tokens. It runs without its latency guard and, like
     `planned`, shrinks when the objective's occupied rank-seconds say it pays. `max_response_len`:
     the responses' cap (`train`'s); None for a replayed trace, whose batch's longest response
     bounds its KV when there is no earlier epoch to learn a cap from. `max_batch`: the requests an
@@ -86,8 +87,7 @@ class RolloutPlanner:
     tailguard: bool
     budget: MemoryBudget
     shape: ModelShape
-    plan_cost: StepCost
-    rule_cost: EngineCost
+    cost: StepCost
     check_every: int
     max_batch: int
     max_response_len: int | None = None
@@ -103,7 +103,7 @@ class RolloutPlanner:
                                kv=cfg.kv_kind.unit)
         shape = mcfg.shape(dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
         return cls(kind, dims, kind.floor(dims.world, cfg.floor), cfg.tailguard, budget, shape,
-                   plan_cost=plan_cost(shape, device, scale), rule_cost=engine_cost(scale),
+                   cost=run_cost(shape, device, scale),
                    check_every=max(1, round(cfg.status_interval / scale)), max_batch=cfg.max_batch_per_rank)
 
     def setup(self, batch, history, known_prefix: dict | None = None) -> RolloutSetup:
@@ -123,7 +123,7 @@ class RolloutPlanner:
         try:
             # A plan that keeps every rank predicts no gain: `adaptive` then takes the vanilla path too (one
             # stage, no online rule: no per-response status collective, no re-planning, no ladder's groups).
-            plan = self.kind.plan(batch, history, platform=Platform(self.dims, self.shape, self.plan_cost, self.budget),
+            plan = self.kind.plan(batch, history, platform=Platform(self.dims, self.shape, self.cost, self.budget),
                                   choices=PlanChoices(self.floor, self.tailguard), max_response_len=cap,
                                   known_prefix=known_prefix)
         except PolicyError as e:
@@ -137,7 +137,7 @@ class RolloutPlanner:
                 f"of {m['chains_priced']} chains priced "
                 f"({m['chains_feasible']} fit the KV cache), keeping all {W} ranks has the fewest predicted "
                 f"occupied rank-seconds ({m['predicted_occupied_rank_s']:.3g}; rollout "
-                f"{m['predicted_rollout_s']:.3g} s, a shrink {self.plan_cost.shrink_s(1, W):.3g} s)")
+                f"{m['predicted_rollout_s']:.3g} s, a shrink {self.cost.shrink_s(1, W):.3g} s)")
         return plan
 
     def rule(self, plan: Plan, batch, history, known_prefix: dict | None = None) -> OnlineRule | None:
@@ -146,7 +146,7 @@ class RolloutPlanner:
         `plan.assignments` order."""
         config = RuleConfig(check_every=self.check_every, max_slowdown=None, max_batch=self.max_batch,
                             kv=self.budget.kv)
-        rule = self.kind.rule(plan, batch, history, cost=self.rule_cost, shape=self.shape,
+        rule = self.kind.rule(plan, batch, history, cost=self.cost, shape=self.shape,
                               options=OnlineOptions(migrate=self.migrate), config=config,
                               max_response_len=self.max_response_len, known_prefix=known_prefix)
         if rule is not None:

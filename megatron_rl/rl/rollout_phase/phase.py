@@ -39,10 +39,9 @@ from megatron_rl.rewards import Verdict
 from megatron_rl.rl.rollout_phase.leases import TrainingLeases, lease_metrics
 from megatron_rl.rl.rollout_phase.recording_engine import RecordingEngine
 from megatron_rl.rollout.engine import Request
-from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.memory import memory_budget
 from megatron_rl.rollout.rank_rollout import Generated, RankHooks, RankRollout, RolloutResult, rank_engine
-from megatron_rl.rollout.rollout_plan import RolloutPlanner, RolloutSetup, plan_cost, say_plan_notes
+from megatron_rl.rollout.rollout_plan import RolloutPlanner, RolloutSetup, run_cost, say_plan_notes
 from megatron_rl.rollout.route_record import CarriedValues
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer_config import TrainerConfig
@@ -168,7 +167,7 @@ def training_planner(cfg: TrainerConfig, budget: MemoryBudget, dtype_bytes: int,
     el, kind, dims = cfg.elastic, policy_kind(cfg.elastic.policy), cfg.dims
     shape = cfg.model.shape(dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
     return RolloutPlanner(kind, dims, kind.floor(dims.world, el.floor), el.tailguard, budget, shape,
-                          plan_cost=plan_cost(shape, device, shrink_cost_s=el.shrink_cost_s), rule_cost=engine_cost(),
+                          cost=run_cost(shape, device, shrink_cost_s=el.shrink_cost_s),
                           check_every=el.status_interval, max_batch=cfg.generation.max_batch_per_rank,
                           max_response_len=cfg.generation.max_response_len)
 

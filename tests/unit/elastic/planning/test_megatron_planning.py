@@ -128,9 +128,8 @@ def test_runtime_refuses_plans_megatron_cannot_hold(trace):
     from elastic.planning.policies import policy_kind
     from megatron_rl.models import MoEModelConfig
     from megatron_rl.rollout.elastic_engines.megatron_engine import check_plan
-    from megatron_rl.rollout.engine_cost import engine_cost
     from megatron_rl.rollout.memory import memory_budget
-    from megatron_rl.rollout.rollout_plan import RolloutPlanner, plan_cost
+    from megatron_rl.rollout.rollout_plan import RolloutPlanner, run_cost
 
     ep = trace.epochs[-1]
     mcfg = MoEModelConfig(num_moe_experts=12)
@@ -138,8 +137,8 @@ def test_runtime_refuses_plans_megatron_cannot_hold(trace):
     shape = mcfg.shape(4, budget, ranks_per_node=6)
 
     def plan(dims):
-        planner = RolloutPlanner(policy_kind("planned"), dims, 1, False, budget, shape, plan_cost(shape, "cpu"),
-                                 engine_cost(), check_every=1, max_batch=64, max_response_len=4096)
+        planner = RolloutPlanner(policy_kind("planned"), dims, 1, False, budget, shape, run_cost(shape, "cpu"),
+                                 check_every=1, max_batch=64, max_response_len=4096)
         return planner.plan(trace.epoch(ep), trace.before(ep))
 
     plan_blocks = plan(ParallelDims(6, 12, "blocks"))

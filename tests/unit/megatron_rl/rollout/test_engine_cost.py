@@ -7,9 +7,8 @@ from elastic.planning.dims import ParallelDims
 from elastic.planning.policies import policy_kind
 from elastic.sim.synth import generate, preset
 from megatron_rl.models.config import MoEModelConfig
-from megatron_rl.rollout.engine_cost import engine_cost
 from megatron_rl.rollout.memory import memory_budget
-from megatron_rl.rollout.rollout_plan import RolloutPlanner, plan_cost, say_plan_notes
+from megatron_rl.rollout.rollout_plan import RolloutPlanner, run_cost, say_plan_notes
 
 
 def _trace():
@@ -19,12 +18,12 @@ def _trace():
 
 
 def _plan(trace, **cost):
-    """`planned` floor 1 on 4 CPU ranks, its chains priced by `plan_cost(**cost)`."""
+    """`planned` floor 1 on 4 CPU ranks, its chains priced by `run_cost(**cost)`."""
     mcfg = MoEModelConfig()
     budget = memory_budget(mcfg, 8, torch.device("cpu"), 4)
     shape = mcfg.shape(8, budget, ranks_per_node=4)
     planner = RolloutPlanner(policy_kind("planned"), ParallelDims(4, mcfg.num_moe_experts), 1, False, budget, shape,
-                             plan_cost=plan_cost(shape, "cpu", **cost), rule_cost=engine_cost(), check_every=1,
+                             cost=run_cost(shape, "cpu", **cost), check_every=1,
                              max_batch=64)
     return planner.plan(trace.epoch(2), trace.before(2))
 
