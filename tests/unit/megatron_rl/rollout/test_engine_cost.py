@@ -41,3 +41,19 @@ def test_a_plan_that_keeps_every_rank_says_why(capsys):
     say_plan_notes(plan)
     err = capsys.readouterr().err
     assert err.startswith("[plan] planned floor 1: every rank stays") and "chains priced" in err
+
+
+def test_an_adaptive_rule_prices_a_shrink_as_its_plan_does():
+    """One price of a shrink per run: with `shrink_cost_s` the online rule priced a shrink at this
+    engine's measured 10 ms while the plan priced it at the setting, so the plan's shrinks were
+    cancelled by the rule at its first check, every rollout."""
+    mcfg = MoEModelConfig()
+    budget = memory_budget(mcfg, 8, torch.device("cpu"), 4)
+    shape = mcfg.shape(8, budget, ranks_per_node=4)
+    for cost in ({}, {"shrink_cost_s": 1e-6}):
+        planner = RolloutPlanner(policy_kind("adaptive"), ParallelDims(4, mcfg.num_moe_experts), 1, False, budget,
+                                 shape, cost=run_cost(shape, "cpu", **cost), check_every=1, max_batch=64)
+        trace = _trace()
+        setup = planner.setup(trace.epoch(2), trace.before(2))
+        assert len(setup.plan.stages) > 1 and setup.rule is not None
+        assert setup.rule.cost == planner.cost and planner.cost.shrink_s(0, 4) == cost.get("shrink_cost_s", 0.010)
