@@ -176,7 +176,9 @@ class Figure:
 
     @property
     def ratio(self) -> float | None:
-        return None if self.table is None else self.traced / self.table
+        if self.table is None:
+            return None
+        return self.traced / self.table if self.table else float("inf") if self.traced else 1.0  # 0: none expected
 
     @property
     def ok(self) -> bool:

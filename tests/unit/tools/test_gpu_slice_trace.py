@@ -80,6 +80,7 @@ def test_the_slice_activations_are_the_tables(layers, rows, seq, recompute, chun
 def test_a_figure_off_by_more_than_20_percent_is_flagged():
     assert trace.Figure("x", 119, 100).ok and not trace.Figure("x", 121, 100).ok and trace.Figure("x", 5, None).ok
     assert "OUTSIDE +-20%" in trace.Figure("x", 200, 100).line()
+    assert not trace.Figure("x", 5, 0).ok and trace.Figure("x", 0, 0).ok  # a table that expects none
 
 
 def test_the_fake_kernels_launch_nothing_and_the_real_ones_are_restored():

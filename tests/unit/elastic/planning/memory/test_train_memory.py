@@ -2,6 +2,7 @@
 training_state_bytes): the DistributedOptimizer's ~16 B/param, ZeRO-1's shard, offload's zero, and
 Qwen3-30B-A3B on 80 GB planning more KV under sharding; the torch backend's stacked expert copies
 priced; one layer's saved tensors as `layer_saved_bytes` counts them."""
+import pytest
 import torch
 
 from elastic.planning.memory.train_memory import (
@@ -12,13 +13,19 @@ from elastic.planning.memory.train_memory import (
 )
 from elastic.planning.shape import MemoryBudget
 from megatron_rl.backend_rules import backend_rules
+from megatron_rl.config import load_dataclass
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel, rope_cos_sin
 from megatron_rl.rl.optim.megatron_train import MegatronOptimizer
 from megatron_rl.rl.optim.mixed_precision import training_state_bytes
 from megatron_rl.rl.optim.zero import ShardedOptimizer
+from megatron_rl.rl.rollout_phase.phase import worst_budget
 from megatron_rl.rl.update.train_step import is_expert_param
+from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.rollout.memory import memory_budget
+from megatron_rl.rollout.rollout_plan import RolloutPlanner, model_config
+from megatron_rl.trainer_config import TrainerConfig
+from tools.memory_table import rows
 
 TINY = MoEModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
                       num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, vocab_size=40)
@@ -64,10 +71,6 @@ def test_30b_on_80gb_plans_a_larger_kv_budget_under_sharding():
     """Qwen3-30B-A3B on 16 x 80 GB in bf16: the replicated optimizer leaves a rank holding its 8
     experts (and, on the torch backend, their stacked copies) room for 26 sequences of 8,192 tokens,
     ZeRO-1 for 48, offload for 76; a batch of 40 fits only under sharding."""
-    from megatron_rl.config import load_dataclass
-    from megatron_rl.trainer_config import TrainerConfig
-    from tools.memory_table import rows
-
     cfg = load_dataclass(TrainerConfig, "examples/qwen3_30b_a3b_16xh100.yaml", {})
     table = {(r["backend"], r["state"]): r for r in rows(cfg, 80 * 10**9)}
     replicated, sharded = table["torch", "replicated"], table["torch", "sharded"]
@@ -108,6 +111,15 @@ def test_the_torch_backends_stacked_expert_copies_are_priced():
     assert copies.update_peak - training_memory(**kw).update_peak == copies.expert_copies
     assert copies.resident == training_memory(**kw).resident  # priced per held expert, not as resident state
 
+
+
+@pytest.mark.parametrize("backend,copies", [("torch", 1), ("megatron", 0)])
+def test_the_rollout_and_training_planners_price_their_backends_copies(backend, copies):
+    rollout = load_dataclass(RolloutConfig, "examples/tiny_cpu.yaml", {"backend": backend, "dtype": "float32"})
+    assert RolloutPlanner.for_rollout(rollout, *model_config(rollout), "cpu").budget.expert_copies == copies
+    train = load_dataclass(TrainerConfig, "examples/tiny_cpu_grpo.yaml", {"backend": backend, "dtype": "float32"})
+    model = Qwen3MoeModel(train.model, None, torch.float32)
+    assert worst_budget(train, model, world=1, resident_bytes=0).expert_copies == copies
 
 def test_a_layers_saved_tensors_are_the_arithmetics():
     """What autograd saves in one decoder layer (every storage a backward reads, once), bf16 and fp32,
