@@ -23,6 +23,9 @@ class BackendRules:
     name: str = ""
     # The dtypes (`models.qwen3_moe.DTYPES` names) it runs; None: every one the model runs.
     dtypes: tuple[str, ...] | None = None
+    # Copies of each held expert's weights its MoE block keeps beside them, which the rollout's KV
+    # budget and the training table price (`MemoryBudget.expert_copies`); none by default.
+    expert_copies: int = 0
 
     def require_dtype(self, dtype: str) -> None:
         """The one home of "backend B runs only these dtypes" (configs, preflight, the optimizer)."""
@@ -43,6 +46,9 @@ class TorchRules(BackendRules):
     """The plain-PyTorch MoE block: CPU or GPU, every dtype the model runs."""
 
     name = "torch"
+    # `ExpertBank.stacked` (models/moe.py): the grouped GEMM's stacked copy of the held experts,
+    # built at a bank's first forward on any device and kept (the per-expert loop reads its grouping).
+    expert_copies = 1
 
 
 class MegatronRules(BackendRules):

@@ -3,8 +3,8 @@ Qwen3-30B-A3B's real widths (hidden 2048, 128 experts top-8, expert FFN 768, 32 
 of 128, vocab 151936) and few layers, in bf16, under torch's FakeTensorMode: shapes and dtypes are
 computed, no memory is touched. The memory each step allocates is counted op by op (live bytes,
 freed when the last tensor on a storage goes) and held against tools/memory_table.py's arithmetic
-(megatron_rl/rollout/memory.py's weight and KV bytes, the training table's `activation_bytes`): within
-+-20%.
+(megatron_rl/rollout/memory.py's budget: weights, expert copies and KV bytes; the training table,
+elastic/planning/memory/train_memory.py: weights, expert copies, `activation_bytes`): within +-20%.
 
     python tools/gpu_slice_trace.py [--layers 2] [--batch 64] [--context 1024]
                                     [--rows 2 --seq 8192] [--no-recompute] [--chunk 1024]
@@ -17,12 +17,14 @@ Fake implementations, where the real code cannot run on fake tensors:
   depend on the tokens routed, T x top-k, not on how they split, but for experts that get none);
   and the longest position (`Qwen3MoeModel.hidden_states`, the RoPE table's length): seq - 1.
 
-Figures (one `check` per line, `ok` when every ratio is within the tolerance):
-- decode: the weights (memory.weight_bytes), the KV cache of `batch` sequences of `context` +
-  the new token (memory.kv_bytes_per_token x slots x positions), the step's logits [B, V] bf16;
-- the stacked expert copies `ExpertBank.stacked` keeps (against the experts' bytes: no table has them);
-- training: the weights, the activations at the update's peak (less the weights, the stacked
-  copies and the gradients accumulated by then) against `activation_bytes`, and the gradients.
+Figures (one `check` per line, `ok` when every ratio is within the tolerance), the torch backend's:
+- decode: the weights, the stacked expert copies `ExpertBank.stacked` builds at the first step and
+  keeps (the budget's `expert_copies`), the KV cache of `batch` sequences of `context` + the new
+  token (the budget's KV bytes per token x slots x positions), the step's logits [B, V] bf16;
+- training: the weights, the stacked copies, the activations at the update's peak (less the weights,
+  the copies and the gradients accumulated by then) against `activation_bytes`, and the gradients
+  as autograd makes them, in the model's dtype (against the weights' bytes: the table's update
+  gradients are the optimizer's fp32 masters', which the trace has no optimizer to make).
 """
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from elastic.planning.memory.train_memory import OptimizerSetup, activation_bytes, training_memory  # noqa: E402
+from elastic.planning.shape import MemoryBudget  # noqa: E402
+from megatron_rl.backend_rules import backend_rules  # noqa: E402
 from megatron_rl.models import MoEModelConfig, Qwen3MoeModel, qwen3_moe  # noqa: E402
 from megatron_rl.models.moe import ExpertBank  # noqa: E402
 from megatron_rl.rl.update.train_step import Packed, sequence_logprobs  # noqa: E402
@@ -49,8 +54,7 @@ from megatron_rl.rollout import decode_attention  # noqa: E402
 from megatron_rl.rollout.kv.attention import Attention, KVForward  # noqa: E402
 from megatron_rl.rollout.kv.cache import KVLayout  # noqa: E402
 from megatron_rl.rollout.kv.slots import SlotKVCache  # noqa: E402
-from megatron_rl.rollout.memory import kv_bytes_per_token, weight_bytes  # noqa: E402
-from tools.memory_table import activation_bytes  # noqa: E402  the table's own activation arithmetic
+from megatron_rl.rollout.memory import memory_budget, weight_bytes  # noqa: E402
 
 TOLERANCE = 0.2
 SLICE = MoEModelConfig(num_layers=2, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
@@ -172,7 +176,9 @@ class Figure:
 
     @property
     def ratio(self) -> float | None:
-        return None if self.table is None else self.traced / self.table
+        if self.table is None:
+            return None
+        return self.traced / self.table if self.table else float("inf") if self.traced else 1.0  # 0: none expected
 
     @property
     def ok(self) -> bool:
@@ -183,11 +189,17 @@ class Figure:
         return f"{self.check}: traced {self.traced / 2**20:,.1f} MiB{vs}{'' if self.ok else '  OUTSIDE +-20%'}"
 
 
+def slice_budget(mcfg: MoEModelConfig, dtype_bytes: int) -> MemoryBudget:
+    """The rollout's budget of the slice on the torch backend (the device's size does not matter here)."""
+    return memory_budget(mcfg, dtype_bytes, torch.device("cpu"), 1, device_bytes=80 * 10**9,
+                         expert_copies=backend_rules("torch").expert_copies)
+
+
 def decode_step(mcfg: MoEModelConfig, batch: int, context: int) -> list[Figure]:
     """Two decode steps of `batch` rows at position `context` through the Triton kernel's path: the
     first builds the stacked expert copies (kept), the second allocates what every step does."""
     dtype, max_len = torch.bfloat16, context + 1
-    dense, expert = weight_bytes(mcfg, 2)
+    budget, held = slice_budget(mcfg, 2), mcfg.num_moe_experts
     with faked(), LiveBytes() as mem, fake_kernels(), stacked_copies(mem) as stacked:
         model = Qwen3MoeModel(mcfg, None, dtype).eval()
         weights = mem.live
@@ -203,23 +215,22 @@ def decode_step(mcfg: MoEModelConfig, batch: int, context: int) -> list[Figure]:
                 logits = model(torch.zeros(batch, 1, dtype=torch.long), pos_B[:, None], kv_step, None)
             step_peak = mem.peak - before
     assert logits.shape == (batch, 1, mcfg.vocab_size) and logits.dtype == dtype, (logits.shape, logits.dtype)
-    experts = mcfg.num_moe_experts * expert
-    return [Figure("decode: weights", weights, dense + experts),
+    return [Figure("decode: weights", weights, budget.dense_bytes + held * budget.expert_bytes),
+            Figure("decode: stacked expert copies, built at the first step and kept", stacked[0],
+                   held * budget.expert_bytes * budget.expert_copies),
             Figure(f"decode: KV cache ({batch} sequences of {max_len})", kv,
-                   kv_bytes_per_token(mcfg, 2) * (batch + 1) * max_len),
-            Figure("decode: stacked expert copies, built at the first step and kept (the table's budget "
-                   "leaves them out; vs the experts' bytes)", stacked[0], experts),
+                   budget.kv_bytes_per_token * (batch + 1) * max_len),
             Figure(f"decode: a step's peak above what it keeps, batch {batch} (reported)", step_peak, None)]
 
 
-def training_micro_step(mcfg: MoEModelConfig, rows: int, seq: int, recompute: bool, chunk: int) -> list[Figure]:
-    """Forward and backward of a policy-gradient loss over `rows` sequences of `seq` tokens (one micro-batch),
-    with the trainer's `recompute_activations` and `logprob_chunk_tokens`. The activations are the
-    update's peak of live bytes less the weights, the stacked copies and the gradients accumulated
-    by then, against the table's `activation_bytes` (saved tensors, under recompute one layer's full
-    set, the fp32 logits and their gradient). Reported, with the ratio; judged like the others."""
-    dtype, tokens = torch.bfloat16, rows * seq
-    dense, expert = weight_bytes(mcfg, 2)
+def training_micro_step(mcfg: MoEModelConfig, rows: int, seq: int, recompute: bool, chunk: int,
+                        dtype: torch.dtype = torch.bfloat16) -> list[Figure]:
+    """Forward and backward of a policy-gradient loss over `rows` sequences of `seq` tokens (one
+    micro-batch) in `dtype`, with the trainer's `recompute_activations` and `logprob_chunk_tokens`,
+    the log-probs and entropy computed as the update asks. The activations are the update's peak of
+    live bytes less the weights, the stacked copies and the gradients accumulated by then, against
+    the table's `activation_bytes`."""
+    tokens, b = rows * seq, dtype.itemsize
     with faked(), LiveBytes() as mem, fake_host_reads(seq - 1), stacked_copies(mem) as stacked:
         model = Qwen3MoeModel(mcfg, None, dtype).train()
         model.recompute_activations = recompute
@@ -228,7 +239,7 @@ def training_micro_step(mcfg: MoEModelConfig, rows: int, seq: int, recompute: bo
             p.register_post_accumulate_grad_hook(lambda p: setattr(mem, "excluded", mem.excluded + p.grad.nbytes))
         ids = torch.zeros(rows, seq + 1, dtype=torch.long)
         packed = Packed(ids[:, :-1], ids[:, 1:], torch.ones(rows, seq), torch.ones(rows, seq, dtype=torch.bool))
-        logp = sequence_logprobs(model, packed, chunk_tokens=chunk)
+        logp, _entropy = sequence_logprobs(model, packed, chunk_tokens=chunk, entropy=True)  # as the update asks
         # A policy-gradient surrogate over the response tokens: the GRPO loss's [B, S] terms add
         # kilobytes here, against the gigabytes of the model's activations.
         loss = -(logp * packed.loss_mask).sum() / tokens
@@ -236,15 +247,19 @@ def training_micro_step(mcfg: MoEModelConfig, rows: int, seq: int, recompute: bo
         kept = mem.peak_less - weights - stacked[0]
         grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
     assert logp.shape == (rows, seq) and all(p.grad is None or p.grad.dtype == dtype for p in model.parameters())
-    acts = activation_bytes(tokens, mcfg.num_layers, mcfg.hidden_size, mcfg.moe_router_topk,
-                            mcfg.moe_ffn_hidden_size, mcfg.vocab_size, 2, recompute=recompute, logprob_chunk=chunk)
-    experts = mcfg.num_moe_experts * expert
+    budget = slice_budget(mcfg, b)
+    dense_params, expert_params = weight_bytes(mcfg, 1)  # one byte per parameter: the parameter counts
+    table = training_memory(dense_params=dense_params, expert_params_per_expert=expert_params,
+                            experts_held=mcfg.num_moe_experts, world=1,
+                            setup=OptimizerSetup("torch", "replicated", b < 4, b),
+                            activations=activation_bytes(mcfg.shape(b, budget, ranks_per_node=1), tokens, recompute,
+                                                         chunk),
+                            expert_copies=budget.expert_copies)
     how = f"{rows} x {seq} tokens, recompute {recompute}, log-prob chunk {chunk or 'none'}"
-    return [Figure("training: weights", weights, dense + experts),
-            Figure("training: stacked expert copies, built at the forward and kept (left out of the table; "
-                   "vs the experts' bytes)", stacked[0], experts),
-            Figure(f"training: activations at the update's peak ({how})", kept, acts),
-            Figure("training: gradients", grads, dense + experts)]
+    return [Figure("training: weights", weights, table.weights),
+            Figure("training: stacked expert copies, built at the forward and kept", stacked[0], table.expert_copies),
+            Figure(f"training: activations at the update's peak ({how})", kept, table.activations),
+            Figure("training: gradients, in the model's dtype (vs the weights)", grads, table.weights)]
 
 
 def main(argv=None) -> int:

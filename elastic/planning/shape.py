@@ -47,11 +47,17 @@ class MemoryBudget:
     # How the run's KV cache holds a request (kv_unit.py: tokens, whole slots, or pages shared within
     # a GRPO group): every KV check prices a request in the positions that cache gives it.
     kv: KVUnit = TOKENS
+    # Copies of each held expert's weights that the MoE block keeps beside them (the torch backend's
+    # stacked copy for its grouped GEMM, `ExpertBank.stacked`; `BackendRules.expert_copies`): a held
+    # expert takes (1 + expert_copies) x expert_bytes. 0: none (megatron-core's experts are the stack).
+    expert_copies: int = 0
 
     def __post_init__(self):
         for name in ("device_bytes", "expert_bytes", "kv_bytes_per_token"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"MemoryBudget.{name}: expected > 0, got {getattr(self, name)}")
+        if self.expert_copies < 0:
+            raise ValueError(f"MemoryBudget.expert_copies: expected >= 0, got {self.expert_copies}")
         if self.dense_bytes < 0 or self.resident_bytes < 0:
             raise ValueError(f"MemoryBudget.dense_bytes and resident_bytes: expected >= 0, got {self.dense_bytes} "
                              f"and {self.resident_bytes}")
@@ -65,7 +71,7 @@ class MemoryBudget:
     def kv_budget_bytes(self, experts_held: int) -> int:
         """KV bytes a rank may hold while it owns `experts_held` experts (may be negative)."""
         return (self.usable_bytes - self.dense_bytes - self.resident_bytes
-                - experts_held * self.expert_bytes)
+                - experts_held * self.expert_bytes * (1 + self.expert_copies))
 
     def describe(self, experts_held: int) -> str:
         """Where a rank holding `experts_held` experts spends its memory, for messages."""
@@ -73,7 +79,8 @@ class MemoryBudget:
         if self.route_bytes_per_token:
             resident += (f"; KV {self.kv_bytes_per_token} B/token, of which {self.route_bytes_per_token} B "
                          "recorded routes")
-        return (f"{experts_held} experts ({experts_held * self.expert_bytes / 1e9:.2f} GB) + "
+        copies = f", x{1 + self.expert_copies} with their stacked copies" if self.expert_copies else ""
+        return (f"{experts_held} experts ({experts_held * self.expert_bytes / 1e9:.2f} GB{copies}) + "
                 f"{self.dense_bytes / 1e9:.2f} GB dense weights{resident} of "
                 f"{self.usable_bytes / 1e9:.2f} GB usable ({self.utilization:.0%} of "
                 f"{self.device_bytes / 1e9:.2f} GB{', ' + self.source if self.source else ''})")

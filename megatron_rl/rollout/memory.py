@@ -5,6 +5,8 @@ fills one in from what the runtime knows:
 - weights: the model configuration's exact parameter counts (dense: embeddings, attention, norms,
   router, output layer; one expert: gate, up and down projections over all layers) times the
   bytes of the dtype the rollout runs in;
+- expert copies: what the backend's MoE block keeps beside each held expert (the torch backend's
+  stacked copy for its grouped GEMM, `ExpertBank.stacked`: one more expert's bytes per held expert);
 - KV: layers x (K, V) x KV heads x head dim x dtype bytes per token; in a training rollout plus
   the token's recorded routes, layers x top-k x expert-id bytes (models/routes.py);
 - the device: a GPU's total memory (`torch.cuda.get_device_properties`), or the host's RAM
@@ -51,13 +53,15 @@ def device_memory_bytes(device: torch.device, ranks_on_host: int) -> tuple[int, 
 
 def memory_budget(mcfg: MoEModelConfig, dtype_bytes: int, device: torch.device, ranks_on_host: int,
                   resident_bytes: int = 0, device_bytes: int | None = None,
-                  record_routes: bool = False, kv: KVUnit = TOKENS) -> MemoryBudget:
+                  record_routes: bool = False, kv: KVUnit = TOKENS, expert_copies: int = 0) -> MemoryBudget:
     """The budget of one rank running `mcfg` in a `dtype_bytes` dtype on `device`.
 
     `device_bytes` replaces the measured device memory (planning for a machine other than this one,
     e.g. an 80 GB GPU from a laptop). `record_routes` (a training rollout): every KV position also
     holds its routes (`route_bytes_per_token`), priced with the KV. `kv`: how the run's KV cache
-    holds a request (the config's `kv` and `kv_page_size`), what the planner prices it in."""
+    holds a request (the config's `kv` and `kv_page_size`), what the planner prices it in.
+    `expert_copies`: the copies of each held expert the backend's MoE block keeps beside its weights
+    (`BackendRules.expert_copies`: the torch backend's stacked copy for the grouped GEMM)."""
     dense, expert = weight_bytes(mcfg, dtype_bytes)
     if device_bytes is None:
         device_bytes, source = device_memory_bytes(device, ranks_on_host)
@@ -66,5 +70,6 @@ def memory_budget(mcfg: MoEModelConfig, dtype_bytes: int, device: torch.device, 
     routes = route_bytes_per_token(mcfg.num_layers, mcfg.moe_router_topk, mcfg.num_moe_experts) if record_routes else 0
     return MemoryBudget(device_bytes=device_bytes, dense_bytes=dense, expert_bytes=expert,
                         kv_bytes_per_token=kv_bytes_per_token(mcfg, dtype_bytes) + routes,
-                        resident_bytes=resident_bytes, source=source, route_bytes_per_token=routes, kv=kv)
+                        resident_bytes=resident_bytes, source=source, route_bytes_per_token=routes, kv=kv,
+                        expert_copies=expert_copies)
 

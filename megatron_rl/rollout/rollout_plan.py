@@ -22,6 +22,7 @@ from elastic.planning.platform import Platform
 from elastic.planning.policies import PolicyError, PolicyKind, policy_kind
 from elastic.planning.shape import MemoryBudget, ModelShape
 from elastic.planning.step_cost import ShapeCost, StepCost
+from megatron_rl.backend_rules import backend_rules
 from megatron_rl.errors import FlexFloorError
 from megatron_rl.models.config import MoEModelConfig
 from megatron_rl.models.hf import check_hf_checkpoint, check_same_shape
@@ -100,7 +101,7 @@ class RolloutPlanner:
         it) stands for each rank's budget."""
         dtype_bytes, scale, kind = DTYPES[cfg.dtype].itemsize, cfg.batch.length_scale, policy_kind(cfg.policy)
         budget = memory_budget(mcfg, dtype_bytes, torch.device(device), dims.ranks_per_node,
-                               kv=cfg.kv_kind.unit)
+                               kv=cfg.kv_kind.unit, expert_copies=backend_rules(cfg.backend).expert_copies)
         shape = mcfg.shape(dtype_bytes, budget, ranks_per_node=dims.ranks_per_node)
         return cls(kind, dims, kind.floor(dims.world, cfg.floor), cfg.tailguard, budget, shape,
                    cost=run_cost(shape, device, scale),

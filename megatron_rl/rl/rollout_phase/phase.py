@@ -30,6 +30,7 @@ from elastic.planning.shape import MemoryBudget
 from elastic.runtime.stop import GroupsStop
 from elastic.timeline import Timeline
 from elastic.trace import Trace, TraceRecord
+from megatron_rl.backend_rules import backend_rules
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.models.qwen3_moe import Qwen3MoeModel
@@ -153,7 +154,8 @@ def worst_budget(cfg: TrainerConfig, model: Qwen3MoeModel, world: int, resident_
     state of any rank."""
     weight = model.embedding.word_embeddings.weight
     budget = memory_budget(cfg.model, weight.element_size(), weight.device, cfg.dims.ranks_per_node, resident_bytes,
-                           record_routes=True, kv=cfg.generation.kv_kind.unit)
+                           record_routes=True, kv=cfg.generation.kv_kind.unit,
+                           expert_copies=backend_rules(cfg.backend).expert_copies)
     if world > 1:
         worst = torch.tensor([budget.device_bytes, -budget.resident_bytes], dtype=torch.float64, device=weight.device)
         dist.all_reduce(worst, op=dist.ReduceOp.MIN)
