@@ -51,7 +51,7 @@ from megatron_rl.rl.step_faults import StepPhases, check_finite, step_faults
 from megatron_rl.rl.update.grpo import group_advantages
 from megatron_rl.rl.update.policy_update import PolicyUpdate
 from megatron_rl.rl.update.train_step import check_replicas, frozen_copy
-from megatron_rl.rl.validation import Validator
+from megatron_rl.rl.validation import Validation, Validator
 from megatron_rl.trainer_config import TrainerConfig
 
 
@@ -259,8 +259,8 @@ class Trainer:
             state["partial"] = self.partial.state_dict()
         return state
 
-    def validate(self, step: int) -> dict:
-        """`val` and `val_core` metrics on rank 0 ({} elsewhere): a collective."""
+    def validate(self, step: int) -> Validation:
+        """The held-out evaluation (figures on rank 0, none elsewhere): a collective."""
         return self.validator.run(self.model, self.tok, self.rank, self.world, step)
 
     def run(self) -> dict:
@@ -279,15 +279,16 @@ class Trainer:
                     phases = StepPhases("rollout")
                     with step_faults(self.rank, step, cfg.timeout_s, phases):
                         report = self.step(step, phases)
-                    metrics = report.metrics
+                    metrics, tables = report.metrics, {}
                     check_finite(step, metrics, self.out_dir)
                     if self.validator is not None and step % cfg.eval.every == 0:
-                        metrics.update(self.validate(step))
+                        val = self.validate(step)
+                        metrics.update(val.metrics)
+                        tables = val.tables
                         if "val" in metrics:
                             val_curve.append((step, metrics["val"]["pass@1"]))
                     curve.append(metrics["reward_mean"])
                     if self.run_log is not None:
-                        tables = self.validator.tables() if "val" in metrics else {}
                         self.run_log.step(step, metrics, report.timeline, tables, t0)
                     stopped = self._stop_after(step, stop, t_step)
                     if step == cfg.steps or stopped or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
@@ -319,8 +320,8 @@ class Trainer:
         val = self.validate(0)
         if self.run_log is None:
             return []
-        self.run_log.validation(val, self.validator.tables(), t0)
-        return [(0, val["val"]["pass@1"])]
+        self.run_log.validation(val.metrics, val.tables, t0)
+        return [(0, val.metrics["val"]["pass@1"])]
 
     def _stop_after(self, step: int, stop: StopOnSignal, t_step: float) -> int | None:
         """`step` when a stop signal or the deadline ends the run after it, else None. The last step

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -118,17 +118,25 @@ def summarize(rows: list[dict], prompts: list[Prompt], n: int) -> dict:
     return {"val": val, "val_core": core}
 
 
+@dataclass(frozen=True)
+class Validation:
+    """One evaluation: `val` and `val_core` metrics, and the first generations as the metrics
+    logger's W&B table (`val/generations`); both empty off rank 0."""
+
+    metrics: dict = field(default_factory=dict)
+    tables: dict = field(default_factory=dict)
+
+
 class Validator:
-    """The held-out prompts of a run and what each evaluation of them found."""
+    """The held-out prompts of a run; `run` evaluates them."""
 
     def __init__(self, cfg, out_dir: Path):
         self.cfg, self.out_dir = cfg, Path(out_dir)
         self.prompts = load_heldout(cfg)
         self.scorer = Scorer(cfg.reward)
-        self.generations: list[list] = []  # the last evaluation's rows of `GENERATION_COLUMNS`
 
-    def run(self, model, tok, rank: int, world: int, step: int) -> dict:
-        """Evaluate (a collective: every rank calls it); rank 0 gets the metrics, the others {}."""
+    def run(self, model, tok, rank: int, world: int, step: int) -> Validation:
+        """Evaluate (a collective: every rank calls it); rank 0 gets the figures, the others none."""
         ev = self.cfg.eval
         answers = _answers(model, tok, self.prompts, rank, world, ev.n_samples,
                            self.cfg.generation.max_response_len, ev.temperature, step_seed(self.cfg.seed, step))
@@ -140,20 +148,20 @@ class Validator:
             dist.all_gather_object(parts, rows)
             rows = [r for part in parts for r in part]
         if rank != 0:
-            return {}
-        self._write_generations(step, rows)
-        return summarize(rows, self.prompts, ev.n_samples)
+            return Validation()
+        generations = self._write_generations(step, rows)
+        tables = {"val/generations": (GENERATION_COLUMNS, generations)} if generations else {}
+        return Validation(summarize(rows, self.prompts, ev.n_samples), tables)
 
-    def _write_generations(self, step: int, rows: list[dict]) -> None:
+    def _write_generations(self, step: int, rows: list[dict]) -> list[list]:
+        """The first `eval.log_generations` prompts' rows of `GENERATION_COLUMNS`, appended to
+        val_generations.jsonl."""
         first = sorted((r for r in rows if r["index"] < self.cfg.eval.log_generations), key=lambda r: r["index"])
-        self.generations = [[step, self.prompts[r["index"]].data_source, self.prompts[r["index"]].prompt_id,
-                             self.prompts[r["index"]].text, r["texts"][0], self.prompts[r["index"]].answer,
-                             r["rewards"][0]] for r in first]
-        if self.generations:
+        generations = [[step, self.prompts[r["index"]].data_source, self.prompts[r["index"]].prompt_id,
+                        self.prompts[r["index"]].text, r["texts"][0], self.prompts[r["index"]].answer,
+                        r["rewards"][0]] for r in first]
+        if generations:
             with (self.out_dir / "val_generations.jsonl").open("a", encoding="utf-8") as fh:
-                for row in self.generations:
+                for row in generations:
                     fh.write(json.dumps(dict(zip(GENERATION_COLUMNS, row))) + "\n")
-
-    def tables(self) -> dict:
-        """The last evaluation's generations, for the metrics logger's W&B table."""
-        return {"val/generations": (GENERATION_COLUMNS, self.generations)} if self.generations else {}
+        return generations
