@@ -29,6 +29,7 @@ import multiprocessing.util as mp_util
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 
@@ -87,6 +88,9 @@ def short_socket_folder() -> None:
 
 def worker_environment(env: dict) -> None:
     """In a rank, first: the launcher's environment (`dict(os.environ)`, sent with the rank),
-    whichever process the rank was forked from."""
+    whichever process the rank was forked from; and a stderr that writes each line whole. Python's
+    stderr writes through, so `print` sends a line and its newline in two writes, and ranks that
+    share the launcher's stderr interleaved them ("[reward] a[reward] b", then an empty line)."""
     os.environ.clear()
     os.environ.update(env)
+    sys.stderr.reconfigure(write_through=False, line_buffering=True)
