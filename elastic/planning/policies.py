@@ -90,7 +90,7 @@ class PolicyKind:
             # leaves it won nothing and cost 5-7% more rollout time than vanilla's layout on
             # tiny_cpu_grpo.yaml (tools/bench_train_elastic.py, 2026-12-07).
             vanilla = static_plan("natural", natural(keys, dims.world), dims.world, dims.experts)
-            return replace(vanilla, meta=plan.meta)
+            return replace(vanilla, meta={**plan.meta, "effective_layout": vanilla.layout})
         return plan
 
     def rule(self, plan, batch, history, *, cost, shape, options, config: RuleConfig,

@@ -213,8 +213,13 @@ def test_planned_rollout_trains_exactly_like_vanilla(tmp_path, policy):
     assert _same_weights(tmp_path / "vanilla", tmp_path / policy)
     assert all(len(m["elastic/stages"]) == 1 for m in v)
     print(policy, "stages, layout per step:", [(m["elastic/stages"], m["elastic/layout"]) for m in p])
-    assert any(mv["elastic/placement"] != mp["elastic/placement"] for mv, mp in zip(v, p)), \
-        "planned placed every response where vanilla did: the test proves nothing"
+    if policy == "adaptive" and all(len(m["elastic/stages"]) == 1 for m in p):
+        # Every rank stayed at every step: adaptive's vanilla path is vanilla's own plan.
+        assert [(m["elastic/placement"], m["elastic/layout"]) for m in p] == \
+            [(m["elastic/placement"], "natural") for m in v]
+    else:
+        assert any(mv["elastic/placement"] != mp["elastic/placement"] for mv, mp in zip(v, p)), \
+            f"{policy} placed every response where vanilla did: the test proves nothing"
 
 
 def _small_data(tmp_path):

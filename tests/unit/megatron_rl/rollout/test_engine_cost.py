@@ -77,3 +77,4 @@ def test_an_adaptive_plan_that_keeps_every_rank_is_vanillas():
     assert adaptive.rule is None and len(adaptive.plan.stages) == 1
     assert adaptive.plan.assignments == vanilla.plan.assignments and adaptive.plan.stages == vanilla.plan.stages
     assert "every rank stays (the vanilla path)" in adaptive.plan.meta["every_rank_stays"]
+    assert adaptive.plan.meta["effective_layout"] == adaptive.plan.layout == "natural"  # as its metrics say
