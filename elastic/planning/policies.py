@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from elastic.planning.choices import PlanChoices
 from elastic.planning.dims import OWNERSHIPS
 from elastic.planning.online.ladder import ladder_plan
-from elastic.planning.plan import static_plan
+from elastic.planning.plan import Plan, static_plan
 
 if TYPE_CHECKING:  # numpy's modules, named here for the annotations only (module docstring)
     from elastic.planning.online.rule import RuleConfig
@@ -75,9 +75,14 @@ class PolicyKind:
         from elastic.planning.layout import natural
         from elastic.planning.planner import make_plan
 
-        dims, keys = platform.dims, [(b.prompt_id, b.sample) for b in batch]
+        dims = platform.dims
+
+        def vanilla() -> Plan:  # vanilla's plan: the natural layout, one stage
+            return static_plan("natural", natural([(b.prompt_id, b.sample) for b in batch], dims.world),
+                               dims.world, dims.experts)
+
         if not self.uses_planner:
-            return static_plan("natural", natural(keys, dims.world), dims.world, dims.experts)
+            return vanilla()
         self.check_ownership(dims.ownership)
         choices = replace(choices, floor=self.floor(dims.world, choices.floor))
         true = {(b.prompt_id, b.sample): b.response_len for b in batch} if oracle or self.oracle else None
@@ -89,8 +94,7 @@ class PolicyKind:
             # The planned layout places by predicted length for chains that shrink; where nobody
             # leaves it won nothing and cost 5-7% more rollout time than vanilla's layout on
             # tiny_cpu_grpo.yaml (tools/bench_train_elastic.py, 2026-12-07).
-            vanilla = static_plan("natural", natural(keys, dims.world), dims.world, dims.experts)
-            return replace(vanilla, meta={**plan.meta, "effective_layout": vanilla.layout})
+            return replace(vanilla(), meta={**plan.meta, "effective_layout": "natural"})
         return plan
 
     def rule(self, plan, batch, history, *, cost, shape, options, config: RuleConfig,
